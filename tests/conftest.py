@@ -1,0 +1,65 @@
+"""Helpers that run jobs as real processes: plain python, `accelerate launch` and torchrun, 2 CPU processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "accelerate_configs"
+SAME_UPDATES = ROOT / "examples" / "same_updates.py"
+SCENARIOS = ROOT / "tests" / "scenarios.py"
+
+# Variables a launcher sets; a test must not inherit them from whatever launched pytest.
+LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID", "ACCELERATE_USE_CPU", "ACCELERATE_MIXED_PRECISION")  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith("ACCELERATE_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false")
+    env.update(extra)
+    return env
+
+
+def run(cmd: list[str], expect_ok: bool = True, timeout: int = 300, env: dict | None = None):
+    """Run a command; fail the test with its output if its exit status is not what was expected."""
+    result = subprocess.run(cmd, cwd=ROOT, env=env or clean_env(), capture_output=True, text=True, timeout=timeout)
+    if expect_ok != (result.returncode == 0):
+        pytest.fail(f"{' '.join(map(str, cmd))}\nexit {result.returncode}\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+def python(script: Path, *args: str, **kw):
+    return run([sys.executable, str(script), *map(str, args)], **kw)
+
+
+def accelerate_launch(script: Path, *args: str, config: str = "multi_gpu.yaml", num_processes: int | None = None,
+                      **kw):  # fmt: skip
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
+           "--main_process_port", str(free_port())]  # fmt: skip
+    if num_processes is not None:
+        cmd += ["--num_processes", str(num_processes)]
+    return run([*cmd, str(script), *map(str, args)], **kw)
+
+
+def torchrun(script: Path, *args: str, nproc: int = 2, **kw):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]  # fmt: skip
+    return run([*cmd, str(script), *map(str, args)], **kw)
+
+
+def read_summary(output_dir: Path) -> dict:
+    return json.loads((output_dir / "same_updates.json").read_text())

@@ -1,0 +1,17 @@
+"""trainer: a small PyTorch training loop on HuggingFace Accelerate.
+
+The same script runs on a CPU, one GPU, a node or a cluster; the accelerate config chosen at launch decides::
+
+    from trainer import Trainer, TrainConfig
+
+    trainer = Trainer(model, TrainConfig(batch_size=8, epochs=3), train_data=dataset)
+    trainer.fit()
+"""
+
+from trainer.config import ConfigError, TrainConfig
+from trainer.data import DataError
+from trainer.distributed import WorldSizeMismatch
+from trainer.trainer import Trainer
+
+__all__ = ["ConfigError", "DataError", "TrainConfig", "Trainer", "WorldSizeMismatch"]
+__version__ = "0.1.0"

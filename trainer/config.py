@@ -1,0 +1,200 @@
+"""TrainConfig: everything a run needs to know, as plain data with strict validation.
+
+The hardware (processes, machines, mixed precision) is *not* here: it comes from the accelerate config chosen at
+launch. Every field has a real default, so a YAML file lists only what differs::
+
+    config = TrainConfig.from_yaml("run.yaml", overrides=["lr=1e-3", "batch_size=16"])
+
+Mistakes are caught when the config is built, before any training starts: an unknown key names the closest valid
+ones, a wrong type or an out-of-range value names the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+OPTIMIZERS = ("sgd", "adam", "adamw")
+LR_SCHEDULERS = ("constant", "linear", "cosine")
+
+
+class ConfigError(ValueError):
+    """A TrainConfig value, key or file is wrong; the message names the culprit."""
+
+
+@dataclass
+class TrainConfig:
+    """What to train for and how. Batch size is per process, as in DDP.
+
+    Global batch = ``batch_size`` x processes x ``gradient_accumulation_steps``; the trainer prints it at start.
+    Steps (``max_steps``, ``warmup_steps``, ``log_every``, ``eval_every``, ``save_every``) count optimizer steps.
+    """
+
+    output_dir: str = "runs/experiment"
+    experiment_name: str = "experiment"
+    seed: int = 0
+
+    epochs: int = 3
+    max_steps: Optional[int] = None  # wins over epochs when set
+    batch_size: int = 8  # per process
+    gradient_accumulation_steps: int = 1
+
+    optimizer: str = "adamw"
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    momentum: float = 0.0  # sgd only
+    betas: tuple[float, float] = (0.9, 0.999)  # adam / adamw
+    eps: float = 1e-8  # adam / adamw
+    lr_scheduler: str = "constant"
+    warmup_steps: int = 0
+    max_grad_norm: Optional[float] = None  # clip the global gradient norm when set
+
+    shuffle: bool = True
+    drop_last: bool = False  # drop the M mod K tail examples instead of padding (seed 000)
+    num_workers: int = 0
+
+    log_every: int = 10
+    eval_every: Optional[int] = None
+    save_every: Optional[int] = None  # reserved for checkpoints (issue 3); must stay None for now
+    keep_last: int = 2
+    resume: Optional[str] = None  # reserved for checkpoints (issue 3): None | "auto" | a checkpoint path
+    wandb_project: Optional[str] = None  # reserved for wandb group logging (issue 5)
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, _coerce(f.name, getattr(self, f.name), hints[f.name]))
+        self._validate()
+
+    # ---------------------------------------------------------------- loading
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], source: str = "config") -> "TrainConfig":
+        """Build from a mapping; an unknown key is an error naming the closest valid ones."""
+        if not isinstance(values, dict):
+            raise ConfigError(f"{source}: expected a mapping of TrainConfig keys, got {type(values).__name__}")
+        valid = [f.name for f in dataclasses.fields(cls)]
+        for key in values:
+            if key not in valid:
+                close = difflib.get_close_matches(str(key), valid, n=3, cutoff=0.5)
+                hint = f" Did you mean: {', '.join(close)}?" if close else ""
+                raise ConfigError(f"{source}: unknown key '{key}'.{hint} Valid keys: {', '.join(valid)}")
+        return cls(**values)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> "TrainConfig":
+        """Load a YAML file of TrainConfig keys, then apply ``key=value`` overrides (values parsed as YAML).
+
+        Example::
+
+            TrainConfig.from_yaml("run.yaml", overrides=["lr=1e-3", "max_steps=100"])
+        """
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            values = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path}: not valid YAML: {err}") from None
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: expected a mapping of TrainConfig keys, got {type(values).__name__}")
+        values.update(parse_overrides(overrides))
+        return cls.from_dict(values, source=str(path))
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # ------------------------------------------------------------- validation
+
+    def _validate(self) -> None:
+        at_least = {
+            "epochs": 1, "batch_size": 1, "gradient_accumulation_steps": 1, "warmup_steps": 0,
+            "num_workers": 0, "log_every": 1, "keep_last": 1, "max_steps": 1, "eval_every": 1, "save_every": 1,
+            "lr": 0.0, "weight_decay": 0.0, "eps": 0.0,
+        }  # fmt: skip
+        for key, low in at_least.items():
+            value = getattr(self, key)
+            if value is not None and value < low:
+                raise ConfigError(f"{key} must be >= {low}, got {value!r}")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ConfigError(f"max_grad_norm must be > 0 (or null to disable clipping), got {self.max_grad_norm!r}")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ConfigError(f"momentum must be in [0, 1), got {self.momentum!r}")
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"betas must both be in [0, 1), got {self.betas!r}")
+        _check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        _check_choice("lr_scheduler", self.lr_scheduler, LR_SCHEDULERS)
+        for key in ("save_every", "resume", "wandb_project"):
+            if getattr(self, key) is not None:
+                raise ConfigError(f"{key} is not supported yet (checkpoints and wandb arrive in later releases)")
+
+
+def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """``["lr=1e-3", "betas=[0.9, 0.95]"]`` -> ``{"lr": "1e-3", "betas": [0.9, 0.95]}`` (values parsed as YAML)."""
+    parsed = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override '{item}' is not of the form key=value")
+        parsed[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+    return parsed
+
+
+def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    """Return ``value`` as the field's type, or raise a ConfigError naming ``key``.
+
+    Strict, with two deliberate leniencies: an int where a float is expected, and a numeric string for a float
+    (PyYAML reads ``1e-3`` as a string because it lacks a dot).
+    """
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Union and type(None) in args:  # Optional[X]
+        if value is None:
+            return None
+        (annotation,) = [a for a in args if a is not type(None)]
+        origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+
+    def wrong() -> ConfigError:
+        expected = getattr(annotation, "__name__", str(annotation))
+        return ConfigError(f"{key} must be {expected}, got {value!r} ({type(value).__name__})")
+
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise wrong()
+        return tuple(_coerce(f"{key}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args)))
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise wrong()
+        return value
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise wrong()
+        return value
+    if annotation is float:
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise wrong() from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise wrong()
+        return float(value)
+    if annotation is str:
+        if not isinstance(value, str):
+            raise wrong()
+        return value
+    raise TypeError(f"TrainConfig field {key} has an unsupported annotation {annotation!r}")

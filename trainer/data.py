@@ -1,0 +1,150 @@
+"""Per-process data loaders with DistributedSampler semantics (seed 000's sharding tables).
+
+Process k of K gets examples k, k+K, k+2K, ... of the (shuffled) epoch order; the tail is padded with the first
+examples, or with ``drop_last`` only the M mod K trailing examples are dropped. Every rank draws the same
+permutation from ``seed + epoch``, so one process at batch K*B sees the same global batches as K processes at B.
+
+Why not let ``Accelerator.prepare`` shard: it splits whole batches between processes instead of examples, and a
+loader that already has a DistributedSampler gets sharded a second time and loses examples. So each rank's loader
+is built here with its own sampler, wrapped by accelerate's ``prepare_data_loader`` as a one-process loader (device
+placement, end-of-data tracking for gradient accumulation), and only then handed to ``Accelerator.prepare``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from accelerate import Accelerator
+from accelerate.data_loader import get_sampler, prepare_data_loader
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
+
+from trainer.config import TrainConfig
+
+
+class DataError(ValueError):
+    """The data cannot be loaded as configured; the message says what to pass instead."""
+
+
+class ShardSampler(Sampler[int]):
+    """Process ``rank`` of ``num_replicas`` gets examples rank, rank+K, ... exactly once, with no padding.
+
+    Used for evaluation, where a padded tail would count some examples twice.
+    """
+
+    def __init__(self, num_examples: int, num_replicas: int, rank: int):
+        self.indices = range(rank, num_examples, num_replicas)
+
+    def __iter__(self):
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def build_train_loader(
+    data: Dataset | DataLoader, config: TrainConfig, accelerator: Accelerator, collate_fn: Optional[Callable]
+) -> DataLoader:
+    """This process's training loader, ready for ``Accelerator.prepare``."""
+    if isinstance(data, DataLoader):
+        loader = _accept_user_loader(data, accelerator, "train_data")
+    else:
+        _check_size(data, accelerator, "train_data")
+        sampler = DistributedSampler(
+            data,
+            num_replicas=accelerator.num_processes,
+            rank=accelerator.process_index,
+            shuffle=config.shuffle,
+            seed=config.seed,
+            drop_last=config.drop_last,
+        )
+        loader = _loader(data, sampler, config, accelerator, collate_fn)
+    if batches_per_epoch(loader) == 0:
+        raise DataError(
+            f"train_data gives process {accelerator.process_index} no batch per epoch "
+            f"({len(loader.dataset)} examples, {accelerator.num_processes} processes, drop_last={config.drop_last})"
+        )
+    return _wrap(loader, accelerator)
+
+
+def batches_per_epoch(loader: DataLoader) -> Optional[int]:
+    """Batches this process reads per epoch, or None when the data has no length (an IterableDataset)."""
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
+def build_eval_loader(
+    data: Dataset | DataLoader, config: TrainConfig, accelerator: Accelerator, collate_fn: Optional[Callable]
+) -> DataLoader:
+    """This process's evaluation loader: its share of the examples, each example on exactly one process."""
+    if isinstance(data, DataLoader):
+        loader = _accept_user_loader(data, accelerator, "eval_data")
+    else:
+        sampler = ShardSampler(len(data), accelerator.num_processes, accelerator.process_index)
+        loader = _loader(data, sampler, config, accelerator, collate_fn)
+    return _wrap(loader, accelerator)
+
+
+def _loader(data, sampler, config: TrainConfig, accelerator: Accelerator, collate_fn) -> DataLoader:
+    return DataLoader(
+        data,
+        batch_size=config.batch_size,
+        sampler=sampler,
+        collate_fn=collate_fn,
+        num_workers=config.num_workers,
+        pin_memory=accelerator.device.type == "cuda",
+        persistent_workers=config.num_workers > 0,
+        # Its own generator, so starting an epoch's iterator (which draws worker seeds) leaves the global torch
+        # RNG, and with it every later dropout mask, untouched.
+        generator=torch.Generator().manual_seed(config.seed),
+    )
+
+
+def _wrap(loader: DataLoader, accelerator: Accelerator) -> DataLoader:
+    """Wrap as a one-process accelerate loader and mark it prepared, so ``Accelerator.prepare`` registers it
+    without sharding it again (accelerate skips objects it marked ``_is_accelerate_prepared`` itself)."""
+    wrapped = prepare_data_loader(
+        loader,
+        device=accelerator.device,
+        num_processes=1,
+        process_index=0,
+        put_on_device=accelerator.device_placement,
+        non_blocking=accelerator.dataloader_config.non_blocking,
+    )
+    wrapped._is_accelerate_prepared = True
+    return wrapped
+
+
+def _accept_user_loader(loader: DataLoader, accelerator: Accelerator, name: str) -> DataLoader:
+    """A user's DataLoader is used as is, never sharded a second time; refused if it would feed every process
+    the same data."""
+    world, rank = accelerator.num_processes, accelerator.process_index
+    if world == 1 or isinstance(loader.dataset, IterableDataset):
+        return loader  # an IterableDataset must yield each process its own part (datasets' split_dataset_by_node)
+    sampler = get_sampler(loader)
+    if isinstance(sampler, DistributedSampler):
+        if (sampler.num_replicas, sampler.rank) != (world, rank):
+            raise DataError(
+                f"{name}: its DistributedSampler has num_replicas={sampler.num_replicas}, rank={sampler.rank}, "
+                f"but this is process {rank} of {world}"
+            )
+        return loader
+    raise DataError(
+        f"{name} is a DataLoader with a {type(sampler).__name__}, which would give all {world} processes the same "
+        f"examples. Pass the Dataset itself as {name} (the Trainer shards it like DistributedSampler), or give "
+        f"the DataLoader sampler=DistributedSampler(dataset, num_replicas={world}, rank=<process index>)."
+    )
+
+
+def _check_size(data: Dataset, accelerator: Accelerator, name: str) -> None:
+    try:
+        size = len(data)
+    except TypeError:
+        raise DataError(f"{name} has no len(): pass a map-style Dataset or a DataLoader") from None
+    if size < accelerator.num_processes:
+        raise DataError(
+            f"{name} has {size} examples, fewer than the {accelerator.num_processes} processes: "
+            "every process needs at least one example"
+        )

@@ -1,0 +1,24 @@
+"""Optimizer and learning-rate schedule from a TrainConfig (used when the user passes none)."""
+
+from __future__ import annotations
+
+import torch
+
+from trainer.config import TrainConfig
+
+
+def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    """sgd / adam / adamw over the model's trainable parameters; weight decay applies to all of them."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
+    optimizer_class = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[config.optimizer]
+    return optimizer_class(params, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, total_steps: int):
+    """constant / linear / cosine, each after ``warmup_steps`` of linear warm-up; stepped once per optimizer step."""
+    from transformers import get_scheduler  # deferred: importing transformers costs a second at start-up
+
+    name = "constant_with_warmup" if config.lr_scheduler == "constant" else config.lr_scheduler
+    return get_scheduler(name, optimizer, num_warmup_steps=config.warmup_steps, num_training_steps=total_steps)

@@ -1,0 +1,273 @@
+"""The Trainer: one training loop on Accelerate that runs unchanged on a CPU, one GPU, a node or a cluster.
+
+The hardware is chosen at launch, never here::
+
+    python train.py                                                        # one process
+    accelerate launch --config_file accelerate_configs/multi_gpu.yaml train.py   # K processes, DDP
+    torchrun --standalone --nproc_per_node 2 train.py                      # the same, through torchrun
+
+Example::
+
+    from trainer import Trainer, TrainConfig
+
+    config = TrainConfig(output_dir="runs/mlp", batch_size=32, epochs=3, lr=1e-3)
+    trainer = Trainer(model, config, train_data=dataset, loss_fn=lambda model, batch: ...)
+    result = trainer.fit()      # {"global_step": ..., "train_loss": ..., ...}
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+from accelerate.utils import find_batch_size, set_seed
+from torch.utils.data import DataLoader, Dataset
+from tqdm.auto import tqdm
+
+from trainer.config import TrainConfig
+from trainer.data import DataError, batches_per_epoch, build_eval_loader, build_train_loader
+from trainer.distributed import build_accelerator, num_machines
+from trainer.optim import build_optimizer, build_scheduler
+
+LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+
+
+def model_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    """The default loss: ``model(**batch).loss``, as transformers models compute it when given labels."""
+    if not isinstance(batch, dict):
+        raise TypeError(
+            f"the default loss calls model(**batch).loss, but the batch is a {type(batch).__name__}; "
+            "pass loss_fn=lambda model, batch: ... to the Trainer"
+        )
+    return model(**batch).loss
+
+
+class Trainer:
+    """Trains ``model`` on ``train_data`` with DDP across however many processes were launched.
+
+    Args:
+        model: a plain ``torch.nn.Module``, built the same way on every process.
+        config: a :class:`TrainConfig`; ``batch_size`` is per process.
+        train_data: a map-style Dataset (sharded here as DistributedSampler does, seed 000) or a DataLoader (used
+            as is: with several processes it needs a DistributedSampler, or an IterableDataset that shards itself).
+        eval_data: optional Dataset or DataLoader for :meth:`evaluate`, each example counted exactly once.
+        loss_fn: ``loss_fn(model, batch) -> scalar tensor``; default ``model(**batch).loss``. In training ``model``
+            is the prepared (DDP-wrapped) model, in evaluation the plain module.
+        optimizer, lr_scheduler: built from ``config`` when not given; the scheduler steps once per optimizer step.
+        collate_fn: how the trainer's own loaders batch examples (torch's default collate when None).
+        callbacks: objects with any of ``on_train_begin(trainer)``, ``on_step_end(trainer)``,
+            ``on_log(trainer, metrics)``, ``on_evaluate(trainer, metrics)``, ``on_train_end(trainer, result)``.
+            They observe; they do not steer the loop.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: TrainConfig,
+        train_data: Dataset | DataLoader,
+        eval_data: Optional[Dataset | DataLoader] = None,
+        loss_fn: Optional[LossFn] = None,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        lr_scheduler: Optional[Any] = None,
+        collate_fn: Optional[Callable] = None,
+        callbacks: Iterable[Any] = (),
+    ):
+        self.config = config
+        self.accelerator = build_accelerator(config)
+        set_seed(config.seed, device_specific=True)  # dropout etc.: reproducible, different on each rank
+        self.loss_fn = loss_fn or model_loss
+        self.callbacks = list(callbacks)
+
+        train_loader = build_train_loader(train_data, config, self.accelerator, collate_fn)
+        eval_loader = None
+        if eval_data is not None:
+            eval_loader = build_eval_loader(eval_data, config, self.accelerator, collate_fn)
+        batches = batches_per_epoch(train_loader)  # None for an IterableDataset
+        if batches is None and config.max_steps is None:
+            raise DataError("train_data has no length (an IterableDataset?): set max_steps to say when to stop")
+        self.steps_per_epoch = math.ceil(batches / config.gradient_accumulation_steps) if batches else None
+        self.total_steps = config.max_steps or config.epochs * self.steps_per_epoch
+
+        optimizer = optimizer or build_optimizer(model, config)
+        lr_scheduler = lr_scheduler or build_scheduler(optimizer, config, self.total_steps)
+        self.model, self.optimizer, self.train_loader, self.lr_scheduler = self.accelerator.prepare(
+            model, optimizer, train_loader, lr_scheduler
+        )
+        self.eval_loader = self.accelerator.prepare(eval_loader) if eval_loader is not None else None
+
+        self.global_step = 0  # optimizer steps taken
+        self.epoch = 0  # the epoch being read
+        self.log_history: list[dict[str, float]] = []
+
+    @property
+    def unwrapped_model(self) -> torch.nn.Module:
+        """The plain module without the DDP wrapper: the same weights on every rank."""
+        return self.accelerator.unwrap_model(self.model)
+
+    @property
+    def epoch_progress(self) -> float:
+        """Epochs done, as a fraction (the epoch index when the data has no length)."""
+        return self.global_step / self.steps_per_epoch if self.steps_per_epoch else float(self.epoch)
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.config.batch_size * self.accelerator.num_processes * self.config.gradient_accumulation_steps
+
+    # ------------------------------------------------------------------ training
+
+    def fit(self) -> dict[str, float]:
+        """Train for ``max_steps`` optimizer steps, or ``epochs`` epochs; return the final figures."""
+        self._print_banner()
+        self._call("on_train_begin")
+        window = _LossWindow(self.accelerator.device)
+        progress = tqdm(total=self.total_steps, initial=self.global_step, desc="train", dynamic_ncols=True,
+                        disable=None if self.accelerator.is_main_process else True)  # None: off when not a tty
+        self.model.train()
+        started = time.perf_counter()
+        while self.global_step < self.total_steps:
+            self.train_loader.set_epoch(self.epoch)  # a new shuffle, the same on every rank
+            for batch in self.train_loader:
+                window.add(self._micro_step(batch), find_batch_size(batch))
+                if not self.accelerator.sync_gradients:
+                    continue  # mid-accumulation: no optimizer step yet
+                self.global_step += 1
+                progress.update()
+                self._call("on_step_end")
+                if self.global_step % self.config.log_every == 0 or self.global_step == self.total_steps:
+                    self._log(window, progress)
+                if self.config.eval_every and self.global_step % self.config.eval_every == 0 and self.eval_loader is not None:
+                    self.evaluate()
+                if self.global_step >= self.total_steps:
+                    break
+            else:
+                self.epoch += 1
+        progress.close()
+
+        result = {
+            "global_step": self.global_step,
+            "epoch": self.epoch_progress,
+            "train_loss": self.log_history[-1]["train_loss"] if self.log_history else float("nan"),
+            "train_runtime_s": time.perf_counter() - started,
+        }
+        if self.eval_loader is not None:
+            result.update(self.evaluate())
+        self._call("on_train_end", result=result)
+        return result
+
+    def _micro_step(self, batch: Any) -> torch.Tensor:
+        """Forward and backward on one batch; an optimizer step when the accumulation window closes."""
+        with self.accelerator.accumulate(self.model):
+            loss = self.loss_fn(self.model, batch)
+            self.accelerator.backward(loss)
+            if self.accelerator.sync_gradients:
+                if self.config.max_grad_norm is not None:
+                    self.accelerator.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+            self.optimizer.step()  # accelerate skips it mid-accumulation
+            if self.accelerator.sync_gradients and not self.optimizer.step_was_skipped:
+                self.lr_scheduler.step()  # fp16 overflow skips the step, so the schedule waits too
+            self.optimizer.zero_grad()
+        return loss.detach()
+
+    def _log(self, window: "_LossWindow", progress: tqdm) -> None:
+        """Global mean loss and throughput since the last log: the only host synchronisation in the loop."""
+        loss_sum, batches, examples = self.accelerator.reduce(window.totals(), reduction="sum").tolist()
+        elapsed = window.restart()
+        metrics = {
+            "step": self.global_step,
+            "epoch": round(self.epoch_progress, 4),
+            "train_loss": loss_sum / batches,
+            "lr": self.lr_scheduler.get_last_lr()[0],
+            "examples_per_s": examples / elapsed,
+        }
+        self.log_history.append(metrics)
+        if self.accelerator.is_main_process:
+            progress.set_postfix(loss=f"{metrics['train_loss']:.4g}", lr=f"{metrics['lr']:.3g}",
+                                 ex_s=f"{metrics['examples_per_s']:.4g}", refresh=False)  # fmt: skip
+            progress.write(
+                f"step {self.global_step}/{self.total_steps} | loss {metrics['train_loss']:.6g} | "
+                f"lr {metrics['lr']:.4g} | {metrics['examples_per_s']:.1f} examples/s"
+            )
+        self._call("on_log", metrics=metrics)
+
+    # ---------------------------------------------------------------- evaluation
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Mean loss over the whole eval set, every example counted once whatever the process count.
+
+        Each process runs its own share on the plain module (shares may differ in length, so no DDP collective can
+        run per batch); the per-process sums are reduced once at the end. ``eval_perplexity`` is added when the loss
+        is the model's own (``model(**batch).loss``, a language model's cross-entropy).
+        """
+        if self.eval_loader is None:
+            raise ValueError("evaluate() needs eval_data: pass eval_data=... to the Trainer")
+        model = self.unwrapped_model
+        was_training = model.training
+        model.eval()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.accelerator.device)
+        count = 0
+        for batch in self.eval_loader:
+            size = find_batch_size(batch)
+            loss_sum += self.loss_fn(model, batch).double() * size
+            count += size
+        model.train(was_training)
+        totals = torch.stack([loss_sum, torch.tensor(count, dtype=torch.float64, device=loss_sum.device)])
+        loss_sum, count = self.accelerator.reduce(totals, reduction="sum").tolist()
+        metrics = {"eval_loss": loss_sum / count, "eval_examples": int(count)}
+        if self.loss_fn is model_loss:
+            metrics["eval_perplexity"] = math.exp(metrics["eval_loss"]) if metrics["eval_loss"] < 700 else math.inf
+        if self.accelerator.is_main_process:
+            tqdm.write(f"eval at step {self.global_step}: " + ", ".join(f"{k} {v:.6g}" for k, v in metrics.items()))
+        self._call("on_evaluate", metrics=metrics)
+        return metrics
+
+    # ------------------------------------------------------------------- helpers
+
+    def _call(self, hook: str, **kwargs: Any) -> None:
+        for callback in self.callbacks:
+            method = getattr(callback, hook, None)
+            if method is not None:
+                method(self, **kwargs)
+
+    def _print_banner(self) -> None:
+        acc, cfg = self.accelerator, self.config
+        steps = f"max_steps={cfg.max_steps}" if cfg.max_steps else f"{cfg.epochs} epochs"
+        per_epoch = self.steps_per_epoch if self.steps_per_epoch else "unknown"
+        acc.print(
+            f"trainer | {acc.num_processes} process(es) on {num_machines(acc)} machine(s), device {acc.device.type} "
+            f"({acc.distributed_type.value}), mixed precision {acc.mixed_precision}\n"
+            f"        | batch {cfg.batch_size} per process x {acc.num_processes} processes x "
+            f"{cfg.gradient_accumulation_steps} accumulation = {self.global_batch_size} global\n"
+            f"        | {per_epoch} optimizer steps per epoch, {self.total_steps} in all ({steps}); "
+            f"{cfg.optimizer} lr {cfg.lr:g}, {cfg.lr_scheduler} schedule"
+        )
+
+
+class _LossWindow:
+    """Loss and example counts since the last log, kept on the device so that steps which do not log never wait
+    for it."""
+
+    def __init__(self, device: torch.device):
+        self._totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, micro-batches, examples
+        self._micro_batches = 0
+        self._examples = 0
+        self._since = time.perf_counter()
+
+    def add(self, loss: torch.Tensor, examples: int) -> None:
+        self._totals[0] += loss.double()
+        self._micro_batches += 1
+        self._examples += examples
+
+    def totals(self) -> torch.Tensor:
+        self._totals[1], self._totals[2] = self._micro_batches, self._examples
+        return self._totals.clone()
+
+    def restart(self) -> float:
+        """Clear the window; return the seconds it covered."""
+        now, since = time.perf_counter(), self._since
+        self._totals.zero_()
+        self._micro_batches = self._examples = 0
+        self._since = now
+        return now - since
