@@ -1,0 +1,105 @@
+"""Small jobs the tests launch as real processes (python, accelerate launch, torchrun). One case per run:
+
+    job           a tiny classifier with eval data: evaluates before and after training, writes result.json
+    user_loader   train_data is the user's own DataLoader (--sampler none|distributed)
+    too_small     fewer training examples than processes
+    world_guard   a plain Accelerator on a CPU host under a 2-process launch: the trainer's guard must stop it
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from trainer import TrainConfig, Trainer  # noqa: E402
+
+
+class TinyClassifier(torch.nn.Module):
+    """Returns an object with ``.loss``, as transformers models do, so the Trainer's default loss applies."""
+
+    def __init__(self, dim: int = 8, classes: int = 3):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(dim, 32), torch.nn.ReLU(), torch.nn.Linear(32, classes))
+
+    def forward(self, x, labels):
+        logits = self.net(x)
+        return SimpleNamespace(logits=logits, loss=torch.nn.functional.cross_entropy(logits.float(), labels))
+
+
+class Examples(torch.utils.data.Dataset):
+    def __init__(self, n: int, dim: int = 8, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, dim, generator=g)
+        self.labels = (self.x[:, 0] > 0).long() + (self.x[:, 1] > 0.5).long()
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "labels": self.labels[i]}
+
+
+def job(args) -> None:
+    torch.manual_seed(0)
+    config = TrainConfig(output_dir=args.output_dir, epochs=4, batch_size=8, lr=3e-3, log_every=2,
+                         lr_scheduler="cosine", warmup_steps=2, max_grad_norm=1.0)  # fmt: skip
+    trainer = Trainer(TinyClassifier(), config, train_data=Examples(64), eval_data=Examples(9, seed=1))
+    before = trainer.evaluate()
+    result = trainer.fit()
+    acc = trainer.accelerator
+    if acc.is_main_process:
+        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+        Path(args.output_dir, "result.json").write_text(json.dumps({
+            "world_size": acc.num_processes, "device": acc.device.type, "mixed_precision": acc.mixed_precision,
+            "before": before, "result": result, "log_history": trainer.log_history,
+        }))  # fmt: skip
+
+
+def user_loader(args) -> None:
+    data = TensorDataset(torch.arange(12, dtype=torch.float32).unsqueeze(1))
+    sampler = None
+    if args.sampler == "distributed":  # as a DDP user builds it: rank and world from the running job
+        from accelerate import PartialState
+
+        state = PartialState(cpu=not torch.cuda.is_available())
+        sampler = DistributedSampler(data, num_replicas=state.num_processes, rank=state.process_index, shuffle=False)
+    seen = []
+
+    def loss_fn(model, batch):
+        (x,) = batch
+        seen.append(x.squeeze(1).long().tolist())
+        return model(x).pow(2).mean()
+
+    config = TrainConfig(epochs=1, batch_size=3, optimizer="sgd", lr=0.1, shuffle=False)
+    trainer = Trainer(torch.nn.Linear(1, 1), config, train_data=DataLoader(data, batch_size=3, sampler=sampler),
+                      loss_fn=loss_fn)  # fmt: skip
+    trainer.fit()
+    print(f"SEEN rank{trainer.accelerator.process_index} {json.dumps(seen)}", flush=True)
+
+
+def too_small(args) -> None:
+    Trainer(TinyClassifier(), TrainConfig(batch_size=1), train_data=Examples(1))
+
+
+def world_guard(args) -> None:
+    from accelerate import Accelerator
+
+    from trainer.distributed import check_world_size
+
+    check_world_size(Accelerator())  # without cpu=True each process believes it is alone
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("case", choices=["job", "user_loader", "too_small", "world_guard"])
+    parser.add_argument("--output_dir", default="runs/scenario")
+    parser.add_argument("--sampler", choices=["none", "distributed"], default="none")
+    cli = parser.parse_args()
+    globals()[cli.case](cli)

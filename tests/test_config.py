@@ -1,0 +1,88 @@
+"""TrainConfig: real defaults, YAML + overrides, and an error naming the culprit for every kind of mistake."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer import ConfigError, TrainConfig
+
+
+def write(tmp_path, text):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_are_valid_and_yaml_lists_only_what_differs(tmp_path):
+    config = TrainConfig.from_yaml(write(tmp_path, "lr: 1e-3\nbatch_size: 16\nbetas: [0.9, 0.95]\n"))
+    assert config.lr == 0.001 and config.batch_size == 16 and config.betas == (0.9, 0.95)
+    assert config.epochs == TrainConfig().epochs and config.optimizer == "adamw"
+
+
+def test_overrides_win_over_the_file(tmp_path):
+    path = write(tmp_path, "lr: 0.1\nmax_steps: 5\n")
+    config = TrainConfig.from_yaml(path, overrides=["lr=1e-3", "max_steps=null", "shuffle=false"])
+    assert config.lr == 0.001 and config.max_steps is None and config.shuffle is False
+
+
+def test_empty_file_gives_defaults(tmp_path):
+    assert TrainConfig.from_yaml(write(tmp_path, "")) == TrainConfig()
+
+
+@pytest.mark.parametrize(
+    "text, culprit",
+    [
+        ("learning_rate: 0.1\n", "unknown key 'learning_rate'"),
+        ("batchsize: 4\n", "Did you mean: batch_size"),
+        ("batch_size: 0\n", "batch_size must be >= 1"),
+        ("batch_size: 2.5\n", "batch_size must be int"),
+        ("batch_size: '8'\n", "batch_size must be int"),
+        ("lr: -1\n", "lr must be >= 0"),
+        ("lr: fast\n", "lr must be float"),
+        ("optimizer: adagrad\n", "optimizer must be one of sgd, adam, adamw; got 'adagrad'"),
+        ("lr_scheduler: step\n", "lr_scheduler must be one of"),
+        ("shuffle: 1\n", "shuffle must be bool"),
+        ("betas: [0.9]\n", "betas must be"),
+        ("betas: [0.9, 1.5]\n", "betas must both be in [0, 1)"),
+        ("momentum: 1.0\n", "momentum must be in [0, 1)"),
+        ("max_grad_norm: 0\n", "max_grad_norm must be > 0"),
+        ("gradient_accumulation_steps: 0\n", "gradient_accumulation_steps must be >= 1"),
+        ("max_steps: 0\n", "max_steps must be >= 1"),
+        ("epochs: null\n", "epochs must be int"),
+        ("- lr\n", "expected a mapping"),
+        ("lr: [\n", "not valid YAML"),
+    ],
+)
+def test_bad_yaml_names_the_culprit(tmp_path, text, culprit):
+    with pytest.raises(ConfigError, match=None) as err:
+        TrainConfig.from_yaml(write(tmp_path, text))
+    assert culprit in str(err.value)
+
+
+def test_bad_override_names_the_key(tmp_path):
+    path = write(tmp_path, "")
+    with pytest.raises(ConfigError, match="unknown key 'lrr'.*Did you mean: lr"):
+        TrainConfig.from_yaml(path, overrides=["lrr=0.1"])
+    with pytest.raises(ConfigError, match="not of the form key=value"):
+        TrainConfig.from_yaml(path, overrides=["lr"])
+
+
+def test_missing_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found: .*nope.yaml"):
+        TrainConfig.from_yaml(tmp_path / "nope.yaml")
+
+
+def test_constructor_validates_too():
+    with pytest.raises(ConfigError, match="batch_size must be >= 1"):
+        TrainConfig(batch_size=0)
+    with pytest.raises(ConfigError, match="lr must be float"):
+        TrainConfig(lr="fast")
+    with pytest.raises(ConfigError, match="warmup_steps must be >= 0"):
+        TrainConfig().replace(warmup_steps=-1)
+
+
+def test_features_of_later_releases_are_refused_not_ignored():
+    with pytest.raises(ConfigError, match="save_every is not supported yet"):
+        TrainConfig(save_every=10)
+    with pytest.raises(ConfigError, match="wandb_project is not supported yet"):
+        TrainConfig(wandb_project="p")

@@ -1,0 +1,88 @@
+"""Every accelerate config loads and launches a small job here; the CPU fallback and its guard; exact evaluation;
+user DataLoaders; data too small for the world size. Multi-process cases are real `accelerate launch` runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from accelerate.commands.config.config_args import load_config_from_file
+
+from conftest import CONFIGS, SCENARIOS, accelerate_launch, python
+
+ALL_CONFIGS = sorted(p.name for p in CONFIGS.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", ALL_CONFIGS)
+def test_config_loads_with_accelerates_own_loader_and_says_how_to_launch(name):
+    config = load_config_from_file(str(CONFIGS / name))
+    assert config.num_processes >= 1 and config.compute_environment.value == "LOCAL_MACHINE"
+    header = (CONFIGS / name).read_text().split("\n", 3)
+    assert header[0].startswith("#") and f"accelerate launch --config_file accelerate_configs/{name}" in "".join(header)
+
+
+def test_the_expected_configs_exist():
+    assert {"single_gpu.yaml", "multi_gpu.yaml", "multi_node.yaml", "fp16.yaml", "bf16.yaml", "cpu.yaml"} <= set(
+        ALL_CONFIGS
+    )
+
+
+def run_job(tmp_path, config):
+    result = accelerate_launch(SCENARIOS, "job", "--output_dir", tmp_path, config=config)
+    return json.loads((tmp_path / "result.json").read_text()), result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    "config, world_size, precision",
+    [("single_gpu.yaml", 1, "no"), ("cpu.yaml", 1, "no"), ("bf16.yaml", 2, "bf16"), ("fp16.yaml", 2, "fp16")],
+)
+def test_small_job_runs_with_each_config(tmp_path, config, world_size, precision):
+    report, output = run_job(tmp_path, config)
+    assert (report["world_size"], report["mixed_precision"]) == (world_size, precision)
+    assert f"mixed precision {precision}" in output  # the start banner
+    losses = [entry["train_loss"] for entry in report["log_history"]]
+    assert losses[-1] < losses[0], "the loss must fall"
+    assert report["result"]["eval_loss"] < report["before"]["eval_loss"]
+
+
+def test_multi_gpu_config_on_cpu_host_is_one_ddp_job_with_exact_evaluation(tmp_path):
+    two, output = run_job(tmp_path / "two", "multi_gpu.yaml")
+    assert two["world_size"] == 2 and two["device"] == "cpu"
+    assert output.count("No GPU on this host") == 1
+    assert "batch 8 per process x 2 processes x 1 accumulation = 16 global" in output
+    assert "4 optimizer steps per epoch, 16 in all" in output
+
+    # 9 eval examples on 2 processes: each counted once (a padded DistributedSampler would count 10), and the
+    # untrained model's eval loss equals the one-process figure.
+    one, _ = run_job(tmp_path / "one", "single_gpu.yaml")
+    assert two["before"]["eval_examples"] == one["before"]["eval_examples"] == 9
+    assert two["before"]["eval_loss"] == pytest.approx(one["before"]["eval_loss"], rel=1e-6)
+    assert two["before"]["eval_perplexity"] == pytest.approx(one["before"]["eval_perplexity"], rel=1e-6)
+
+
+def test_guard_stops_processes_that_each_believe_they_are_alone():
+    result = accelerate_launch(SCENARIOS, "world_guard", expect_ok=False)
+    assert "The launcher started WORLD_SIZE=2 processes, but this process" in result.stderr
+    assert "joined a world of 1" in result.stderr
+
+
+def test_users_dataloader_with_distributed_sampler_is_not_sharded_twice():
+    result = accelerate_launch(SCENARIOS, "user_loader", "--sampler", "distributed")
+    assert "SEEN rank0 [[0, 2, 4], [6, 8, 10]]" in result.stdout
+    assert "SEEN rank1 [[1, 3, 5], [7, 9, 11]]" in result.stdout
+
+
+def test_users_dataloader_without_distributed_sampler_is_refused_with_what_to_pass():
+    result = accelerate_launch(SCENARIOS, "user_loader", "--sampler", "none", expect_ok=False)
+    assert "train_data is a DataLoader with a SequentialSampler" in result.stderr
+    assert "Pass the Dataset itself as train_data" in result.stderr
+
+
+def test_users_dataloader_is_used_as_is_in_one_process():
+    result = python(SCENARIOS, "user_loader", "--sampler", "none")
+    assert "SEEN rank0 [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]" in result.stdout
+
+
+def test_data_set_smaller_than_the_world_is_refused():
+    result = accelerate_launch(SCENARIOS, "too_small", expect_ok=False)
+    assert "train_data has 1 examples, fewer than the 2 processes" in result.stderr
