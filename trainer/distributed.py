@@ -8,6 +8,8 @@ announced (WORLD_SIZE) is the world the Accelerator joined.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
 
 import torch
@@ -49,6 +51,7 @@ def build_accelerator(config: TrainConfig) -> Accelerator:
         step_scheduler_with_optimizer=False,
     )
     check_world_size(accelerator)
+    _destroy_process_group_at_exit()
     if cpu_fallback and accelerator.is_main_process:
         logger.warning(
             f"No GPU on this host: running the {world} launched processes as real DDP on CPU over gloo "
@@ -68,6 +71,18 @@ def check_world_size(accelerator: Accelerator) -> None:
             "train alone on the full data set. On a host without CUDA, build the Accelerator with cpu=True (the "
             "Trainer does this) or launch with `accelerate launch --cpu`."
         )
+
+
+@functools.cache  # register once, however many Accelerators a process builds
+def _destroy_process_group_at_exit() -> None:
+    """Why: a process that exits with its gloo group alive can abort (SIGABRT) during interpreter finalization, as
+    gloo's worker threads still hold tensors (pytorch/pytorch#179291; seen here once in ~20 two-process runs)."""
+
+    def destroy() -> None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+    atexit.register(destroy)
 
 
 def num_machines(accelerator: Accelerator) -> int:
