@@ -122,7 +122,7 @@ def main(argv=None) -> dict:
     }
     if trainer.accelerator.is_main_process:
         print("examples seen (1-based, as in seed 000's tables):")
-        for i, batches in enumerate(zip(*seen_by_process), start=1):
+        for i, batches in enumerate(zip(*seen_by_process, strict=True), start=1):
             shares = " | ".join(f"process {k + 1}: " + " ".join(f"x{j + 1}" for j in b) for k, b in enumerate(batches))
             print(f"  iteration {i} | {shares}")
         os.makedirs(args.output_dir, exist_ok=True)

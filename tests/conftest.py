@@ -17,8 +17,11 @@ SAME_UPDATES = ROOT / "examples" / "same_updates.py"
 SCENARIOS = ROOT / "tests" / "scenarios.py"
 
 # Variables a launcher sets; a test must not inherit them from whatever launched pytest.
-LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                 "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID", "ACCELERATE_USE_CPU", "ACCELERATE_MIXED_PRECISION")  # fmt: skip
+# (ACCELERATE_* variables go too.)
+LAUNCHER_VARS = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "ROLE_RANK",
+    "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+)  # fmt: skip
 
 
 def free_port() -> int:
@@ -47,9 +50,10 @@ def python(script: Path, *args: str, **kw):
 
 
 def accelerate_launch(script: Path, *args: str, config: str = "multi_gpu.yaml", num_processes: int | None = None,
-                      **kw):  # fmt: skip
+                      run_args: tuple[str, ...] | list[str] = (), **kw):  # fmt: skip
+    """``accelerate launch --config_file accelerate_configs/<config> [run_args] script args``."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
-           "--main_process_port", str(free_port())]  # fmt: skip
+           "--main_process_port", str(free_port()), *run_args]  # fmt: skip
     if num_processes is not None:
         cmd += ["--num_processes", str(num_processes)]
     return run([*cmd, str(script), *map(str, args)], **kw)

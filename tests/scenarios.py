@@ -1,6 +1,8 @@
 """Small jobs the tests launch as real processes (python, accelerate launch, torchrun). One case per run:
 
     job           a tiny classifier with eval data: evaluates before and after training, writes result.json
+    resume        dropout, AdamW, cosine, shuffling, checkpoints every 4 steps, resume="auto"; can crash one rank
+                  (os._exit) after a given step, or make one rank's loss NaN at a given step
     user_loader   train_data is the user's own DataLoader (--sampler none|distributed)
     too_small     fewer training examples than processes
     world_guard   a plain Accelerator on a CPU host under a 2-process launch: the trainer's guard must stop it
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -62,6 +65,66 @@ def job(args) -> None:
         }))  # fmt: skip
 
 
+class DropoutClassifier(TinyClassifier):
+    def __init__(self, hidden: int = 32, dim: int = 8, classes: int = 3):
+        super().__init__(dim, classes)
+        self.net = torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.ReLU(), torch.nn.Dropout(0.3),
+                                       torch.nn.Linear(hidden, classes))  # fmt: skip
+
+
+class CrashAfter:
+    """Kills one rank the hard way right after optimizer step ``step`` (after any checkpoint of that step), in the
+    first attempt only: a restart by the elastic agent (TORCHELASTIC_RESTART_COUNT > 0) runs on."""
+
+    def __init__(self, step: int, rank: int):
+        self.step, self.rank = step, rank
+
+    def on_step_end(self, trainer) -> None:
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if first_attempt and trainer.global_step == self.step and trainer.accelerator.process_index == self.rank:
+            print(f"CRASH rank {self.rank} after step {self.step}", flush=True)
+            os._exit(1)
+
+
+def resume(args) -> None:
+    torch.manual_seed(0)
+    config = TrainConfig(output_dir=args.output_dir, epochs=3, batch_size=4, optimizer="adamw", lr=1e-2,
+                         weight_decay=0.01, lr_scheduler="cosine", warmup_steps=2, save_every=4, keep_last=2,
+                         resume=args.resume, log_every=3, nan_policy=args.nan_policy)  # fmt: skip
+
+    def loss_fn(model, batch):
+        loss = model(**batch).loss
+        step = trainer.global_step + 1
+        if step == args.nan_at and trainer.accelerator.process_index == args.nan_rank:
+            loss = loss * float("nan")
+        return loss
+
+    if args.forbid_unsafe_load:  # every file a resume reads must load with weights_only=True
+        real_load = torch.load
+
+        def safe_load_only(*a, **kw):
+            assert kw.get("weights_only", True) is not False, f"unsafe torch.load of {a[0]}"
+            return real_load(*a, **kw)
+
+        torch.load = safe_load_only
+    callbacks = [CrashAfter(args.crash_at, args.crash_rank)] if args.crash_at else []
+    trainer = Trainer(DropoutClassifier(args.hidden), config, train_data=Examples(48), loss_fn=loss_fn,
+                      callbacks=callbacks)  # fmt: skip
+    if args.kill_in_save_at:  # die after every rank wrote the step's files, before the checkpoint is committed
+        save_state = trainer.accelerator.save_state
+
+        def save_then_die(*a, **kw):
+            save_state(*a, **kw)
+            if trainer.global_step == args.kill_in_save_at and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+                trainer.accelerator.wait_for_everyone()
+                print(f"KILLED during the save of step {trainer.global_step}", flush=True)
+                os._exit(1)
+
+        trainer.accelerator.save_state = save_then_die
+    result = trainer.fit()
+    trainer.accelerator.print("RESULT " + json.dumps(result))
+
+
 def user_loader(args) -> None:
     data = TensorDataset(torch.arange(12, dtype=torch.float32).unsqueeze(1))
     sampler = None
@@ -98,7 +161,16 @@ def world_guard(args) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("case", choices=["job", "user_loader", "too_small", "world_guard"])
+    parser.add_argument("case", choices=["job", "resume", "user_loader", "too_small", "world_guard"])
+    parser.add_argument("--resume", default="auto", type=lambda v: None if v == "none" else v)
+    parser.add_argument("--crash_at", type=int, default=0)
+    parser.add_argument("--crash_rank", type=int, default=1)
+    parser.add_argument("--nan_at", type=int, default=0)
+    parser.add_argument("--nan_rank", type=int, default=1)
+    parser.add_argument("--nan_policy", default="raise")
+    parser.add_argument("--hidden", type=int, default=32)
+    parser.add_argument("--kill_in_save_at", type=int, default=0)
+    parser.add_argument("--forbid_unsafe_load", action="store_true")
     parser.add_argument("--output_dir", default="runs/scenario")
     parser.add_argument("--sampler", choices=["none", "distributed"], default="none")
     cli = parser.parse_args()

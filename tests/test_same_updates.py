@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import SAME_UPDATES, accelerate_launch, python, read_summary, torchrun
 
 COMMON = ["--no_shuffle", "--epochs", "3", "--num_examples", "40", "--dim", "10"]
@@ -92,7 +91,7 @@ def test_reshuffle_each_epoch_agreed_by_ranks_and_reproducible(tmp_path):
     # One process at batch 6 draws the same permutation: its batch t is the union of the ranks' batches t.
     python(SAME_UPDATES, *args, "--batch_size", "6", "--output_dir", tmp_path / "one")
     (one,) = read_summary(tmp_path / "one")["seen"]
-    assert [sorted(b) for b in one] == [sorted(a + b) for a, b in zip(rank0, rank1)]
+    assert [sorted(b) for b in one] == [sorted(a + b) for a, b in zip(rank0, rank1, strict=True)]
 
     python(SAME_UPDATES, *args, "--batch_size", "6", "--seed", "1", "--output_dir", tmp_path / "seed1")
     assert read_summary(tmp_path / "seed1")["seen"][0] != one, "the seed decides the order"

@@ -21,6 +21,7 @@ from typing import Any, Optional
 import yaml
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
+NAN_POLICIES = ("raise", "skip")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 
 
@@ -61,9 +62,10 @@ class TrainConfig:
 
     log_every: int = 10
     eval_every: Optional[int] = None
-    save_every: Optional[int] = None  # reserved for checkpoints (issue 3); must stay None for now
-    keep_last: int = 2
-    resume: Optional[str] = None  # reserved for checkpoints (issue 3): None | "auto" | a checkpoint path
+    save_every: Optional[int] = None  # full-state checkpoint every N optimizer steps and at the end; None: none
+    keep_last: int = 2  # checkpoints kept; older ones are deleted once a newer one is committed
+    resume: Optional[str] = None  # None (refuses an output_dir holding checkpoints) | "auto" | a checkpoint path
+    nan_policy: str = "raise"  # non-finite loss: "raise" (stop, naming step and rank) | "skip" (drop that step)
     wandb_project: Optional[str] = None  # reserved for wandb group logging (issue 5)
 
     def __post_init__(self) -> None:
@@ -134,9 +136,11 @@ class TrainConfig:
             raise ConfigError(f"betas must both be in [0, 1), got {self.betas!r}")
         _check_choice("optimizer", self.optimizer, OPTIMIZERS)
         _check_choice("lr_scheduler", self.lr_scheduler, LR_SCHEDULERS)
-        for key in ("save_every", "resume", "wandb_project"):
-            if getattr(self, key) is not None:
-                raise ConfigError(f"{key} is not supported yet (checkpoints and wandb arrive in later releases)")
+        _check_choice("nan_policy", self.nan_policy, NAN_POLICIES)
+        if self.resume == "":
+            raise ConfigError("resume must be null, 'auto' or a checkpoint path; got ''")
+        if self.wandb_project is not None:
+            raise ConfigError("wandb_project is not supported yet (wandb group logging arrives in a later release)")
 
 
 def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
@@ -175,7 +179,7 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise wrong()
-        return tuple(_coerce(f"{key}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args)))
+        return tuple(_coerce(f"{key}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args, strict=True)))
     if annotation is bool:
         if not isinstance(value, bool):
             raise wrong()

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, skip_first_batches
 from accelerate.data_loader import get_sampler, prepare_data_loader
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
 
@@ -24,6 +24,27 @@ from trainer.config import TrainConfig
 
 class DataError(ValueError):
     """The data cannot be loaded as configured; the message says what to pass instead."""
+
+
+class ResumableSampler(DistributedSampler):
+    """DistributedSampler that can start part-way into an epoch, for resuming mid-epoch.
+
+    Skipping slices this process's index list, so its cost does not depend on how far into the epoch the run
+    stopped, and no skipped example is ever loaded.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._skip = 0
+
+    def skip_next(self, num_examples: int) -> None:
+        """The next iteration starts ``num_examples`` into this process's share of the epoch."""
+        self._skip = num_examples
+
+    def __iter__(self):
+        indices = list(super().__iter__())[self._skip :]
+        self._skip = 0
+        return iter(indices)
 
 
 class ShardSampler(Sampler[int]):
@@ -50,7 +71,7 @@ def build_train_loader(
         loader = _accept_user_loader(data, accelerator, "train_data")
     else:
         _check_size(data, accelerator, "train_data")
-        sampler = DistributedSampler(
+        sampler = ResumableSampler(
             data,
             num_replicas=accelerator.num_processes,
             rank=accelerator.process_index,
@@ -65,6 +86,22 @@ def build_train_loader(
             f"({len(loader.dataset)} examples, {accelerator.num_processes} processes, drop_last={config.drop_last})"
         )
     return _wrap(loader, accelerator)
+
+
+def start_epoch(loader: DataLoader, epoch: int, skip_batches: int, seed: int) -> DataLoader:
+    """Ready ``loader`` for ``epoch``, starting after its first ``skip_batches`` batches (a resumed run).
+
+    The trainer's own loaders reseed their generator from ``seed + epoch`` (worker seeds then do not depend on
+    how many epochs this process has run) and skip by slicing indices; a user's DataLoader skips through
+    accelerate's ``skip_first_batches``, which walks the batch sampler's indices without loading data.
+    """
+    loader.set_epoch(epoch)  # a new shuffle, the same on every rank
+    sampler = get_sampler(loader)
+    if not isinstance(sampler, ResumableSampler):
+        return skip_first_batches(loader, skip_batches) if skip_batches else loader
+    loader.generator.manual_seed(seed + epoch)
+    sampler.skip_next(skip_batches * loader.batch_sampler.batch_size)
+    return loader
 
 
 def batches_per_epoch(loader: DataLoader) -> Optional[int]:

@@ -21,6 +21,13 @@ from trainer.config import TrainConfig
 logger = get_logger(__name__)
 
 
+ELASTIC_RECIPE = (
+    "Restarted workers reconnect reliably only when the job is launched with --rdzv_backend c10d and "
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the launcher's environment; otherwise they can read the failed "
+    "attempt's addresses from the reused rendezvous store (pytorch/pytorch#135712)."
+)
+
+
 class WorldSizeMismatch(RuntimeError):
     """The launcher started K processes but the Accelerator sees a different number."""
 
@@ -45,19 +52,31 @@ def build_accelerator(config: TrainConfig) -> Accelerator:
     """
     world = launched_world_size()
     cpu_fallback = world > 1 and not has_accelerator_device()
-    accelerator = Accelerator(
-        cpu=cpu_fallback,  # False still honours the accelerate config's use_cpu (ACCELERATE_USE_CPU)
-        gradient_accumulation_steps=config.gradient_accumulation_steps,
-        step_scheduler_with_optimizer=False,
-    )
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    try:
+        accelerator = Accelerator(
+            cpu=cpu_fallback,  # False still honours the accelerate config's use_cpu (ACCELERATE_USE_CPU)
+            gradient_accumulation_steps=config.gradient_accumulation_steps,
+            step_scheduler_with_optimizer=False,
+        )
+    except RuntimeError as err:
+        if attempt == 0:
+            raise
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        message = f"restart {attempt}: the processes could not reconnect ({first_line}). {ELASTIC_RECIPE}"
+        raise RuntimeError(message) from err
     check_world_size(accelerator)
     _destroy_process_group_at_exit()
-    if cpu_fallback and accelerator.is_main_process:
-        logger.warning(
-            f"No GPU on this host: running the {world} launched processes as real DDP on CPU over gloo "
-            f"(accelerate would otherwise start {world} independent trainings).",
-            main_process_only=True,
-        )
+    if accelerator.is_main_process:
+        if cpu_fallback:
+            logger.warning(
+                f"No GPU on this host: running the {world} launched processes as real DDP on CPU over gloo "
+                f"(accelerate would otherwise start {world} independent trainings).",
+                main_process_only=True,
+            )
+        restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+        if restarts > 0 and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":
+            logger.warning(f"--max_restarts {restarts}: {ELASTIC_RECIPE}", main_process_only=True)
     return accelerator
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -26,9 +27,12 @@ from accelerate.utils import find_batch_size, set_seed
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
+from trainer import checkpoint
+from trainer.checkpoint import CheckpointError, check_writable, checkpoint_root, find_resume_point
 from trainer.config import TrainConfig
-from trainer.data import DataError, batches_per_epoch, build_eval_loader, build_train_loader
+from trainer.data import DataError, batches_per_epoch, build_eval_loader, build_train_loader, start_epoch
 from trainer.distributed import build_accelerator, num_machines
+from trainer.nonfinite import NonFiniteGuard
 from trainer.optim import build_optimizer, build_scheduler
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
@@ -76,6 +80,7 @@ class Trainer:
     ):
         self.config = config
         self.accelerator = build_accelerator(config)
+        check_writable(config.output_dir)
         set_seed(config.seed, device_specific=True)  # dropout etc.: reproducible, different on each rank
         self.loss_fn = loss_fn or model_loss
         self.callbacks = list(callbacks)
@@ -84,10 +89,11 @@ class Trainer:
         eval_loader = None
         if eval_data is not None:
             eval_loader = build_eval_loader(eval_data, config, self.accelerator, collate_fn)
-        batches = batches_per_epoch(train_loader)  # None for an IterableDataset
-        if batches is None and config.max_steps is None:
+        self.batches_per_epoch = batches_per_epoch(train_loader)  # None for an IterableDataset
+        if self.batches_per_epoch is None and config.max_steps is None:
             raise DataError("train_data has no length (an IterableDataset?): set max_steps to say when to stop")
-        self.steps_per_epoch = math.ceil(batches / config.gradient_accumulation_steps) if batches else None
+        accumulation = config.gradient_accumulation_steps
+        self.steps_per_epoch = math.ceil(self.batches_per_epoch / accumulation) if self.batches_per_epoch else None
         self.total_steps = config.max_steps or config.epochs * self.steps_per_epoch
 
         optimizer = optimizer or build_optimizer(model, config)
@@ -97,9 +103,13 @@ class Trainer:
         )
         self.eval_loader = self.accelerator.prepare(eval_loader) if eval_loader is not None else None
 
-        self.global_step = 0  # optimizer steps taken
-        self.epoch = 0  # the epoch being read
+        # Where training stands: optimizer steps taken, the epoch being read, micro-batches read of it.
+        self.global_step = self.epoch = self.batches_into_epoch = 0
+        self.nonfinite = NonFiniteGuard(self.accelerator, config.nan_policy)
         self.log_history: list[dict[str, float]] = []
+        self.last_checkpoint: Optional[Path] = find_resume_point(config)
+        if self.last_checkpoint is not None:
+            self.load_checkpoint(self.last_checkpoint)
 
     @property
     def unwrapped_model(self) -> torch.nn.Module:
@@ -127,51 +137,66 @@ class Trainer:
         self.model.train()
         started = time.perf_counter()
         while self.global_step < self.total_steps:
-            self.train_loader.set_epoch(self.epoch)  # a new shuffle, the same on every rank
-            for batch in self.train_loader:
+            loader = start_epoch(self.train_loader, self.epoch, self.batches_into_epoch, self.config.seed)
+            for batch in loader:
+                self.batches_into_epoch += 1
                 window.add(self._micro_step(batch), find_batch_size(batch))
                 if not self.accelerator.sync_gradients:
                     continue  # mid-accumulation: no optimizer step yet
                 self.global_step += 1
                 progress.update()
-                self._call("on_step_end")
-                if self.global_step % self.config.log_every == 0 or self.global_step == self.total_steps:
-                    self._log(window, progress)
-                if self.config.eval_every and self.global_step % self.config.eval_every == 0 and self.eval_loader is not None:
-                    self.evaluate()
+                self._after_step(window, progress)
                 if self.global_step >= self.total_steps:
                     break
             else:
-                self.epoch += 1
+                self.epoch, self.batches_into_epoch = self.epoch + 1, 0
         progress.close()
-
-        result = {
-            "global_step": self.global_step,
-            "epoch": self.epoch_progress,
-            "train_loss": self.log_history[-1]["train_loss"] if self.log_history else float("nan"),
-            "train_runtime_s": time.perf_counter() - started,
-        }
-        if self.eval_loader is not None:
-            result.update(self.evaluate())
-        self._call("on_train_end", result=result)
-        return result
+        return self._finish(started)
 
     def _micro_step(self, batch: Any) -> torch.Tensor:
         """Forward and backward on one batch; an optimizer step when the accumulation window closes."""
         with self.accelerator.accumulate(self.model):
             loss = self.loss_fn(self.model, batch)
             self.accelerator.backward(loss)
-            if self.accelerator.sync_gradients:
+            loss = self.nonfinite.observe(loss.detach(), step=self.global_step + 1)
+            if self.accelerator.sync_gradients and not self.nonfinite.skip_this_step():
                 if self.config.max_grad_norm is not None:
                     self.accelerator.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
-            self.optimizer.step()  # accelerate skips it mid-accumulation
-            if self.accelerator.sync_gradients and not self.optimizer.step_was_skipped:
-                self.lr_scheduler.step()  # fp16 overflow skips the step, so the schedule waits too
-            self.optimizer.zero_grad()
-        return loss.detach()
+                self.optimizer.step()
+                if not self.optimizer.step_was_skipped:
+                    self.lr_scheduler.step()  # fp16 overflow skips the step, so the schedule waits too
+            self.optimizer.zero_grad()  # accelerate keeps the gradients mid-accumulation
+        return loss
+
+    def _after_step(self, window: "_LossWindow", progress: tqdm) -> None:
+        """Logging, evaluation and checkpoints due after optimizer step ``global_step``; then the callbacks."""
+        cfg, step, last = self.config, self.global_step, self.global_step == self.total_steps
+        if step % cfg.log_every == 0 or last:
+            self._log(window, progress)
+        if cfg.eval_every and step % cfg.eval_every == 0 and self.eval_loader is not None:
+            self.evaluate()
+        if cfg.save_every and (step % cfg.save_every == 0 or last):
+            self.save_checkpoint()
+        self._call("on_step_end")
+
+    def _finish(self, started: float) -> dict[str, float]:
+        self.nonfinite.check(str(self.last_checkpoint or ""))
+        result = {
+            "global_step": self.global_step,
+            "epoch": self.epoch_progress,
+            "train_loss": self.log_history[-1]["train_loss"] if self.log_history else float("nan"),
+            "train_runtime_s": time.perf_counter() - started,
+            "skipped_steps": self.nonfinite.skipped_steps,
+        }
+        if self.eval_loader is not None:
+            result.update(self.evaluate())
+        self.save_model()
+        self._call("on_train_end", result=result)
+        return result
 
     def _log(self, window: "_LossWindow", progress: tqdm) -> None:
         """Global mean loss and throughput since the last log: the only host synchronisation in the loop."""
+        self.nonfinite.check(str(self.last_checkpoint or ""))
         loss_sum, batches, examples = self.accelerator.reduce(window.totals(), reduction="sum").tolist()
         elapsed = window.restart()
         metrics = {
@@ -190,6 +215,62 @@ class Trainer:
                 f"lr {metrics['lr']:.4g} | {metrics['examples_per_s']:.1f} examples/s"
             )
         self._call("on_log", metrics=metrics)
+
+    # --------------------------------------------------------------- checkpoints
+
+    def save_checkpoint(self) -> Path:
+        """A full-state checkpoint (model, optimizer, scheduler, scaler, every rank's RNG, where training stands)
+        under ``<output_dir>/checkpoints/step-<N>``; call it on every rank. A non-finite loss stops it first."""
+        self.nonfinite.check(str(self.last_checkpoint or ""))
+        epoch, batches = self.epoch, self.batches_into_epoch
+        if self.batches_per_epoch and batches >= self.batches_per_epoch:
+            epoch, batches = epoch + 1, 0  # the epoch is finished: the next step starts the next one
+        state = {
+            "global_step": self.global_step, "epoch": epoch, "batches_into_epoch": batches,
+            "world_size": self.accelerator.num_processes, "batch_size": self.config.batch_size,
+            "gradient_accumulation_steps": self.config.gradient_accumulation_steps, "config": self.config.to_dict(),
+        }  # fmt: skip
+        root = checkpoint_root(self.config.output_dir)
+        self.last_checkpoint = checkpoint.save(self.accelerator, root, self.global_step, state, self.config.keep_last)
+        return self.last_checkpoint
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        """Continue from checkpoint ``path``: weights, optimizer, schedule, RNG and the position in the data."""
+        path = checkpoint.verify(Path(path))
+        state = checkpoint.read_state(path)
+        this_run = {"world_size": self.accelerator.num_processes, "batch_size": self.config.batch_size,
+                    "gradient_accumulation_steps": self.config.gradient_accumulation_steps}  # fmt: skip
+        differs = [f"{key} {state[key]} (now {value})" for key, value in this_run.items() if state[key] != value]
+        if differs:
+            raise CheckpointError(
+                f"checkpoint {path} was written with {', '.join(differs)}. The position in the data is kept per "
+                "process, so resume with the same number of processes, batch_size and gradient_accumulation_steps."
+            )
+        try:
+            self.accelerator.load_state(str(path))
+        except (RuntimeError, KeyError, ValueError, OSError) as err:
+            detail = " ".join(str(err).split())[:2000]  # torch's size-mismatch report spans many lines
+            raise CheckpointError(f"checkpoint {path} does not fit this run: {detail}") from err
+        self.global_step, self.epoch = state["global_step"], state["epoch"]
+        self.batches_into_epoch = state["batches_into_epoch"]
+        self.accelerator.print(
+            f"resumed from {path}: step {self.global_step}, epoch {self.epoch}, batch {self.batches_into_epoch}"
+        )
+
+    def save_model(self, directory: str | Path | None = None) -> Path:
+        """Export the weights once, from the global main process, to ``<output_dir>/final`` by default:
+        ``save_pretrained`` (safetensors) for transformers models, ``model.safetensors`` otherwise."""
+        directory = Path(directory or Path(self.config.output_dir) / "final")
+        self.accelerator.wait_for_everyone()
+        model = self.unwrapped_model
+        if hasattr(model, "save_pretrained"):
+            state_dict = self.accelerator.get_state_dict(self.model)
+            if self.accelerator.is_main_process:
+                model.save_pretrained(directory, state_dict=state_dict)
+        else:
+            self.accelerator.save_model(self.model, directory, safe_serialization=True)
+        self.accelerator.wait_for_everyone()
+        return directory
 
     # ---------------------------------------------------------------- evaluation
 

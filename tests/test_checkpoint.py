@@ -1,0 +1,152 @@
+"""Checkpoints and exact resume through real processes (tests/scenarios.py `resume`: dropout, AdamW, a cosine
+schedule, shuffling, 2 CPU processes, 6 optimizer steps an epoch, 18 in all, a checkpoint every 4 steps)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import SCENARIOS, accelerate_launch, clean_env, python
+from safetensors.torch import load_file
+
+
+def launch_resume(output_dir, *args, **kw):
+    return accelerate_launch(SCENARIOS, "resume", "--output_dir", output_dir, *map(str, args), **kw)
+
+
+def final_weights(output_dir):
+    return load_file(str(output_dir / "final" / "model.safetensors"))
+
+
+def assert_bit_identical(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{name} differs by {(a[name] - b[name]).abs().max().item()}"
+
+
+def result_line(output: str) -> dict:
+    (line,) = [line for line in output.splitlines() if line.startswith("RESULT ")]
+    return json.loads(line.removeprefix("RESULT "))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run."""
+    out = tmp_path_factory.mktemp("reference")
+    launch_resume(out)
+    return out
+
+
+@pytest.mark.parametrize(
+    "crash_at, rank, resumes_at",
+    [
+        (9, 1, "step 8, epoch 1, batch 2"),  # mid-epoch, a step after a checkpoint
+        (8, 0, "step 8, epoch 1, batch 2"),  # right after a checkpoint
+        (6, 1, "step 4, epoch 0, batch 4"),  # at an epoch's end, two steps after a checkpoint
+    ],
+)
+def test_hard_crash_then_restart_ends_bit_identical(tmp_path, reference, crash_at, rank, resumes_at):
+    crashed = launch_resume(tmp_path, "--crash_at", crash_at, "--crash_rank", rank, expect_ok=False)
+    assert f"CRASH rank {rank} after step {crash_at}" in crashed.stdout
+    resumed = launch_resume(tmp_path, "--forbid_unsafe_load")  # everything loads with weights_only=True
+    assert f"resumed from {tmp_path}/checkpoints/" in resumed.stdout and resumes_at in resumed.stdout
+    assert result_line(resumed.stdout)["global_step"] == 18
+    assert_bit_identical(final_weights(reference), final_weights(tmp_path))
+
+
+def test_elastic_restart_finishes_by_itself_bit_identical(tmp_path, reference):
+    # The README's recipe for restarts: c10d rendezvous, and no rendezvous store shared with the workers.
+    elastic = ["--rdzv_backend", "c10d", "--max_restarts", "1", "--monitor_interval", "0.5"]
+    env = clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    result = launch_resume(tmp_path, "--crash_at", 9, run_args=elastic, env=env)
+    assert "CRASH rank 1 after step 9" in result.stdout and "step 8, epoch 1, batch 2" in result.stdout
+    assert_bit_identical(final_weights(reference), final_weights(tmp_path))
+
+
+def test_kill_during_a_save_leaves_the_previous_checkpoint_latest(tmp_path, reference):
+    killed = launch_resume(tmp_path, "--kill_in_save_at", 8, expect_ok=False)
+    assert "KILLED during the save of step 8" in killed.stdout
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step-00000004"
+    resumed = launch_resume(tmp_path)
+    assert "step 4, epoch 0, batch 4" in resumed.stdout
+    assert_bit_identical(final_weights(reference), final_weights(tmp_path))
+    kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert kept == ["latest", "step-00000016", "step-00000018"], "keep_last=2, and the torn write is cleared"
+
+
+def test_nan_raise_names_step_and_rank_and_the_last_good_checkpoint_resumes(tmp_path, reference):
+    failed = launch_resume(tmp_path, "--nan_at", 6, "--nan_rank", 1, expect_ok=False)
+    assert "non-finite loss (NaN or inf) at step 6 on rank 1" in failed.stderr
+    assert f"The last good checkpoint is {tmp_path}/checkpoints/step-00000004" in failed.stderr
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step-00000004", "no NaN state was checkpointed"
+    launch_resume(tmp_path)  # the NaN was transient: continuing from the good checkpoint reproduces the run
+    assert_bit_identical(final_weights(reference), final_weights(tmp_path))
+
+
+def test_nan_skip_drops_the_step_on_every_rank(tmp_path, reference):
+    result = launch_resume(tmp_path, "--nan_at", 6, "--nan_rank", 0, "--nan_policy", "skip")
+    summary = result_line(result.stdout)
+    assert summary["skipped_steps"] == 1 and summary["global_step"] == 18
+    weights = final_weights(tmp_path)
+    assert all(torch.isfinite(w).all() for w in weights.values())
+    assert not torch.equal(weights["net.0.weight"], final_weights(reference)["net.0.weight"])
+
+
+# ------------------------------------------------------------------- bad input: one process is enough
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("one")
+    python(SCENARIOS, "resume", "--output_dir", out)
+    return out
+
+
+def resume_fails(output_dir, *args, launcher=python):
+    if launcher is python:
+        result = python(SCENARIOS, "resume", "--output_dir", output_dir, *map(str, args), expect_ok=False)
+    else:
+        result = launch_resume(output_dir, *args, expect_ok=False)
+    return result.stderr
+
+
+def test_existing_checkpoints_are_not_silently_overwritten(one_process_run):
+    assert "already holds checkpoints of an earlier run. Set resume='auto'" in resume_fails(
+        one_process_run, "--resume", "none"
+    )
+
+
+def test_checkpoint_of_another_model_is_refused_by_name(one_process_run):
+    message = resume_fails(one_process_run, "--hidden", 16)
+    assert "checkpoints/step-00000036 does not fit this run" in message
+    assert "size mismatch for net.0.weight" in message
+
+
+def test_missing_resume_path_is_named(one_process_run, tmp_path):
+    message = resume_fails(tmp_path, "--resume", one_process_run / "checkpoints" / "step-00000099")
+    assert "step-00000099 does not exist. Other checkpoints there:" in message
+
+
+def test_torn_or_deleted_checkpoint_is_named_and_the_others_still_load(one_process_run, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(one_process_run, copy)
+    (copy / "checkpoints" / "step-00000036" / "optimizer.bin").unlink()
+    message = resume_fails(copy)
+    assert "step-00000036 is torn: optimizer.bin is missing or truncated" in message
+    assert "Other checkpoints there:" in message and "step-00000032" in message
+    shutil.rmtree(copy / "checkpoints" / "step-00000036")
+    assert "step-00000036 does not exist" in resume_fails(copy)
+    result = python(SCENARIOS, "resume", "--output_dir", copy, "--resume", copy / "checkpoints" / "step-00000032")
+    assert "resumed from" in result.stdout and result_line(result.stdout)["global_step"] == 36
+
+
+def test_unwritable_output_dir_is_named(one_process_run):
+    assert "cannot be written" in resume_fails(one_process_run / "checkpoints" / "latest" / "sub")
+
+
+def test_different_world_size_stops_with_a_clear_message(one_process_run):
+    message = resume_fails(one_process_run, launcher=accelerate_launch)
+    assert "was written with world_size 1 (now 2)" in message
+    assert "resume with the same number of processes" in message
