@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -38,8 +39,19 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def run(cmd: list[str], expect_ok: bool = True, timeout: int = 300, env: dict | None = None):
-    """Run a command; fail the test with its output if its exit status is not what was expected."""
-    result = subprocess.run(cmd, cwd=ROOT, env=env or clean_env(), capture_output=True, text=True, timeout=timeout)
+    """Run a command; fail the test with its output if its exit status is not what was expected.
+
+    The command gets its own process group, killed whole on a timeout: a launcher's workers must not outlive it.
+    """
+    process = subprocess.Popen(cmd, cwd=ROOT, env=env or clean_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        pytest.fail(f"{' '.join(map(str, cmd))}\ntimed out after {timeout} s\n{stdout}\n{stderr}")
+    result = subprocess.CompletedProcess(cmd, process.returncode, stdout, stderr)
     if expect_ok != (result.returncode == 0):
         pytest.fail(f"{' '.join(map(str, cmd))}\nexit {result.returncode}\n{result.stdout}\n{result.stderr}")
     return result

@@ -1,6 +1,7 @@
 """Small jobs the tests launch as real processes (python, accelerate launch, torchrun). One case per run:
 
     job           a tiny classifier with eval data: evaluates before and after training, writes result.json
+    hf_export     a tiny transformers GPT-2 with the default loss: final/ written with save_pretrained
     resume        dropout, AdamW, cosine, shuffling, checkpoints every 4 steps, resume="auto"; can crash one rank
                   (os._exit) after a given step, or make one rank's loss NaN at a given step
     user_loader   train_data is the user's own DataLoader (--sampler none|distributed)
@@ -49,6 +50,12 @@ class Examples(torch.utils.data.Dataset):
         return {"x": self.x[i], "labels": self.labels[i]}
 
 
+def say(line: str) -> None:
+    """Print from any rank as one write, so that lines of different ranks never splice."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def job(args) -> None:
     torch.manual_seed(0)
     config = TrainConfig(output_dir=args.output_dir, epochs=4, batch_size=8, lr=3e-3, log_every=2,
@@ -82,7 +89,7 @@ class CrashAfter:
     def on_step_end(self, trainer) -> None:
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if first_attempt and trainer.global_step == self.step and trainer.accelerator.process_index == self.rank:
-            print(f"CRASH rank {self.rank} after step {self.step}", flush=True)
+            say(f"CRASH rank {self.rank} after step {self.step}")
             os._exit(1)
 
 
@@ -117,12 +124,29 @@ def resume(args) -> None:
             save_state(*a, **kw)
             if trainer.global_step == args.kill_in_save_at and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
                 trainer.accelerator.wait_for_everyone()
-                print(f"KILLED during the save of step {trainer.global_step}", flush=True)
+                say(f"KILLED during the save of step {trainer.global_step}")
                 os._exit(1)
 
         trainer.accelerator.save_state = save_then_die
     result = trainer.fit()
-    trainer.accelerator.print("RESULT " + json.dumps(result))
+    if trainer.accelerator.is_main_process:
+        say("RESULT " + json.dumps(result))
+
+
+def hf_export(args) -> None:
+    """A tiny GPT-2 built from a config (nothing downloaded), trained a few steps with the default loss."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2,
+                                       bos_token_id=0, eos_token_id=0))  # fmt: skip
+    tokens = torch.randint(0, 64, (32, 16), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": t, "labels": t} for t in tokens]
+    config = TrainConfig(output_dir=args.output_dir, max_steps=3, batch_size=4, lr=1e-3, log_every=1)
+    trainer = Trainer(model, config, train_data=data, eval_data=data[:6])
+    result = trainer.fit()
+    if trainer.accelerator.is_main_process and "eval_perplexity" in result:
+        say(f"PERPLEXITY {result['eval_perplexity']:.4f}")
 
 
 def user_loader(args) -> None:
@@ -144,7 +168,7 @@ def user_loader(args) -> None:
     trainer = Trainer(torch.nn.Linear(1, 1), config, train_data=DataLoader(data, batch_size=3, sampler=sampler),
                       loss_fn=loss_fn)  # fmt: skip
     trainer.fit()
-    print(f"SEEN rank{trainer.accelerator.process_index} {json.dumps(seen)}", flush=True)
+    say(f"SEEN rank{trainer.accelerator.process_index} {json.dumps(seen)}")
 
 
 def too_small(args) -> None:
@@ -161,7 +185,7 @@ def world_guard(args) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("case", choices=["job", "resume", "user_loader", "too_small", "world_guard"])
+    parser.add_argument("case", choices=["job", "resume", "hf_export", "user_loader", "too_small", "world_guard"])
     parser.add_argument("--resume", default="auto", type=lambda v: None if v == "none" else v)
     parser.add_argument("--crash_at", type=int, default=0)
     parser.add_argument("--crash_rank", type=int, default=1)

@@ -8,8 +8,9 @@ import shutil
 
 import pytest
 import torch
-from conftest import SCENARIOS, accelerate_launch, clean_env, python
 from safetensors.torch import load_file
+
+from conftest import SCENARIOS, accelerate_launch, clean_env, python
 
 
 def launch_resume(output_dir, *args, **kw):
@@ -92,6 +93,15 @@ def test_nan_skip_drops_the_step_on_every_rank(tmp_path, reference):
     weights = final_weights(tmp_path)
     assert all(torch.isfinite(w).all() for w in weights.values())
     assert not torch.equal(weights["net.0.weight"], final_weights(reference)["net.0.weight"])
+
+
+def test_final_model_of_a_transformers_model_loads_with_the_auto_classes(tmp_path):
+    result = accelerate_launch(SCENARIOS, "hf_export", "--output_dir", tmp_path)
+    assert "PERPLEXITY" in result.stdout  # the default loss, model(**batch).loss, reports perplexity
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    assert type(model).__name__ == "GPT2LMHeadModel" and (tmp_path / "final" / "model.safetensors").is_file()
 
 
 # ------------------------------------------------------------------- bad input: one process is enough

@@ -7,6 +7,7 @@ import json
 
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
+
 from conftest import CONFIGS, SCENARIOS, accelerate_launch, python
 
 ALL_CONFIGS = sorted(p.name for p in CONFIGS.glob("*.yaml"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from conftest import SAME_UPDATES, accelerate_launch, python, read_summary, torchrun
 
 COMMON = ["--no_shuffle", "--epochs", "3", "--num_examples", "40", "--dim", "10"]

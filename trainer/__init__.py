@@ -10,8 +10,8 @@ The same script runs on a CPU, one GPU, a node or a cluster; the accelerate conf
 
 from trainer.config import ConfigError, TrainConfig
 from trainer.data import DataError
-from trainer.distributed import WorldSizeMismatch
+from trainer.distributed import WorldSizeMismatch, distributed_state
 from trainer.trainer import Trainer
 
-__all__ = ["ConfigError", "DataError", "TrainConfig", "Trainer", "WorldSizeMismatch"]
+__all__ = ["ConfigError", "DataError", "TrainConfig", "Trainer", "WorldSizeMismatch", "distributed_state"]
 __version__ = "0.1.0"

@@ -11,9 +11,10 @@ from __future__ import annotations
 import atexit
 import functools
 import os
+import sys
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.logging import get_logger
 
 from trainer.config import TrainConfig
@@ -44,31 +45,38 @@ def has_accelerator_device() -> bool:
     return torch.accelerator.current_accelerator().type != "mps"
 
 
-def build_accelerator(config: TrainConfig) -> Accelerator:
-    """The Accelerator for this process: hardware and mixed precision from the accelerate config at launch.
-
-    Steps the scheduler ourselves (``step_scheduler_with_optimizer=False``): accelerate would otherwise step it
-    once per *process* per optimizer step, so a schedule would run K times faster on K processes.
-    """
-    world = launched_world_size()
-    cpu_fallback = world > 1 and not has_accelerator_device()
+def distributed_state() -> PartialState:
+    """This process's place in the job (``process_index``, ``num_processes``, ``main_process_first()``), joined
+    with the same CPU fallback as the Trainer: call it to prepare data before the Trainer exists."""
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     try:
-        accelerator = Accelerator(
-            cpu=cpu_fallback,  # False still honours the accelerate config's use_cpu (ACCELERATE_USE_CPU)
-            gradient_accumulation_steps=config.gradient_accumulation_steps,
-            step_scheduler_with_optimizer=False,
-        )
+        state = PartialState(cpu=_needs_cpu_fallback())
     except RuntimeError as err:
         if attempt == 0:
             raise
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         message = f"restart {attempt}: the processes could not reconnect ({first_line}). {ELASTIC_RECIPE}"
         raise RuntimeError(message) from err
-    check_world_size(accelerator)
     _destroy_process_group_at_exit()
+    return state
+
+
+def build_accelerator(config: TrainConfig) -> Accelerator:
+    """The Accelerator for this process: hardware and mixed precision from the accelerate config at launch.
+
+    Steps the scheduler ourselves (``step_scheduler_with_optimizer=False``): accelerate would otherwise step it
+    once per *process* per optimizer step, so a schedule would run K times faster on K processes.
+    """
+    distributed_state()
+    accelerator = Accelerator(
+        cpu=_needs_cpu_fallback(),  # False still honours the accelerate config's use_cpu (ACCELERATE_USE_CPU)
+        gradient_accumulation_steps=config.gradient_accumulation_steps,
+        step_scheduler_with_optimizer=False,
+    )
+    check_world_size(accelerator)
     if accelerator.is_main_process:
-        if cpu_fallback:
+        world = accelerator.num_processes
+        if _needs_cpu_fallback():
             logger.warning(
                 f"No GPU on this host: running the {world} launched processes as real DDP on CPU over gloo "
                 f"(accelerate would otherwise start {world} independent trainings).",
@@ -78,6 +86,10 @@ def build_accelerator(config: TrainConfig) -> Accelerator:
         if restarts > 0 and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":
             logger.warning(f"--max_restarts {restarts}: {ELASTIC_RECIPE}", main_process_only=True)
     return accelerator
+
+
+def _needs_cpu_fallback() -> bool:
+    return launched_world_size() > 1 and not has_accelerator_device()
 
 
 def check_world_size(accelerator: Accelerator) -> None:
@@ -94,12 +106,17 @@ def check_world_size(accelerator: Accelerator) -> None:
 
 @functools.cache  # register once, however many Accelerators a process builds
 def _destroy_process_group_at_exit() -> None:
-    """Why: a process that exits with its gloo group alive can abort (SIGABRT) during interpreter finalization, as
-    gloo's worker threads still hold tensors (pytorch/pytorch#179291; seen here once in ~20 two-process runs)."""
+    """Why: a process that exits with its gloo group alive can abort (SIGABRT, "terminate called without an
+    active exception") during interpreter finalization (pytorch/pytorch#179291, #190489). Seen here in about 1 of
+    15 two-process runs; destroying the group at exit alone still left 1 in 12; with a barrier first, on a clean
+    exit, none in 36. After an uncaught exception there is no barrier: the other ranks may never arrive."""
 
     def destroy() -> None:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return
+        if getattr(sys, "last_exc", getattr(sys, "last_value", None)) is None:
+            torch.distributed.barrier()  # a clean exit: let every rank finish its collectives before teardown
+        torch.distributed.destroy_process_group()
 
     atexit.register(destroy)
 

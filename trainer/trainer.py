@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
@@ -61,7 +62,8 @@ class Trainer:
             is the prepared (DDP-wrapped) model, in evaluation the plain module.
         optimizer, lr_scheduler: built from ``config`` when not given; the scheduler steps once per optimizer step.
         collate_fn: how the trainer's own loaders batch examples (torch's default collate when None).
-        callbacks: objects with any of ``on_train_begin(trainer)``, ``on_step_end(trainer)``,
+        callbacks: objects with any of ``on_train_begin(trainer)``, ``on_epoch_begin(trainer)``,
+            ``on_step_end(trainer)`` (after that step's logging, evaluation and checkpoint),
             ``on_log(trainer, metrics)``, ``on_evaluate(trainer, metrics)``, ``on_train_end(trainer, result)``.
             They observe; they do not steer the loop.
     """
@@ -138,6 +140,7 @@ class Trainer:
         started = time.perf_counter()
         while self.global_step < self.total_steps:
             loader = start_epoch(self.train_loader, self.epoch, self.batches_into_epoch, self.config.seed)
+            self._call("on_epoch_begin")
             for batch in loader:
                 self.batches_into_epoch += 1
                 window.add(self._micro_step(batch), find_batch_size(batch))
@@ -210,10 +213,10 @@ class Trainer:
         if self.accelerator.is_main_process:
             progress.set_postfix(loss=f"{metrics['train_loss']:.4g}", lr=f"{metrics['lr']:.3g}",
                                  ex_s=f"{metrics['examples_per_s']:.4g}", refresh=False)  # fmt: skip
-            progress.write(
-                f"step {self.global_step}/{self.total_steps} | loss {metrics['train_loss']:.6g} | "
-                f"lr {metrics['lr']:.4g} | {metrics['examples_per_s']:.1f} examples/s"
-            )
+        self._say(
+            f"step {self.global_step}/{self.total_steps} | loss {metrics['train_loss']:.6g} | "
+            f"lr {metrics['lr']:.4g} | {metrics['examples_per_s']:.1f} examples/s"
+        )
         self._call("on_log", metrics=metrics)
 
     # --------------------------------------------------------------- checkpoints
@@ -253,9 +256,7 @@ class Trainer:
             raise CheckpointError(f"checkpoint {path} does not fit this run: {detail}") from err
         self.global_step, self.epoch = state["global_step"], state["epoch"]
         self.batches_into_epoch = state["batches_into_epoch"]
-        self.accelerator.print(
-            f"resumed from {path}: step {self.global_step}, epoch {self.epoch}, batch {self.batches_into_epoch}"
-        )
+        self._say(f"resumed from {path}: step {self.global_step}, epoch {self.epoch}, batch {self.batches_into_epoch}")
 
     def save_model(self, directory: str | Path | None = None) -> Path:
         """Export the weights once, from the global main process, to ``<output_dir>/final`` by default:
@@ -299,12 +300,19 @@ class Trainer:
         metrics = {"eval_loss": loss_sum / count, "eval_examples": int(count)}
         if self.loss_fn is model_loss:
             metrics["eval_perplexity"] = math.exp(metrics["eval_loss"]) if metrics["eval_loss"] < 700 else math.inf
-        if self.accelerator.is_main_process:
-            tqdm.write(f"eval at step {self.global_step}: " + ", ".join(f"{k} {v:.6g}" for k, v in metrics.items()))
+        self._say(f"eval at step {self.global_step}: " + ", ".join(f"{k} {v:.6g}" for k, v in metrics.items()))
         self._call("on_evaluate", metrics=metrics)
         return metrics
 
     # ------------------------------------------------------------------- helpers
+
+    def _say(self, text: str) -> None:
+        """A line on the main process, as one write (print() writes the newline apart, and other ranks' lines
+        could land between), clear of the progress bar."""
+        if self.accelerator.is_main_process:
+            with tqdm.external_write_mode(file=sys.stdout):
+                sys.stdout.write(text + "\n")
+                sys.stdout.flush()
 
     def _call(self, hook: str, **kwargs: Any) -> None:
         for callback in self.callbacks:
@@ -316,7 +324,7 @@ class Trainer:
         acc, cfg = self.accelerator, self.config
         steps = f"max_steps={cfg.max_steps}" if cfg.max_steps else f"{cfg.epochs} epochs"
         per_epoch = self.steps_per_epoch if self.steps_per_epoch else "unknown"
-        acc.print(
+        self._say(
             f"trainer | {acc.num_processes} process(es) on {num_machines(acc)} machine(s), device {acc.device.type} "
             f"({acc.distributed_type.value}), mixed precision {acc.mixed_precision}\n"
             f"        | batch {cfg.batch_size} per process x {acc.num_processes} processes x "
