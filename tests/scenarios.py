@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from trainer import TrainConfig, Trainer  # noqa: E402
+from trainer import TrainConfig, Trainer, distributed_state  # noqa: E402
 
 
 class TinyClassifier(torch.nn.Module):
@@ -153,9 +153,7 @@ def user_loader(args) -> None:
     data = TensorDataset(torch.arange(12, dtype=torch.float32).unsqueeze(1))
     sampler = None
     if args.sampler == "distributed":  # as a DDP user builds it: rank and world from the running job
-        from accelerate import PartialState
-
-        state = PartialState(cpu=not torch.cuda.is_available())
+        state = distributed_state()
         sampler = DistributedSampler(data, num_replicas=state.num_processes, rank=state.process_index, shuffle=False)
     seen = []
 

@@ -4,11 +4,12 @@ user DataLoaders; data too small for the world size. Multi-process cases are rea
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
 
-from conftest import CONFIGS, SCENARIOS, accelerate_launch, python
+from conftest import CONFIGS, SAME_UPDATES, SCENARIOS, accelerate_launch, clean_env, python
 
 ALL_CONFIGS = sorted(p.name for p in CONFIGS.glob("*.yaml"))
 
@@ -86,3 +87,19 @@ def test_users_dataloader_is_used_as_is_in_one_process():
 def test_data_set_smaller_than_the_world_is_refused():
     result = accelerate_launch(SCENARIOS, "too_small", expect_ok=False)
     assert "train_data has 1 examples, fewer than the 2 processes" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "config, user_threads, processes",
+    [("single_gpu.yaml", None, 1), ("multi_gpu.yaml", None, 2), ("single_gpu.yaml", "1", 1)],
+)
+def test_cpu_threads_are_shared_among_local_processes_unless_the_user_chose(tmp_path, config, user_threads, processes):
+    # accelerate launch sets OMP_NUM_THREADS=1 itself when it is unset; a lone process must still get every core.
+    env = clean_env()
+    env.pop("OMP_NUM_THREADS")
+    if user_threads:
+        env["OMP_NUM_THREADS"] = user_threads
+    result = accelerate_launch(SAME_UPDATES, "--epochs", "1", "--output_dir", tmp_path, config=config, env=env)
+    expected = int(user_threads) if user_threads else max(1, len(os.sched_getaffinity(0)) // processes)
+    assert f"{processes} process(es) on 1 machine(s), device cpu" in result.stdout
+    assert f", {expected} CPU threads per process," in result.stdout

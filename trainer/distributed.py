@@ -3,7 +3,8 @@
 Why this module exists: on a host without CUDA, ``accelerate launch`` (or torchrun) with K processes starts K
 processes that each build an Accelerator that believes it is alone: K silent, independent trainings. Building it
 with ``cpu=True`` instead gives real DDP over gloo. We do that, say so once, and check that the world the launcher
-announced (WORLD_SIZE) is the world the Accelerator joined.
+announced (WORLD_SIZE) is the world the Accelerator joined. Here too: each CPU process's share of the cores, the
+process group's teardown at exit, and what an elastic restart needs from its launcher.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import atexit
 import functools
 import os
 import sys
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator, PartialState
@@ -74,6 +76,7 @@ def build_accelerator(config: TrainConfig) -> Accelerator:
         step_scheduler_with_optimizer=False,
     )
     check_world_size(accelerator)
+    share_cpu_threads(accelerator.device)
     if accelerator.is_main_process:
         world = accelerator.num_processes
         if _needs_cpu_fallback():
@@ -86,6 +89,35 @@ def build_accelerator(config: TrainConfig) -> Accelerator:
         if restarts > 0 and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":
             logger.warning(f"--max_restarts {restarts}: {ELASTIC_RECIPE}", main_process_only=True)
     return accelerator
+
+
+def share_cpu_threads(device: torch.device) -> None:
+    """On CPU, give each process of this machine an equal share of its cores, unless the user chose
+    OMP_NUM_THREADS (or accelerate's --num_cpu_threads_per_process).
+
+    Why: ``accelerate launch`` (without --cpu) and torchrun set OMP_NUM_THREADS=1 when it is unset, which starves
+    a lone CPU process (31% slower here), while K processes each using every core fight over them (seed 004).
+    Inside the worker the launcher's 1 looks like a user's 1, so the launcher's own environment decides.
+    """
+    if device.type != "cpu" or _user_chose_threads():
+        return
+    processes_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // processes_here))
+
+
+def _user_chose_threads() -> bool:
+    if "OMP_NUM_THREADS" not in os.environ:
+        return False
+    launched = "LOCAL_RANK" in os.environ or "ACCELERATE_USE_CPU" in os.environ  # torchrun-style, or accelerate's
+    if not launched:  # one-process launcher: started directly, the value is the user's
+        return True
+    try:  # the launcher's environment as it was started, and its command line
+        launcher = Path(f"/proc/{os.getppid()}")
+        environment = (launcher / "environ").read_bytes().split(b"\0")
+        command = (launcher / "cmdline").read_bytes()
+    except OSError:
+        return True  # cannot tell (not Linux): leave the value alone
+    return any(v.startswith(b"OMP_NUM_THREADS=") for v in environment) or b"num_cpu_threads_per_process" in command
 
 
 def _needs_cpu_fallback() -> bool:

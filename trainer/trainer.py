@@ -109,6 +109,7 @@ class Trainer:
         self.global_step = self.epoch = self.batches_into_epoch = 0
         self.nonfinite = NonFiniteGuard(self.accelerator, config.nan_policy)
         self.log_history: list[dict[str, float]] = []
+        self.last_eval: Optional[tuple[int, dict[str, float]]] = None  # (step, metrics) of the latest evaluate()
         self.last_checkpoint: Optional[Path] = find_resume_point(config)
         if self.last_checkpoint is not None:
             self.load_checkpoint(self.last_checkpoint)
@@ -192,7 +193,8 @@ class Trainer:
             "skipped_steps": self.nonfinite.skipped_steps,
         }
         if self.eval_loader is not None:
-            result.update(self.evaluate())
+            evaluated_now = self.last_eval is not None and self.last_eval[0] == self.global_step
+            result.update(self.last_eval[1] if evaluated_now else self.evaluate())
         self.save_model()
         self._call("on_train_end", result=result)
         return result
@@ -301,6 +303,7 @@ class Trainer:
         if self.loss_fn is model_loss:
             metrics["eval_perplexity"] = math.exp(metrics["eval_loss"]) if metrics["eval_loss"] < 700 else math.inf
         self._say(f"eval at step {self.global_step}: " + ", ".join(f"{k} {v:.6g}" for k, v in metrics.items()))
+        self.last_eval = (self.global_step, metrics)
         self._call("on_evaluate", metrics=metrics)
         return metrics
 
@@ -323,10 +326,11 @@ class Trainer:
     def _print_banner(self) -> None:
         acc, cfg = self.accelerator, self.config
         steps = f"max_steps={cfg.max_steps}" if cfg.max_steps else f"{cfg.epochs} epochs"
+        threads = f", {torch.get_num_threads()} CPU threads per process" if acc.device.type == "cpu" else ""
         per_epoch = self.steps_per_epoch if self.steps_per_epoch else "unknown"
         self._say(
             f"trainer | {acc.num_processes} process(es) on {num_machines(acc)} machine(s), device {acc.device.type} "
-            f"({acc.distributed_type.value}), mixed precision {acc.mixed_precision}\n"
+            f"({acc.distributed_type.value}){threads}, mixed precision {acc.mixed_precision}\n"
             f"        | batch {cfg.batch_size} per process x {acc.num_processes} processes x "
             f"{cfg.gradient_accumulation_steps} accumulation = {self.global_batch_size} global\n"
             f"        | {per_epoch} optimizer steps per epoch, {self.total_steps} in all ({steps}); "

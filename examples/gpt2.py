@@ -1,0 +1,223 @@
+"""Seed 004's GPT-2 job on the trainer, runnable offline out of the box.
+
+With no flags it trains a small GPT-2 (built from a GPT2Config) on real English text every machine already has:
+Python's own reference documentation, shipped with CPython as ``pydoc_data.topics`` (about 460 KB), with a
+byte-level BPE tokenizer trained on it in a second. It prints the loss falling, the eval loss and perplexity,
+tokens/s and model FLOPs utilisation, a generated sample, and saves model + tokenizer under <output_dir>/final
+(loadable with AutoModelForCausalLM / AutoTokenizer). Started again with the same output directory it continues
+from its latest checkpoint (``--resume auto`` is this example's default).
+
+    accelerate launch --config_file accelerate_configs/multi_gpu.yaml examples/gpt2.py    # 2 processes
+    torchrun --standalone --nproc_per_node 2 examples/gpt2.py
+    python examples/gpt2.py
+
+Seed 004's run on a node of GPUs (needs the hub; bf16 from the accelerate config):
+
+    OMP_NUM_THREADS=1 accelerate launch --config_file accelerate_configs/bf16.yaml --num_processes 8 \
+        examples/gpt2.py --experiment-name gpt2-openwebtext-A100 --dataset-name Skylion007/openwebtext \
+        --model-name openai-community/gpt2 --batch-size 64 --seq-len 1024
+
+Every TrainConfig field is a flag too (``--lr``, ``--max-steps``, ``--save-every``; hyphens or underscores), and
+``--config run.yaml`` reads TrainConfig keys from a file (flags win). Local text: ``--train-file a.txt b.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+import yaml
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, HfArgumentParser
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+from trainer import TrainConfig, Trainer, distributed_state  # noqa: E402
+
+EOS = "<|endoftext|>"
+
+# This example's own TrainConfig defaults (a --config file and flags override them). Global batch: 8 sequences
+# x 128 tokens x processes; about 50 optimizer steps an epoch on the built-in text with 2 processes.
+EXAMPLE_DEFAULTS = dict(output_dir="runs/gpt2", experiment_name="gpt2", batch_size=8, max_steps=300, lr=2e-3,
+                        weight_decay=0.1, betas=(0.9, 0.95), lr_scheduler="cosine", warmup_steps=30,
+                        max_grad_norm=1.0, log_every=25, eval_every=100, save_every=100, resume="auto")  # fmt: skip
+
+# Dense bf16/fp16 peak FLOP/s of common GPUs, for MFU; override with --peak-flops.
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12,
+              "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12, "T4": 65e12}  # fmt: skip
+
+
+@dataclass
+class GPT2Args:
+    config: Optional[str] = field(default=None, metadata={"help": "a YAML file of TrainConfig keys"})
+    model_name: Optional[str] = field(default=None, metadata={"help": "hub name or local path of a causal LM"})
+    dataset_name: Optional[str] = field(default=None, metadata={"help": "a datasets hub name"})
+    dataset_config: Optional[str] = None
+    text_column: str = "text"
+    train_file: Optional[list[str]] = field(default=None, metadata={"help": "local .txt or .jsonl files"})
+    seq_len: int = 128
+    eval_fraction: float = 0.05
+    num_proc: int = 1  # processes for tokenising with datasets.map
+    # the from-scratch model's size (ignored with --model-name)
+    vocab_size: int = 4096
+    n_layer: int = 4
+    n_embd: int = 128
+    n_head: int = 4
+    peak_flops: Optional[float] = field(default=None, metadata={"help": "device peak FLOP/s for MFU"})
+    prompt: str = "The"
+    sample_tokens: int = 60
+
+
+def parse_args(argv=None) -> tuple[GPT2Args, TrainConfig]:
+    parser = HfArgumentParser([GPT2Args, TrainConfig])
+    betas = next(a for a in parser._actions if a.dest == "betas")
+    betas.type, betas.nargs = float, 2  # HfArgumentParser reads tuple[float, float] as characters
+    parser.set_defaults(**EXAMPLE_DEFAULTS)
+    config_file = argparse.ArgumentParser(add_help=False)
+    config_file.add_argument("--config")
+    path = config_file.parse_known_args(argv)[0].config
+    if path:  # keys from the file over the example's defaults, checked as strictly as TrainConfig checks them
+        from_file = yaml.safe_load(Path(path).read_text()) or {}
+        TrainConfig.from_dict({**EXAMPLE_DEFAULTS, **from_file}, source=path)
+        parser.set_defaults(**from_file)
+    args, config = parser.parse_args_into_dataclasses(args=argv)
+    return args, config
+
+
+def load_texts(args: GPT2Args):
+    """A datasets.Dataset with a "text" column: local files, a hub data set, or Python's own documentation."""
+    from datasets import Dataset, disable_progress_bars, load_dataset
+
+    disable_progress_bars()  # one bar per map per process, for seconds of work: noise in the log
+
+    if args.train_file:
+        kind = "json" if args.train_file[0].endswith((".json", ".jsonl")) else "text"
+        texts = load_dataset(kind, data_files=args.train_file, split="train")
+    elif args.dataset_name:
+        texts = load_dataset(args.dataset_name, args.dataset_config, split="train")
+    else:
+        from pydoc_data.topics import topics
+
+        texts = Dataset.from_dict({"text": list(topics.values())})
+    if args.text_column != "text":
+        texts = texts.rename_column(args.text_column, "text")
+    return texts.select_columns(["text"])
+
+
+def train_tokenizer(texts, vocab_size: int):
+    """Byte-level BPE (GPT-2's scheme) trained on ``texts``, as a transformers tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()  # every byte, so no text is ever out of vocabulary
+    bpe_trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS],
+                                      initial_alphabet=alphabet)  # fmt: skip
+    bpe.train_from_iterator(texts["text"], trainer=bpe_trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=EOS, eos_token=EOS, pad_token=EOS)
+
+
+def tokenize_and_pack(texts, tokenizer, args: GPT2Args, seed: int):
+    """Token ids of every document, each ended by EOS, concatenated and cut into ``seq_len`` blocks; a held-out
+    eval split. Labels are the inputs: the model shifts them."""
+
+    def tokenize(batch):
+        return {"input_ids": [ids + [tokenizer.eos_token_id] for ids in tokenizer(batch["text"])["input_ids"]]}
+
+    def pack(batch):
+        stream = [token for ids in batch["input_ids"] for token in ids]
+        blocks = [stream[i : i + args.seq_len] for i in range(0, len(stream) - args.seq_len + 1, args.seq_len)]
+        return {"input_ids": blocks, "labels": blocks}
+
+    tokens = texts.map(tokenize, batched=True, remove_columns=["text"], num_proc=args.num_proc)
+    blocks = tokens.map(pack, batched=True, batch_size=1000, num_proc=args.num_proc)
+    split = blocks.train_test_split(test_size=args.eval_fraction, seed=seed)
+    return split["train"].with_format("torch"), split["test"].with_format("torch")
+
+
+class Throughput:
+    """Tokens/s across all processes and model FLOPs utilisation, at every log."""
+
+    def __init__(self, model: torch.nn.Module, seq_len: int, peak_flops: Optional[float]):
+        config = model.config
+        n_params = sum(p.numel() for p in model.parameters())
+        # 6N per token for forward + backward, plus attention's 12 x layers x width x sequence (PaLM, app. B)
+        layers, width = config.num_hidden_layers, config.hidden_size  # GPT-2's n_layer, n_embd; any causal LM
+        self.flops_per_token = 6 * n_params + 12 * layers * width * seq_len
+        self.seq_len, self.peak_flops = seq_len, peak_flops
+
+    def on_log(self, trainer: Trainer, metrics: dict) -> None:
+        tokens_per_s = metrics["examples_per_s"] * self.seq_len
+        line = f"  tokens/s {tokens_per_s:,.0f}"
+        peak = self.peak_flops or gpu_peak_flops(trainer.accelerator.device)
+        if peak:
+            mfu = self.flops_per_token * tokens_per_s / (peak * trainer.accelerator.num_processes)
+            line += f" | MFU {100 * mfu:.1f}%"
+        metrics.update(tokens_per_s=tokens_per_s)
+        trainer.accelerator.print(line)
+
+
+def gpu_peak_flops(device: torch.device) -> Optional[float]:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
+
+
+def main(argv=None) -> dict:
+    args, config = parse_args(argv)
+    state = distributed_state()  # rank and main_process_first before the Trainer exists
+    texts = load_texts(args)
+    tokenizer_dir = Path(config.output_dir) / "tokenizer"
+    with state.main_process_first():  # one process builds the tokenizer and the tokenised data; the rest reuse
+        if args.model_name:
+            tokenizer = AutoTokenizer.from_pretrained(args.model_name)
+        elif (tokenizer_dir / "tokenizer.json").is_file():  # a resumed run must tokenise as the first did
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        else:
+            tokenizer = train_tokenizer(texts, args.vocab_size)
+            if state.is_main_process:
+                tokenizer.save_pretrained(tokenizer_dir)
+        train_data, eval_data = tokenize_and_pack(texts, tokenizer, args, config.seed)
+
+    torch.manual_seed(config.seed)
+    if args.model_name:
+        model = AutoModelForCausalLM.from_pretrained(args.model_name)
+    else:
+        model = GPT2LMHeadModel(GPT2Config(
+            vocab_size=len(tokenizer), n_positions=args.seq_len, n_embd=args.n_embd, n_layer=args.n_layer,
+            n_head=args.n_head, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+        ))  # fmt: skip
+    state.print(f"gpt2 | {sum(p.numel() for p in model.parameters()):,} parameters, {len(train_data):,} train and "
+                f"{len(eval_data):,} eval sequences of {args.seq_len} tokens")  # fmt: skip
+    trainer = Trainer(model, config, train_data=train_data, eval_data=eval_data,
+                      callbacks=[Throughput(model, args.seq_len, args.peak_flops)])  # fmt: skip
+    result = trainer.fit()
+
+    final = Path(config.output_dir) / "final"
+    if state.is_main_process:
+        tokenizer.save_pretrained(final)
+        print(f"eval loss {result['eval_loss']:.4f}, perplexity {result['eval_perplexity']:.2f}")
+        print(f"sample: {sample(trainer.unwrapped_model, tokenizer, args.prompt, args.sample_tokens)!r}")
+        print(f"model and tokenizer saved to {final} (AutoModelForCausalLM / AutoTokenizer .from_pretrained)")
+    return result
+
+
+@torch.no_grad()
+def sample(model: torch.nn.Module, tokenizer, prompt: str, new_tokens: int) -> str:
+    model.eval()
+    inputs = tokenizer(prompt, return_tensors="pt").to(next(model.parameters()).device)
+    generator_seed = torch.random.get_rng_state()
+    torch.manual_seed(0)  # the same sample for the same weights
+    output = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=True, top_k=40, temperature=0.8,
+                            pad_token_id=tokenizer.eos_token_id)  # fmt: skip
+    torch.random.set_rng_state(generator_seed)
+    return tokenizer.decode(output[0], skip_special_tokens=True)
+
+
+if __name__ == "__main__":
+    main()

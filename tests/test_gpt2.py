@@ -1,0 +1,96 @@
+"""examples/gpt2.py: offline tiny runs through every launcher, the saved model and tokenizer, resume, and flags."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+
+import pytest
+
+from trainer import ConfigError
+
+from conftest import ROOT, accelerate_launch, python, torchrun
+
+GPT2 = ROOT / "examples" / "gpt2.py"
+TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "32", "--vocab-size", "512",
+        "--batch-size", "4", "--log-every", "5", "--eval-every", "1000", "--save-every", "10", "--warmup-steps", "2",
+        "--sample-tokens", "8"]  # fmt: skip
+
+
+def logged_losses(output: str) -> list[float]:
+    return [float(x) for x in re.findall(r"^step \d+/\d+ \| loss ([\d.]+)", output, re.M)]
+
+
+def test_two_processes_train_save_a_loadable_model_and_resume(tmp_path):
+    first = accelerate_launch(GPT2, *TINY, "--max-steps", "20", "--output-dir", tmp_path)
+    assert "trainer | 2 process(es)" in first.stdout
+    losses = logged_losses(first.stdout)
+    assert len(losses) == 4 and losses[-1] < losses[0], losses
+    assert re.search(r"^eval loss [\d.]+, perplexity [\d.]+$", first.stdout, re.M)
+    assert re.search(r"^  tokens/s [\d,]+$", first.stdout, re.M) and "\nsample: " in first.stdout
+    assert f"saved to {tmp_path}/final" in first.stdout
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "final")
+    assert model.config.n_layer == 1 and model.config.vocab_size == len(tokenizer)
+    assert tokenizer.decode(tokenizer("def f(x): return x")["input_ids"]) == "def f(x): return x"
+
+    again = accelerate_launch(GPT2, *TINY, "--max-steps", "30", "--output-dir", tmp_path)
+    assert f"resumed from {tmp_path}/checkpoints/step-00000020: step 20" in again.stdout
+    assert "step 25/30" in again.stdout and "step 5/30" not in again.stdout
+
+
+@pytest.mark.parametrize("launch", ["single_gpu.yaml", "bf16.yaml", "cpu.yaml", "torchrun", "python"])
+def test_every_launch_path_runs(tmp_path, launch):
+    args = [*TINY, "--max-steps", "4", "--output-dir", tmp_path]
+    if launch == "torchrun":
+        result = torchrun(GPT2, *args)
+    elif launch == "python":
+        result = python(GPT2, *args)
+    else:
+        result = accelerate_launch(GPT2, *args, config=launch)
+    processes = 2 if launch in ("bf16.yaml", "torchrun") else 1
+    assert f"trainer | {processes} process(es)" in result.stdout
+    assert "mixed precision bf16" in result.stdout if launch == "bf16.yaml" else "mixed precision no" in result.stdout
+    assert (tmp_path / "final" / "model.safetensors").is_file()
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("gpt2_example", GPT2)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # @dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_flags_take_hyphens_or_underscores_and_a_yaml_config(tmp_path):
+    example = load_example()
+    args, config = example.parse_args(["--batch-size", "3", "--max_steps", "7", "--betas", "0.8", "0.9",
+                                       "--experiment-name", "x", "--model-name", "m"])  # fmt: skip
+    assert (config.batch_size, config.max_steps, config.betas, config.experiment_name) == (3, 7, (0.8, 0.9), "x")
+    assert args.model_name == "m" and config.lr == example.EXAMPLE_DEFAULTS["lr"]
+
+    run_yaml = tmp_path / "run.yaml"
+    run_yaml.write_text("lr: 1e-4\nbatch_size: 5\n")
+    _, config = example.parse_args(["--config", str(run_yaml), "--batch-size", "6"])
+    assert (config.lr, config.batch_size) == (1e-4, 6), "the file over the defaults, flags over the file"
+
+    run_yaml.write_text("learning_rate: 1e-4\n")
+    with pytest.raises(ConfigError, match="unknown key 'learning_rate'"):
+        example.parse_args(["--config", str(run_yaml)])
+    with pytest.raises(ConfigError, match="optimizer must be one of"):
+        example.parse_args(["--optimizer", "adagrad"])
+
+
+def test_model_name_and_train_file_take_local_paths(tmp_path):
+    python(GPT2, *TINY, "--max-steps", "2", "--output-dir", tmp_path / "first")
+    text = tmp_path / "notes.txt"
+    text.write_text("A trainer runs the same script on one process or many.\n" * 200)
+    local = ["--model-name", tmp_path / "first" / "final", "--train-file", text, "--peak-flops", "1e12"]
+    result = python(GPT2, *TINY, "--max-steps", "4", "--output-dir", tmp_path / "second", *local)
+    assert re.search(r"^gpt2 \| [\d,]+ parameters, \d+ train and \d+ eval sequences of 32 tokens$", result.stdout, re.M)
+    assert re.search(r"^  tokens/s [\d,]+ \| MFU [\d.]+%$", result.stdout, re.M)
+    assert not (tmp_path / "second" / "tokenizer").exists(), "a --model-name run uses that model's tokenizer"
