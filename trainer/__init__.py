@@ -8,10 +8,15 @@ The same script runs on a CPU, one GPU, a node or a cluster; the accelerate conf
     trainer.fit()
 """
 
+from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError, TrainConfig
 from trainer.data import DataError
 from trainer.distributed import WorldSizeMismatch, distributed_state
+from trainer.nonfinite import NonFiniteLoss
 from trainer.trainer import Trainer
 
-__all__ = ["ConfigError", "DataError", "TrainConfig", "Trainer", "WorldSizeMismatch", "distributed_state"]
+__all__ = [
+    "CheckpointError", "ConfigError", "DataError", "NonFiniteLoss", "TrainConfig", "Trainer", "WorldSizeMismatch",
+    "distributed_state",
+]  # fmt: skip
 __version__ = "0.1.0"
