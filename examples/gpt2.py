@@ -140,7 +140,7 @@ def tokenize_and_pack(texts, tokenizer, args: GPT2Args, seed: int):
 
 
 class Throughput:
-    """Tokens/s across all processes and model FLOPs utilisation, at every log."""
+    """Tokens/s across all processes (counted by the Trainer from ``input_ids``) and model FLOPs utilisation."""
 
     def __init__(self, model: torch.nn.Module, seq_len: int, peak_flops: Optional[float]):
         config = model.config
@@ -148,16 +148,14 @@ class Throughput:
         # 6N per token for forward + backward, plus attention's 12 x layers x width x sequence (PaLM, app. B)
         layers, width = config.num_hidden_layers, config.hidden_size  # GPT-2's n_layer, n_embd; any causal LM
         self.flops_per_token = 6 * n_params + 12 * layers * width * seq_len
-        self.seq_len, self.peak_flops = seq_len, peak_flops
+        self.peak_flops = peak_flops
 
     def on_log(self, trainer: Trainer, metrics: dict) -> None:
-        tokens_per_s = metrics["examples_per_s"] * self.seq_len
-        line = f"  tokens/s {tokens_per_s:,.0f}"
+        line = f"  tokens/s {metrics['tokens_per_s']:,.0f}"
         peak = self.peak_flops or gpu_peak_flops(trainer.accelerator.device)
         if peak:
-            mfu = self.flops_per_token * tokens_per_s / (peak * trainer.accelerator.num_processes)
+            mfu = self.flops_per_token * metrics["tokens_per_s"] / (peak * trainer.accelerator.num_processes)
             line += f" | MFU {100 * mfu:.1f}%"
-        metrics.update(tokens_per_s=tokens_per_s)
         trainer.accelerator.print(line)
 
 

@@ -3,7 +3,8 @@
     job           a tiny classifier with eval data: evaluates before and after training, writes result.json
     hf_export     a tiny transformers GPT-2 with the default loss: final/ written with save_pretrained
     resume        dropout, AdamW, cosine, shuffling, checkpoints every 4 steps, resume="auto"; can crash one rank
-                  (os._exit) after a given step, or make one rank's loss NaN at a given step
+                  (os._exit) after a given step, or make one rank's loss NaN at a given step; with
+                  --wandb_project it logs to wandb, and can raise on one rank or slow one rank down
     user_loader   train_data is the user's own DataLoader (--sampler none|distributed)
     too_small     fewer training examples than processes
     world_guard   a plain Accelerator on a CPU host under a 2-process launch: the trainer's guard must stop it
@@ -15,6 +16,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -97,11 +99,17 @@ def resume(args) -> None:
     torch.manual_seed(0)
     config = TrainConfig(output_dir=args.output_dir, epochs=3, batch_size=4, optimizer="adamw", lr=1e-2,
                          weight_decay=0.01, lr_scheduler="cosine", warmup_steps=2, save_every=4, keep_last=2,
-                         resume=args.resume, log_every=3, nan_policy=args.nan_policy)  # fmt: skip
+                         resume=args.resume, log_every=3, nan_policy=args.nan_policy,
+                         experiment_name=args.experiment_name, wandb_project=args.wandb_project)  # fmt: skip
 
     def loss_fn(model, batch):
         loss = model(**batch).loss
         step = trainer.global_step + 1
+        rank = trainer.accelerator.process_index
+        if rank == args.slow_rank:
+            time.sleep(0.03)  # a straggler: the others wait for it at every gradient all-reduce
+        if step == args.raise_at and rank == args.raise_rank:
+            raise RuntimeError(f"boom on rank {rank} at step {step}")
         if step == args.nan_at and trainer.accelerator.process_index == args.nan_rank:
             loss = loss * float("nan")
         return loss
@@ -191,6 +199,11 @@ if __name__ == "__main__":
     parser.add_argument("--nan_rank", type=int, default=1)
     parser.add_argument("--nan_policy", default="raise")
     parser.add_argument("--hidden", type=int, default=32)
+    parser.add_argument("--wandb_project", default=None)
+    parser.add_argument("--experiment_name", default="scenario")
+    parser.add_argument("--raise_at", type=int, default=0)
+    parser.add_argument("--raise_rank", type=int, default=1)
+    parser.add_argument("--slow_rank", type=int, default=-1)
     parser.add_argument("--kill_in_save_at", type=int, default=0)
     parser.add_argument("--forbid_unsafe_load", action="store_true")
     parser.add_argument("--output_dir", default="runs/scenario")

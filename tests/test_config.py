@@ -84,6 +84,7 @@ def test_constructor_validates_too():
         TrainConfig().replace(warmup_steps=-1)
 
 
-def test_features_of_later_releases_are_refused_not_ignored():
-    with pytest.raises(ConfigError, match="wandb_project is not supported yet"):
-        TrainConfig(wandb_project="p")
+def test_wandb_project_is_a_name_or_null():
+    assert TrainConfig(wandb_project="p").wandb_project == "p"
+    with pytest.raises(ConfigError, match="wandb_project must be a wandb project name"):
+        TrainConfig(wandb_project="")

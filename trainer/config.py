@@ -66,7 +66,8 @@ class TrainConfig:
     keep_last: int = 2  # checkpoints kept; older ones are deleted once a newer one is committed
     resume: Optional[str] = None  # None (refuses an output_dir holding checkpoints) | "auto" | a checkpoint path
     nan_policy: str = "raise"  # non-finite loss: "raise" (stop, naming step and rank) | "skip" (drop that step)
-    wandb_project: Optional[str] = None  # reserved for wandb group logging (issue 5)
+    # Set it to log to wandb from every process: run <experiment_name>-rank<k> in group <experiment_name>.
+    wandb_project: Optional[str] = None
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
@@ -139,8 +140,8 @@ class TrainConfig:
         _check_choice("nan_policy", self.nan_policy, NAN_POLICIES)
         if self.resume == "":
             raise ConfigError("resume must be null, 'auto' or a checkpoint path; got ''")
-        if self.wandb_project is not None:
-            raise ConfigError("wandb_project is not supported yet (wandb group logging arrives in a later release)")
+        if self.wandb_project == "":
+            raise ConfigError("wandb_project must be a wandb project name, or null to log without wandb; got ''")
 
 
 def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:

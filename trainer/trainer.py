@@ -35,6 +35,7 @@ from trainer.data import DataError, batches_per_epoch, build_eval_loader, build_
 from trainer.distributed import build_accelerator, num_machines
 from trainer.nonfinite import NonFiniteGuard
 from trainer.optim import build_optimizer, build_scheduler
+from trainer.tracking import StepWindow, Tracker, memory_gb, new_run_id, summarize
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 
@@ -110,9 +111,11 @@ class Trainer:
         self.nonfinite = NonFiniteGuard(self.accelerator, config.nan_policy)
         self.log_history: list[dict[str, float]] = []
         self.last_eval: Optional[tuple[int, dict[str, float]]] = None  # (step, metrics) of the latest evaluate()
+        self.run_id = new_run_id(self.accelerator)  # names every rank's wandb run; a resume reads it back
         self.last_checkpoint: Optional[Path] = find_resume_point(config)
         if self.last_checkpoint is not None:
             self.load_checkpoint(self.last_checkpoint)
+        self.tracker = Tracker(config, self.accelerator, self.run_id)
 
     @property
     def unwrapped_model(self) -> torch.nn.Module:
@@ -131,10 +134,22 @@ class Trainer:
     # ------------------------------------------------------------------ training
 
     def fit(self) -> dict[str, float]:
-        """Train for ``max_steps`` optimizer steps, or ``epochs`` epochs; return the final figures."""
+        """Train for ``max_steps`` optimizer steps, or ``epochs`` epochs; return the final figures.
+
+        An exception on this rank ends its wandb run marked as failed, with the error in it, before it propagates.
+        """
         self._print_banner()
         self._call("on_train_begin")
-        window = _LossWindow(self.accelerator.device)
+        try:
+            result = self._train()
+        except BaseException as err:
+            self.tracker.fail(err)
+            raise
+        self.tracker.finish()
+        return result
+
+    def _train(self) -> dict[str, float]:
+        window = StepWindow(self.accelerator.device)
         progress = tqdm(total=self.total_steps, initial=self.global_step, desc="train", dynamic_ncols=True,
                         disable=None if self.accelerator.is_main_process else True)  # None: off when not a tty
         self.model.train()
@@ -142,12 +157,13 @@ class Trainer:
         while self.global_step < self.total_steps:
             loader = start_epoch(self.train_loader, self.epoch, self.batches_into_epoch, self.config.seed)
             self._call("on_epoch_begin")
-            for batch in loader:
+            for batch in window.timed(loader):
                 self.batches_into_epoch += 1
-                window.add(self._micro_step(batch), find_batch_size(batch))
+                self._micro_step(batch, window)
                 if not self.accelerator.sync_gradients:
                     continue  # mid-accumulation: no optimizer step yet
                 self.global_step += 1
+                window.steps += 1
                 progress.update()
                 self._after_step(window, progress)
                 if self.global_step >= self.total_steps:
@@ -157,12 +173,15 @@ class Trainer:
         progress.close()
         return self._finish(started)
 
-    def _micro_step(self, batch: Any) -> torch.Tensor:
+    def _micro_step(self, batch: Any, window: StepWindow) -> None:
         """Forward and backward on one batch; an optimizer step when the accumulation window closes."""
+        step = self.global_step + 1
         with self.accelerator.accumulate(self.model):
+            started = time.perf_counter()
             loss = self.loss_fn(self.model, batch)
+            window.forward += time.perf_counter() - started  # host time: this rank's own work before the all-reduce
             self.accelerator.backward(loss)
-            loss = self.nonfinite.observe(loss.detach(), step=self.global_step + 1)
+            loss = self.nonfinite.observe(loss.detach(), step=step)
             if self.accelerator.sync_gradients and not self.nonfinite.skip_this_step():
                 if self.config.max_grad_norm is not None:
                     self.accelerator.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
@@ -170,9 +189,9 @@ class Trainer:
                 if not self.optimizer.step_was_skipped:
                     self.lr_scheduler.step()  # fp16 overflow skips the step, so the schedule waits too
             self.optimizer.zero_grad()  # accelerate keeps the gradients mid-accumulation
-        return loss
+        window.add(loss, batch, find_batch_size(batch))
 
-    def _after_step(self, window: "_LossWindow", progress: tqdm) -> None:
+    def _after_step(self, window: StepWindow, progress: tqdm) -> None:
         """Logging, evaluation and checkpoints due after optimizer step ``global_step``; then the callbacks."""
         cfg, step, last = self.config, self.global_step, self.global_step == self.total_steps
         if step % cfg.log_every == 0 or last:
@@ -199,19 +218,26 @@ class Trainer:
         self._call("on_train_end", result=result)
         return result
 
-    def _log(self, window: "_LossWindow", progress: tqdm) -> None:
-        """Global mean loss and throughput since the last log: the only host synchronisation in the loop."""
+    def _log(self, window: StepWindow, progress: tqdm) -> None:
+        """Every rank's window since the last log, gathered once: the only host synchronisation in the loop.
+        Each rank logs its own figures; the main process adds the global view and the stragglers."""
         self.nonfinite.check(str(self.last_checkpoint or ""))
-        loss_sum, batches, examples = self.accelerator.reduce(window.totals(), reduction="sum").tolist()
-        elapsed = window.restart()
+        rows = self.accelerator.gather(window.row()).tolist()
+        window.restart()
+        own, global_view = summarize(rows, self.accelerator.process_index)
         metrics = {
             "step": self.global_step,
             "epoch": round(self.epoch_progress, 4),
-            "train_loss": loss_sum / batches,
+            "train_loss": global_view["global/train_loss"],
             "lr": self.lr_scheduler.get_last_lr()[0],
-            "examples_per_s": examples / elapsed,
+            "examples_per_s": global_view["global/examples_per_s"],
         }
+        if "global/tokens_per_s" in global_view:
+            metrics["tokens_per_s"] = global_view["global/tokens_per_s"]
         self.log_history.append(metrics)
+        own.update({"rank/lr": metrics["lr"], "rank/epoch": metrics["epoch"],
+                    "rank/memory_gb": memory_gb(self.accelerator.device)})  # fmt: skip
+        self.tracker.log({**own, **(global_view if self.accelerator.is_main_process else {})}, self.global_step)
         if self.accelerator.is_main_process:
             progress.set_postfix(loss=f"{metrics['train_loss']:.4g}", lr=f"{metrics['lr']:.3g}",
                                  ex_s=f"{metrics['examples_per_s']:.4g}", refresh=False)  # fmt: skip
@@ -234,6 +260,7 @@ class Trainer:
             "global_step": self.global_step, "epoch": epoch, "batches_into_epoch": batches,
             "world_size": self.accelerator.num_processes, "batch_size": self.config.batch_size,
             "gradient_accumulation_steps": self.config.gradient_accumulation_steps, "config": self.config.to_dict(),
+            "run_id": self.run_id,  # rank k's wandb run is <run_id>-rank<k>: a resume continues it
         }  # fmt: skip
         root = checkpoint_root(self.config.output_dir)
         self.last_checkpoint = checkpoint.save(self.accelerator, root, self.global_step, state, self.config.keep_last)
@@ -258,6 +285,7 @@ class Trainer:
             raise CheckpointError(f"checkpoint {path} does not fit this run: {detail}") from err
         self.global_step, self.epoch = state["global_step"], state["epoch"]
         self.batches_into_epoch = state["batches_into_epoch"]
+        self.run_id = state.get("run_id", self.run_id)
         self._say(f"resumed from {path}: step {self.global_step}, epoch {self.epoch}, batch {self.batches_into_epoch}")
 
     def save_model(self, directory: str | Path | None = None) -> Path:
@@ -304,6 +332,8 @@ class Trainer:
             metrics["eval_perplexity"] = math.exp(metrics["eval_loss"]) if metrics["eval_loss"] < 700 else math.inf
         self._say(f"eval at step {self.global_step}: " + ", ".join(f"{k} {v:.6g}" for k, v in metrics.items()))
         self.last_eval = (self.global_step, metrics)
+        if self.accelerator.is_main_process:  # the same reduced figures on every rank: the main run holds them
+            self.tracker.log({f"eval/{k.removeprefix('eval_')}": v for k, v in metrics.items()}, self.global_step)
         self._call("on_evaluate", metrics=metrics)
         return metrics
 
@@ -337,30 +367,3 @@ class Trainer:
             f"{cfg.optimizer} lr {cfg.lr:g}, {cfg.lr_scheduler} schedule"
         )
 
-
-class _LossWindow:
-    """Loss and example counts since the last log, kept on the device so that steps which do not log never wait
-    for it."""
-
-    def __init__(self, device: torch.device):
-        self._totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, micro-batches, examples
-        self._micro_batches = 0
-        self._examples = 0
-        self._since = time.perf_counter()
-
-    def add(self, loss: torch.Tensor, examples: int) -> None:
-        self._totals[0] += loss.double()
-        self._micro_batches += 1
-        self._examples += examples
-
-    def totals(self) -> torch.Tensor:
-        self._totals[1], self._totals[2] = self._micro_batches, self._examples
-        return self._totals.clone()
-
-    def restart(self) -> float:
-        """Clear the window; return the seconds it covered."""
-        now, since = time.perf_counter(), self._since
-        self._totals.zero_()
-        self._micro_batches = self._examples = 0
-        self._since = now
-        return now - since

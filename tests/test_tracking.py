@@ -1,0 +1,120 @@
+"""wandb from every process, read back from what wandb's real offline mode wrote; local metrics and the plot."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from wandb_records import offline_runs
+
+from conftest import SCENARIOS, accelerate_launch, clean_env, free_port, python, run
+
+PROJECT = ["--wandb_project", "trainer-tests", "--experiment_name", "exp"]
+
+
+def wandb_env(tmp_path, **extra: str) -> dict[str, str]:
+    """Offline wandb whose settings and caches stay inside the test's folder."""
+    extra = {"WANDB_MODE": "offline", **extra}
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        extra.setdefault(name, str(tmp_path / name.lower()))
+    return clean_env(**extra)
+
+
+def by_name(runs):
+    return {run.name: run for run in runs}
+
+
+def test_two_processes_log_two_runs_in_one_group_with_their_own_shards(tmp_path):
+    out = tmp_path / "run"
+    accelerate_launch(SCENARIOS, "resume", "--output_dir", out, *PROJECT, "--slow_rank", "1", env=wandb_env(tmp_path))
+    runs = offline_runs(out)
+    assert sorted(r.name for r in runs) == ["exp-rank0", "exp-rank1"]
+    assert {r.group for r in runs} == {"exp"} and len({r.run_id for r in runs}) == 2
+    rank0, rank1 = by_name(runs)["exp-rank0"], by_name(runs)["exp-rank1"]
+    for rank, r in enumerate((rank0, rank1)):
+        assert r.exit_code == 0 and r.run_id.endswith(f"-rank{rank}")
+        assert (r.config["rank"], r.config["world_size"], r.config["lr"]) == (rank, 2, 0.01)
+        assert {"local_rank", "node_rank", "host"} <= r.config.keys()
+    logged = lambda r: [h for h in r.history if "rank/loss" in h]  # noqa: E731
+    assert [h["_step"] for h in logged(rank0)] == [3, 6, 9, 12, 15, 18] == [h["_step"] for h in logged(rank1)]
+    # Each rank's own shard: the two losses differ, and their mean is the global loss the main process logs.
+    for own0, own1 in zip(logged(rank0), logged(rank1), strict=True):
+        assert own0["rank/loss"] != own1["rank/loss"]
+        assert abs((own0["rank/loss"] + own1["rank/loss"]) / 2 - own0["global/train_loss"]) < 1e-9
+        for key in ("rank/step_time_s", "rank/data_wait_s", "rank/examples_per_s", "rank/memory_gb"):
+            assert own0[key] > 0 and own1[key] > 0, key
+        assert own0["rank/lr"] == own1["rank/lr"] >= 0
+    assert not any(key.startswith("global/") for h in rank1.history for key in h), "only the main process"
+    # The straggler: rank 1 sleeps 30 ms in every forward; the main process names it at every log.
+    assert [h["global/slowest_rank"] for h in logged(rank0)] == [1] * 6
+    assert all(h["global/step_time_max_s"] >= h["global/step_time_min_s"] for h in logged(rank0))
+    assert all(h["global/forward_max_s"] == own1["rank/forward_s"] >= 0.03 for h, own1 in
+               zip(logged(rank0), logged(rank1), strict=True))  # fmt: skip
+    # The local metrics hold the same figures, one file per rank.
+    lines = [json.loads(line) for line in (out / "metrics" / "rank1.jsonl").read_text().splitlines()]
+    assert [line["rank/loss"] for line in lines] == [h["rank/loss"] for h in logged(rank1)]
+
+
+def test_a_resumed_job_continues_the_same_runs(tmp_path):
+    out, env = tmp_path / "run", wandb_env(tmp_path)
+    accelerate_launch(SCENARIOS, "resume", "--output_dir", out, *PROJECT, "--crash_at", "6", env=env, expect_ok=False)
+    first = offline_runs(out)
+    accelerate_launch(SCENARIOS, "resume", "--output_dir", out, *PROJECT, env=env)
+    second = offline_runs(out)[len(first) :]
+    assert len(first) == len(second) == 2
+    assert sorted(r.run_id for r in first) == sorted(r.run_id for r in second), "the same 2 runs, continued"
+    assert sorted(r.name for r in second) == ["exp-rank0", "exp-rank1"]
+    # Rank 1 died with os._exit: its run never ended. (Rank 0 usually ends its own run failed, with gloo's
+    # "Connection reset by peer" in it, unless the launcher kills it first.)
+    assert [r.exit_code for r in first if r.run_id.endswith("rank1")] == [None]
+    assert all(r.exit_code == 0 for r in second)
+    # The crash came after step 6; the last checkpoint was step 4, so the second attempt logs from step 6 on.
+    steps = [h["_step"] for h in by_name(second)["exp-rank0"].history if "rank/loss" in h]
+    assert steps == [6, 9, 12, 15, 18]
+
+
+def test_an_exception_on_one_rank_marks_its_run_failed_with_the_error(tmp_path):
+    out = tmp_path / "run"
+    failed = accelerate_launch(SCENARIOS, "resume", "--output_dir", out, *PROJECT, "--raise_at", "5",
+                               env=wandb_env(tmp_path), expect_ok=False)  # fmt: skip
+    assert "boom on rank 1 at step 5" in failed.stderr
+    rank1 = by_name(offline_runs(out))["exp-rank1"]
+    assert rank1.exit_code == 1
+    assert rank1.summary["error"] == "RuntimeError: boom on rank 1 at step 5"
+    assert "Traceback" in rank1.summary["traceback"]
+    error = json.loads((out / "metrics" / "rank1.jsonl").read_text().splitlines()[-1])["error"]
+    assert "RuntimeError: boom on rank 1 at step 5" in error
+
+
+def test_no_credentials_and_no_network_still_train_offline(tmp_path):
+    # Online mode, an API key, and a server address where nothing listens: wandb.init fails (fast, here).
+    env = wandb_env(tmp_path, WANDB_API_KEY="x" * 40, WANDB_BASE_URL=f"http://127.0.0.1:{free_port()}",
+                    WANDB_INIT_TIMEOUT="10")  # fmt: skip
+    del env["WANDB_MODE"]
+    result = python(SCENARIOS, "resume", "--output_dir", tmp_path / "a", *PROJECT, env=env)
+    assert result.stderr.count("wandb is unreachable") == 1 and "RESULT" in result.stdout
+    assert [r.exit_code for r in offline_runs(tmp_path / "a")] == [0]
+    # No API key at all: the same, at once.
+    env = wandb_env(tmp_path)
+    del env["WANDB_MODE"]
+    result = python(SCENARIOS, "resume", "--output_dir", tmp_path / "b", *PROJECT, env=env)
+    assert "wandb is unreachable (No API key configured" in result.stderr and "RESULT" in result.stdout
+
+
+def test_without_wandb_project_wandb_is_never_imported(tmp_path):
+    code = (
+        "import sys, runpy; sys.argv = ['scenarios.py', 'resume', '--output_dir', sys.argv[1]]; "
+        f"runpy.run_path({str(SCENARIOS)!r}, run_name='__main__'); "
+        "assert 'wandb' not in sys.modules, 'wandb imported'; print('NO WANDB')"
+    )
+    result = run([sys.executable, "-c", code, str(tmp_path)])
+    assert "NO WANDB" in result.stdout
+    assert (tmp_path / "metrics" / "rank0.jsonl").is_file() and not (tmp_path / "wandb").exists()
+
+
+def test_plot_draws_every_rank_to_a_png(tmp_path):
+    accelerate_launch(SCENARIOS, "resume", "--output_dir", tmp_path)
+    result = run([sys.executable, "-m", "trainer.plot", str(tmp_path), "--out", str(tmp_path / "curves.png")])
+    assert "curves.png" in result.stdout
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "curves.png").stat().st_size > 20_000  # four panels of lines, not an empty canvas

@@ -1,0 +1,239 @@
+"""What every process measured, written where a person can look at it (seed 004's wandb groups).
+
+Each rank appends its own figures to ``<output_dir>/metrics/rank<k>.jsonl``, always. With ``wandb_project`` set,
+each rank also logs to its own wandb run, ``<experiment>-rank<k>``, all in one group named after the experiment,
+so every worker's loss, speed, memory and errors can be looked at on their own or side by side. Accelerate's
+trackers cannot do this: they log from the main process only.
+
+At every log the main process adds the global view (mean loss across ranks, global throughput, eval metrics) and
+the stragglers: the fastest and slowest rank's step time, data wait and forward pass, and which rank the others
+waited for.
+Nothing here adds a collective: the trainer gathers every rank's window once per log, as it must for the loss.
+
+wandb never stops training: no API key, no network or an outage means one message and offline logging. wandb is
+imported only when ``wandb_project`` is set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import torch
+from accelerate import Accelerator
+
+from trainer.config import TrainConfig
+
+# One row of a rank's window, in this order, gathered from every rank at each log.
+WINDOW_FIELDS = ("loss_sum", "micro_batches", "examples", "tokens", "steps", "seconds", "data_wait", "forward")
+
+
+class StepWindow:
+    """What this process did since the last log. The loss stays on the device, so steps that do not log never
+    wait for it; counts and timings are host numbers."""
+
+    def __init__(self, device: torch.device):
+        self._loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self._device = device
+        self.restart()
+
+    def add(self, loss: torch.Tensor, batch: Any, examples: int) -> None:
+        """Count one micro-batch: its loss, examples, and tokens when it carries ``input_ids``."""
+        self._loss_sum += loss.double()
+        self.micro_batches += 1
+        self.examples += examples
+        if isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor):
+            self.tokens += batch["input_ids"].numel()  # shape metadata: no device sync
+
+    def timed(self, batches: Iterable) -> Iterator:
+        """Yield from ``batches``, adding the seconds spent waiting for each one to ``data_wait``."""
+        iterator = iter(batches)
+        while True:
+            asked = time.perf_counter()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            self.data_wait += time.perf_counter() - asked
+            yield batch
+
+    def row(self) -> torch.Tensor:
+        """This window as one row (``WINDOW_FIELDS``), on the device, ready to gather."""
+        seconds = time.perf_counter() - self._since
+        host = [self.micro_batches, self.examples, self.tokens, self.steps, seconds, self.data_wait, self.forward]
+        host_part = torch.tensor(host, dtype=torch.float64, device=self._device)
+        return torch.cat([self._loss_sum.view(1), host_part]).view(1, -1)
+
+    def restart(self) -> None:
+        self._loss_sum.zero_()
+        self.micro_batches = self.examples = self.tokens = self.steps = 0
+        self.data_wait = self.forward = 0.0
+        self._since = time.perf_counter()
+
+
+def summarize(rows: list[list[float]], rank: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Every rank's window (``WINDOW_FIELDS`` rows) -> (this rank's own figures, the global view).
+
+    A rank's step time is wall time, which the gradient all-reduce makes nearly equal on every rank. What tells a
+    straggler apart is the part of a step each rank does alone before that all-reduce: waiting for data and the
+    forward pass. The slowest rank is the one with the most of it: the others waited for it.
+    """
+    windows = [dict(zip(WINDOW_FIELDS, row, strict=True)) for row in rows]
+    per_rank = [_rank_figures(w) for w in windows]
+    alone = [f["rank/data_wait_s"] + f["rank/forward_s"] for f in per_rank]
+    seconds = max(w["seconds"] for w in windows)
+    total = {key: sum(w[key] for w in windows) for key in ("loss_sum", "micro_batches", "examples", "tokens")}
+    global_view = {
+        "global/train_loss": total["loss_sum"] / max(total["micro_batches"], 1),
+        "global/examples_per_s": total["examples"] / seconds,
+        "global/step_time_min_s": min(f["rank/step_time_s"] for f in per_rank),
+        "global/step_time_max_s": max(f["rank/step_time_s"] for f in per_rank),
+        "global/data_wait_min_s": min(f["rank/data_wait_s"] for f in per_rank),
+        "global/data_wait_max_s": max(f["rank/data_wait_s"] for f in per_rank),
+        "global/forward_min_s": min(f["rank/forward_s"] for f in per_rank),
+        "global/forward_max_s": max(f["rank/forward_s"] for f in per_rank),
+        "global/slowest_rank": alone.index(max(alone)),
+    }
+    if total["tokens"]:
+        global_view["global/tokens_per_s"] = total["tokens"] / seconds
+    return per_rank[rank], global_view
+
+
+def _rank_figures(window: dict[str, float]) -> dict[str, float]:
+    steps, seconds = max(window["steps"], 1), max(window["seconds"], 1e-9)
+    figures = {
+        "rank/loss": window["loss_sum"] / max(window["micro_batches"], 1),
+        "rank/step_time_s": seconds / steps,
+        "rank/data_wait_s": window["data_wait"] / steps,
+        "rank/forward_s": window["forward"] / steps,
+        "rank/examples_per_s": window["examples"] / seconds,
+    }
+    if window["tokens"]:
+        figures["rank/tokens_per_s"] = window["tokens"] / seconds
+    return figures
+
+
+def memory_gb(device: torch.device) -> float:
+    """This process's memory: the CUDA allocator's peak on a GPU, the resident set size otherwise."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import psutil  # accelerate's own dependency
+
+    return psutil.Process().memory_info().rss / 2**30
+
+
+class Tracker:
+    """This rank's metrics file and, with ``wandb_project`` set, its wandb run in the experiment's group.
+
+    Args:
+        config: the run's TrainConfig (``output_dir``, ``experiment_name``, ``wandb_project``).
+        accelerator: this process's Accelerator (rank, world size).
+        run_id: the job's run id, shared by every rank; rank k's wandb run is ``<run_id>-rank<k>``. A resumed job
+            passes the id stored in its checkpoint, so each rank continues its own run.
+    """
+
+    def __init__(self, config: TrainConfig, accelerator: Accelerator, run_id: str):
+        self.rank = accelerator.process_index
+        self.run_id = run_id
+        self.metrics_file = Path(config.output_dir) / "metrics" / f"rank{self.rank}.jsonl"
+        self.metrics_file.parent.mkdir(parents=True, exist_ok=True)
+        self.wandb_run = _start_wandb_run(config, accelerator, run_id) if config.wandb_project else None
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        """Append ``values`` at optimizer step ``step`` to this rank's file and its wandb run."""
+        with open(self.metrics_file, "a") as f:
+            f.write(json.dumps({"step": step, "time": time.time(), "rank": self.rank, **values}) + "\n")
+        if self.wandb_run is not None:
+            try:
+                self.wandb_run.log(values, step=step)
+            except Exception as err:  # wandb must never stop training
+                _warn(f"wandb logging failed on rank {self.rank} ({err}); the metrics go on in {self.metrics_file}")
+                self.wandb_run = None
+
+    def fail(self, error: BaseException) -> None:
+        """End this rank's run marked as failed, with the error in it: called before the exception leaves."""
+        text = "".join(traceback.format_exception(error)).strip()
+        with open(self.metrics_file, "a") as f:
+            f.write(json.dumps({"time": time.time(), "rank": self.rank, "error": text}) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.summary["error"] = f"{type(error).__name__}: {error}"
+            self.wandb_run.summary["traceback"] = text
+            self._finish(exit_code=1)
+
+    def finish(self) -> None:
+        if self.wandb_run is not None:
+            self._finish(exit_code=0)
+
+    def _finish(self, exit_code: int) -> None:
+        run, self.wandb_run = self.wandb_run, None
+        try:
+            run.finish(exit_code=exit_code)
+        except Exception as err:
+            _warn(f"wandb could not close rank {self.rank}'s run: {err}")
+
+
+def _start_wandb_run(config: TrainConfig, accelerator: Accelerator, run_id: str):
+    """Rank k's run ``<experiment>-rank<k>`` in the group ``<experiment>``; offline when wandb cannot reach its
+    server (no API key, no network, an outage), with one message from the main process."""
+    import wandb
+
+    rank, world = accelerator.process_index, accelerator.num_processes
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    where = {"rank": rank, "local_rank": accelerator.local_process_index,
+             "node_rank": int(os.environ.get("GROUP_RANK", rank // max(local_world, 1))),
+             "host": socket.gethostname(), "world_size": world}  # fmt: skip
+    settings = {"silent": not accelerator.is_main_process}  # wandb's banners once per job, not once per rank
+    if "WANDB_INIT_TIMEOUT" not in os.environ:
+        settings["init_timeout"] = 30  # wandb's 90 s is long for a job that will log offline anyway
+    init = dict(project=config.wandb_project, group=config.experiment_name, job_type="train",
+                name=f"{config.experiment_name}-rank{rank}", id=f"{run_id}-rank{rank}", resume="allow",
+                dir=config.output_dir, config={**config.to_dict(), **where},
+                settings=wandb.Settings(**settings))  # fmt: skip
+    try:
+        return wandb.init(**init)
+    except Exception as err:  # wandb.Error for a missing key or a timeout; anything else must not stop us either
+        if accelerator.is_main_process:
+            first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            _warn(f"wandb is unreachable ({first_line}); every rank logs offline under {config.output_dir}/wandb "
+                  "(`wandb sync` uploads it later)")  # fmt: skip
+    wandb.teardown()  # the failed attempt's service still holds the run id
+    try:
+        return wandb.init(**init, mode="offline")
+    except Exception as err:
+        _warn(f"wandb cannot log even offline on rank {rank} ({err}); the metrics go on in <output_dir>/metrics")
+        return None
+
+
+def new_run_id(accelerator: Accelerator) -> str:
+    """A fresh id for this job, drawn on the main process and shared with every rank."""
+    from accelerate.utils import broadcast_object_list
+
+    ids = [os.urandom(4).hex() if accelerator.is_main_process else None]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(ids, from_process=0)
+    return ids[0]
+
+
+def _warn(text: str) -> None:
+    sys.stderr.write(f"trainer: {text}\n")
+    sys.stderr.flush()
+
+
+def read_metrics(output_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
+    """Every rank's logged rows from ``<output_dir>/metrics``, by rank; for a step logged twice (a run resumed
+    from a checkpoint older than its crash) the later row wins."""
+    ranks: dict[int, list[dict[str, Any]]] = {}
+    for path in sorted(Path(output_dir, "metrics").glob("rank*.jsonl")):
+        rows: dict[int, dict[str, Any]] = {}
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            if "step" in row:
+                rows[row["step"]] = {**rows.get(row["step"], {}), **row}
+        ranks[int(path.stem.removeprefix("rank"))] = [rows[step] for step in sorted(rows)]
+    return ranks
