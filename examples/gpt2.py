@@ -168,7 +168,7 @@ def gpu_peak_flops(device: torch.device) -> Optional[float]:
 
 def main(argv=None) -> dict:
     args, config = parse_args(argv)
-    state = distributed_state()  # rank and main_process_first before the Trainer exists
+    state = distributed_state(config.collective_timeout_s)  # rank and main_process_first before the Trainer
     texts = load_texts(args)
     tokenizer_dir = Path(config.output_dir) / "tokenizer"
     with state.main_process_first():  # one process builds the tokenizer and the tokenised data; the rest reuse

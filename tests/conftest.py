@@ -8,6 +8,8 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -38,12 +40,12 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run(cmd: list[str], expect_ok: bool = True, timeout: int = 300, env: dict | None = None):
+def run(cmd: list[str], expect_ok: bool = True, timeout: int = 300, env: dict | None = None, cwd: Path = ROOT):
     """Run a command; fail the test with its output if its exit status is not what was expected.
 
     The command gets its own process group, killed whole on a timeout: a launcher's workers must not outlive it.
     """
-    process = subprocess.Popen(cmd, cwd=ROOT, env=env or clean_env(), stdout=subprocess.PIPE,
+    process = subprocess.Popen(cmd, cwd=cwd, env=env or clean_env(), stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
     try:
         stdout, stderr = process.communicate(timeout=timeout)
@@ -55,6 +57,42 @@ def run(cmd: list[str], expect_ok: bool = True, timeout: int = 300, env: dict | 
     if expect_ok != (result.returncode == 0):
         pytest.fail(f"{' '.join(map(str, cmd))}\nexit {result.returncode}\n{result.stdout}\n{result.stderr}")
     return result
+
+
+def run_together(commands: list[tuple[list, Path]], expect_ok: bool = True, timeout: int = 300,
+                 env: dict | None = None) -> list[subprocess.CompletedProcess]:  # fmt: skip
+    """Start every ``(command, cwd)`` at once, as the nodes of one job, and wait for all of them.
+
+    Output goes to files, not pipes: a node blocked on a full pipe would hold up the others at a collective.
+    """
+    started = []
+    for cmd, cwd in commands:
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        cmd = [str(c) for c in cmd]
+        process = subprocess.Popen(cmd, cwd=cwd, env=env or clean_env(), stdout=out, stderr=err, text=True,
+                                   start_new_session=True)  # fmt: skip
+        started.append((process, out, err))
+    deadline, results = time.monotonic() + timeout, []
+    for process, out, err in started:
+        try:
+            process.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for other, _, _ in started:
+                os.killpg(other.pid, signal.SIGKILL)
+            process.wait()
+        out.seek(0), err.seek(0)
+        results.append(subprocess.CompletedProcess(process.args, process.returncode, out.read(), err.read()))
+    for result in results:
+        if expect_ok != (result.returncode == 0):
+            pytest.fail(f"{' '.join(result.args)}\nexit {result.returncode}\n{result.stdout}\n{result.stderr}")
+    return results
+
+
+def accelerate_node(machine_rank: int, port: int, *script_and_args, machines: int = 2) -> list:
+    """One node's ``accelerate launch`` of multi_node.yaml, one process per node, node 0 on this host."""
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIGS / "multi_node.yaml",
+            "--num_machines", machines, "--num_processes", machines, "--machine_rank", machine_rank,
+            "--main_process_ip", "127.0.0.1", "--main_process_port", port, *script_and_args]  # fmt: skip
 
 
 def python(script: Path, *args: str, **kw):

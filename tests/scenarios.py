@@ -100,16 +100,20 @@ def resume(args) -> None:
     config = TrainConfig(output_dir=args.output_dir, epochs=3, batch_size=4, optimizer="adamw", lr=1e-2,
                          weight_decay=0.01, lr_scheduler="cosine", warmup_steps=2, save_every=4, keep_last=2,
                          resume=args.resume, log_every=3, nan_policy=args.nan_policy,
-                         experiment_name=args.experiment_name, wandb_project=args.wandb_project)  # fmt: skip
+                         experiment_name=args.experiment_name, wandb_project=args.wandb_project,
+                         stall_warning_s=args.stall_warning_s, collective_timeout_s=args.collective_timeout_s)  # fmt: skip
 
     def loss_fn(model, batch):
         loss = model(**batch).loss
         step = trainer.global_step + 1
         rank = trainer.accelerator.process_index
         if rank == args.slow_rank:
-            time.sleep(0.03)  # a straggler: the others wait for it at every gradient all-reduce
+            time.sleep(0.1)  # a straggler: the others wait for it at every gradient all-reduce
         if step == args.raise_at and rank == args.raise_rank:
             raise RuntimeError(f"boom on rank {rank} at step {step}")
+        if step == args.stall_at and rank == args.stall_rank and model.training:
+            say(f"STALL rank {rank} at step {step} for {args.stall_s} s")
+            time.sleep(args.stall_s)  # a hung loader or a frozen node: the others wait at the all-reduce
         if step == args.nan_at and trainer.accelerator.process_index == args.nan_rank:
             loss = loss * float("nan")
         return loss
@@ -204,6 +208,11 @@ if __name__ == "__main__":
     parser.add_argument("--raise_at", type=int, default=0)
     parser.add_argument("--raise_rank", type=int, default=1)
     parser.add_argument("--slow_rank", type=int, default=-1)
+    parser.add_argument("--stall_at", type=int, default=0)
+    parser.add_argument("--stall_rank", type=int, default=1)
+    parser.add_argument("--stall_s", type=float, default=0)
+    parser.add_argument("--stall_warning_s", type=float, default=300)
+    parser.add_argument("--collective_timeout_s", type=float, default=1800)
     parser.add_argument("--kill_in_save_at", type=int, default=0)
     parser.add_argument("--forbid_unsafe_load", action="store_true")
     parser.add_argument("--output_dir", default="runs/scenario")

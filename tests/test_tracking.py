@@ -45,10 +45,10 @@ def test_two_processes_log_two_runs_in_one_group_with_their_own_shards(tmp_path)
             assert own0[key] > 0 and own1[key] > 0, key
         assert own0["rank/lr"] == own1["rank/lr"] >= 0
     assert not any(key.startswith("global/") for h in rank1.history for key in h), "only the main process"
-    # The straggler: rank 1 sleeps 30 ms in every forward; the main process names it at every log.
+    # The straggler: rank 1 sleeps 100 ms in every forward; the main process names it at every log.
     assert [h["global/slowest_rank"] for h in logged(rank0)] == [1] * 6
     assert all(h["global/step_time_max_s"] >= h["global/step_time_min_s"] for h in logged(rank0))
-    assert all(h["global/forward_max_s"] == own1["rank/forward_s"] >= 0.03 for h, own1 in
+    assert all(h["global/forward_max_s"] == own1["rank/forward_s"] >= 0.1 for h, own1 in
                zip(logged(rank0), logged(rank1), strict=True))  # fmt: skip
     # The local metrics hold the same figures, one file per rank.
     lines = [json.loads(line) for line in (out / "metrics" / "rank1.jsonl").read_text().splitlines()]
@@ -89,7 +89,7 @@ def test_an_exception_on_one_rank_marks_its_run_failed_with_the_error(tmp_path):
 def test_no_credentials_and_no_network_still_train_offline(tmp_path):
     # Online mode, an API key, and a server address where nothing listens: wandb.init fails (fast, here).
     env = wandb_env(tmp_path, WANDB_API_KEY="x" * 40, WANDB_BASE_URL=f"http://127.0.0.1:{free_port()}",
-                    WANDB_INIT_TIMEOUT="10")  # fmt: skip
+                    WANDB_INIT_TIMEOUT="3")  # fmt: skip
     del env["WANDB_MODE"]
     result = python(SCENARIOS, "resume", "--output_dir", tmp_path / "a", *PROJECT, env=env)
     assert result.stderr.count("wandb is unreachable") == 1 and "RESULT" in result.stdout

@@ -66,6 +66,8 @@ class TrainConfig:
     keep_last: int = 2  # checkpoints kept; older ones are deleted once a newer one is committed
     resume: Optional[str] = None  # None (refuses an output_dir holding checkpoints) | "auto" | a checkpoint path
     nan_policy: str = "raise"  # non-finite loss: "raise" (stop, naming step and rank) | "skip" (drop that step)
+    collective_timeout_s: float = 1800.0  # a collective still waiting after this long ends the job
+    stall_warning_s: Optional[float] = 300.0  # no progress this long: name the rank(s) the others wait for
     # Set it to log to wandb from every process: run <experiment_name>-rank<k> in group <experiment_name>.
     wandb_project: Optional[str] = None
 
@@ -123,7 +125,7 @@ class TrainConfig:
         at_least = {
             "epochs": 1, "batch_size": 1, "gradient_accumulation_steps": 1, "warmup_steps": 0,
             "num_workers": 0, "log_every": 1, "keep_last": 1, "max_steps": 1, "eval_every": 1, "save_every": 1,
-            "lr": 0.0, "weight_decay": 0.0, "eps": 0.0,
+            "lr": 0.0, "weight_decay": 0.0, "eps": 0.0, "collective_timeout_s": 1.0, "stall_warning_s": 0.1,
         }  # fmt: skip
         for key, low in at_least.items():
             value = getattr(self, key)

@@ -13,7 +13,9 @@ import atexit
 import functools
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
+from typing import Optional
 
 import torch
 from accelerate import Accelerator, PartialState
@@ -47,12 +49,17 @@ def has_accelerator_device() -> bool:
     return torch.accelerator.current_accelerator().type != "mps"
 
 
-def distributed_state() -> PartialState:
+def distributed_state(collective_timeout_s: Optional[float] = None) -> PartialState:
     """This process's place in the job (``process_index``, ``num_processes``, ``main_process_first()``), joined
-    with the same CPU fallback as the Trainer: call it to prepare data before the Trainer exists."""
+    with the same CPU fallback as the Trainer: call it to prepare data before the Trainer exists.
+
+    ``collective_timeout_s``: how long a collective may wait for a missing rank before the job ends (torch's
+    default, 30 minutes, when None). The first call joins the job and fixes it: pass the TrainConfig's value.
+    """
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    timeout = {} if collective_timeout_s is None else {"timeout": timedelta(seconds=collective_timeout_s)}
     try:
-        state = PartialState(cpu=_needs_cpu_fallback())
+        state = PartialState(cpu=_needs_cpu_fallback(), **timeout)
     except RuntimeError as err:
         if attempt == 0:
             raise
@@ -69,7 +76,7 @@ def build_accelerator(config: TrainConfig) -> Accelerator:
     Steps the scheduler ourselves (``step_scheduler_with_optimizer=False``): accelerate would otherwise step it
     once per *process* per optimizer step, so a schedule would run K times faster on K processes.
     """
-    distributed_state()
+    distributed_state(config.collective_timeout_s)
     accelerator = Accelerator(
         cpu=_needs_cpu_fallback(),  # False still honours the accelerate config's use_cpu (ACCELERATE_USE_CPU)
         gradient_accumulation_steps=config.gradient_accumulation_steps,

@@ -35,6 +35,7 @@ from trainer.data import DataError, batches_per_epoch, build_eval_loader, build_
 from trainer.distributed import build_accelerator, num_machines
 from trainer.nonfinite import NonFiniteGuard
 from trainer.optim import build_optimizer, build_scheduler
+from trainer.stall import watch_stalls
 from trainer.tracking import StepWindow, Tracker, memory_gb, new_run_id, summarize
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
@@ -140,11 +141,14 @@ class Trainer:
         """
         self._print_banner()
         self._call("on_train_begin")
+        self.stall = watch_stalls(self.accelerator, self.config.stall_warning_s)  # its thread lives while fit() runs
         try:
             result = self._train()
         except BaseException as err:
             self.tracker.fail(err)
             raise
+        finally:
+            self.stall.stop()
         self.tracker.finish()
         return result
 
@@ -177,12 +181,15 @@ class Trainer:
         """Forward and backward on one batch; an optimizer step when the accumulation window closes."""
         step = self.global_step + 1
         with self.accelerator.accumulate(self.model):
+            self.stall.at(step, "forward")
             started = time.perf_counter()
             loss = self.loss_fn(self.model, batch)
             window.forward += time.perf_counter() - started  # host time: this rank's own work before the all-reduce
+            self.stall.at(step, "backward")
             self.accelerator.backward(loss)
             loss = self.nonfinite.observe(loss.detach(), step=step)
             if self.accelerator.sync_gradients and not self.nonfinite.skip_this_step():
+                self.stall.at(step, "optimizer")
                 if self.config.max_grad_norm is not None:
                     self.accelerator.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
                 self.optimizer.step()
@@ -190,15 +197,19 @@ class Trainer:
                     self.lr_scheduler.step()  # fp16 overflow skips the step, so the schedule waits too
             self.optimizer.zero_grad()  # accelerate keeps the gradients mid-accumulation
         window.add(loss, batch, find_batch_size(batch))
+        self.stall.at(step, "data")
 
     def _after_step(self, window: StepWindow, progress: tqdm) -> None:
         """Logging, evaluation and checkpoints due after optimizer step ``global_step``; then the callbacks."""
         cfg, step, last = self.config, self.global_step, self.global_step == self.total_steps
         if step % cfg.log_every == 0 or last:
+            self.stall.at(step, "log")
             self._log(window, progress)
         if cfg.eval_every and step % cfg.eval_every == 0 and self.eval_loader is not None:
+            self.stall.at(step, "evaluate")
             self.evaluate()
         if cfg.save_every and (step % cfg.save_every == 0 or last):
+            self.stall.at(step, "checkpoint")
             self.save_checkpoint()
         self._call("on_step_end")
 

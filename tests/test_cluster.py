@@ -1,0 +1,141 @@
+"""Launching on clusters, on one host: two "nodes" through accelerate launch and torchrun, Slurm's scripts, a
+config written by `accelerate config`, the preflight check, and a rank that stalls."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+
+import pytest
+from test_same_updates import COMMON, assert_same_run
+
+from conftest import (
+    CONFIGS, ROOT, SAME_UPDATES, SCENARIOS, accelerate_launch, accelerate_node, clean_env, free_port, python,
+    read_summary, run, run_together,
+)  # fmt: skip
+
+STALL = ["--stall_at", "5", "--stall_rank", "1"]
+SGD_MEAN = ["--opt", "sgd", "--loss", "mean", "--lr", "0.5"]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The reference: one process with the whole batch of 10."""
+    out = tmp_path_factory.mktemp("one")
+    python(SAME_UPDATES, *COMMON, *SGD_MEAN, "--batch_size", "10", "--output_dir", out)
+    return read_summary(out)
+
+
+def files_under(directory):
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
+
+
+def test_two_nodes_through_accelerate_launch_match_one_process_each_file_written_once(tmp_path, one_process):
+    # Each "node" runs in its own folder with a relative output_dir: two disks, as on two machines without a
+    # shared filesystem, so every file shows which node wrote it.
+    port, nodes = free_port(), [tmp_path / "node0", tmp_path / "node1"]
+    for node in nodes:
+        node.mkdir()
+    args = [SAME_UPDATES, *COMMON, *SGD_MEAN, "--batch_size", "5", "--output_dir", "out"]
+    run_together([(accelerate_node(rank, port, *args), node) for rank, node in enumerate(nodes)])
+    two = read_summary(nodes[0] / "out")
+    assert two["world_size"] == 2
+    assert_same_run(one_process, two)
+    # The global main process alone writes the results and the model; every rank only its own metrics.
+    assert files_under(nodes[0] / "out") == ["final/model.safetensors", "metrics/rank0.jsonl", "same_updates.json"]
+    assert files_under(nodes[1] / "out") == ["metrics/rank1.jsonl"]
+
+
+def test_two_nodes_through_torchrun_c10d_match_one_process(tmp_path, one_process):
+    endpoint = f"127.0.0.1:{free_port()}"
+    out = tmp_path / "out"
+    node = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+            "--rdzv-id", "456", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+            SAME_UPDATES, *COMMON, *SGD_MEAN, "--batch_size", "5", "--output_dir", out]  # fmt: skip
+    run_together([(node, ROOT), (node, ROOT)])
+    two = read_summary(out)
+    assert two["world_size"] == 2
+    assert_same_run(one_process, two)
+
+
+@pytest.mark.parametrize("script, nodes, gpus", [("single_node.sbatch", 1, 2), ("multi_node.sbatch", 2, 1)])
+def test_slurm_scripts_under_the_environment_slurm_sets(tmp_path, one_process, script, nodes, gpus):
+    """Environment-driven, not a real Slurm: the variables sbatch sets, and an srun that starts one task per node
+    on this host (tests/fake_slurm). The scripts' own launch logic runs: the head node, the free port, the
+    per-node --machine_rank, and a real 2-process job comes out of it."""
+    env = clean_env(
+        PATH=f"{ROOT / 'tests' / 'fake_slurm'}{os.pathsep}{os.path.dirname(sys.executable)}{os.pathsep}"
+        + os.environ["PATH"],
+        SLURM_JOB_ID="4242", SLURM_NNODES=str(nodes), SLURM_JOB_NODELIST=",".join(["localhost"] * nodes),
+        SLURM_GPUS_ON_NODE=str(gpus), SCRIPT=str(SAME_UPDATES),
+    )  # fmt: skip
+    out = tmp_path / "out"
+    result = run(["bash", ROOT / "examples" / "slurm" / script, *COMMON, *SGD_MEAN, "--batch_size", "5",
+                  "--output_dir", out], env=env)  # fmt: skip
+    assert f"slurm job 4242: {nodes} node" in result.stdout
+    if nodes > 1:
+        assert re.search(r"head localhost:\d+", result.stdout)
+    two = read_summary(out)
+    assert two["world_size"] == 2
+    assert_same_run(one_process, two)
+
+
+def test_a_config_written_by_accelerate_config_launches_a_job(tmp_path, one_process):
+    config = tmp_path / "my.yaml"  # what `accelerate config default` writes on this machine: 1 process on CPU
+    run([sys.executable, "-m", "accelerate.commands.accelerate_cli", "config", "default", "--config_file", config])
+    result = accelerate_launch(SAME_UPDATES, *COMMON, *SGD_MEAN, "--batch_size", "10", "--output_dir",
+                               tmp_path / "out", config=config)  # fmt: skip
+    assert "trainer | 1 process(es)" in result.stdout
+    assert_same_run(one_process, read_summary(tmp_path / "out"))
+
+
+def test_preflight_reads_a_config_and_names_each_problem():
+    fine = run([sys.executable, "-m", "trainer.check", "--config_file", CONFIGS / "multi_gpu.yaml"])
+    assert "1 machine(s) x 2 process(es) = 2 processes" in fine.stdout
+    assert fine.stdout.rstrip().endswith("preflight: no problems found")
+    shipped = run([sys.executable, "-m", "trainer.check", "--config_file", CONFIGS / "multi_node.yaml"],
+                  expect_ok=False)  # fmt: skip
+    assert "2 machine(s) x 8 process(es) = 16 processes" in shipped.stdout
+    assert "rendezvous: static at 127.0.0.1:29500" in shipped.stdout
+    assert "PROBLEM: main_process_ip 127.0.0.1 is a loopback address" in shipped.stdout
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_preflight_inside_a_two_node_launch_checks_the_shared_output_dir(tmp_path, shared):
+    port, nodes = free_port(), [tmp_path / "node0", tmp_path / "node1"]
+    for node in nodes:
+        node.mkdir()
+    output_dir = tmp_path / "shared" if shared else "out"  # relative: each node's own folder
+    results = run_together(
+        [(accelerate_node(rank, port, "-m", "trainer.check", "--output_dir", output_dir), node)
+         for rank, node in enumerate(nodes)], expect_ok=shared, env=clean_env(PYTHONPATH=str(ROOT)),
+    )  # fmt: skip
+    head = results[0].stdout
+    assert "job: 2 process(es) on 1 host(s), every rank answered" in head
+    assert re.search(r"rank +0 \| local rank 0 \| .+ \| cpu", head) and re.search(r"rank +1 \| local rank 0", head)
+    if shared:
+        assert "one filesystem, shared by all 1 host(s)" in head and head.rstrip().endswith("no problems found")
+    else:
+        assert "PROBLEM: output_dir out is not one shared filesystem: rank 0" in head
+        assert "PROBLEM: output_dir out is not one shared filesystem: rank 1" in head
+
+
+def test_a_stalled_rank_is_named_by_the_others(tmp_path):
+    result = accelerate_launch(SCENARIOS, "resume", "--output_dir", tmp_path, *STALL, "--stall_s", "6",
+                               "--stall_warning_s", "2")  # fmt: skip
+    assert "STALL rank 1 at step 5" in result.stdout and "RESULT" in result.stdout
+    reports = [line for line in result.stderr.splitlines() if line.startswith("trainer: stalled")]
+    assert len(reports) == 1, result.stderr  # one report per stall, from one rank
+    assert re.search(r"rank 0 \(.+\) backward at step 5", reports[0]), reports[0]
+    assert reports[0].endswith("Waiting for rank(s) 1 (forward at step 5)."), reports[0]
+
+
+def test_the_collective_timeout_ends_a_job_whose_rank_never_arrives(tmp_path):
+    started = time.monotonic()
+    result = accelerate_launch(SCENARIOS, "resume", "--output_dir", tmp_path, *STALL, "--stall_s", "120",
+                               "--stall_warning_s", "2", "--collective_timeout_s", "8", expect_ok=False)  # fmt: skip
+    assert time.monotonic() - started < 60, "ended by the 8 s timeout, not by the stalled rank waking up"
+    assert "Waiting for rank(s) 1 (forward at step 5)." in result.stderr
+    assert re.search(r"[Tt]imed out", result.stderr), result.stderr[-3000:]

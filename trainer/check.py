@@ -1,0 +1,177 @@
+"""Preflight: what a launch would do, and, inside a real launch, what breaks multi-node jobs before it costs a day.
+
+    python -m trainer.check --config_file accelerate_configs/multi_node.yaml              # read the config
+    accelerate launch --config_file my.yaml -m trainer.check --output_dir runs/x           # every rank, for real
+
+Read alone, the config says machines, processes, backend, mixed precision and rendezvous, checked against this
+host. Launched, every rank joins the job and reports its host, local rank and device; the check then asks: did the
+world come out as configured, can every rank be reached (a collective with a short timeout), is ``output_dir``
+one filesystem shared by all nodes (checkpoints are written by one process and read by all), and can each node
+reach wandb. It ends with one line per problem and exits 1, or says none were found and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import secrets
+import socket
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+Problems = list[str]
+
+
+def describe_config(path: str, launched: bool) -> tuple[list[str], Problems, Optional[int]]:
+    """What ``accelerate launch --config_file path`` would start, checked against this host: the lines to print,
+    the problems, and the number of processes the config asks for. Inside a launch the rendezvous evidently
+    worked (and may have come from --main_process_ip), so its settings are not judged."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    if not Path(path).is_file():
+        return [], [f"config file not found: {path}"], None
+    config = load_config_from_file(path)
+    machines, processes = config.num_machines, config.num_processes
+    gpus = torch.cuda.device_count()
+    on_cpu = config.use_cpu or gpus == 0
+    per_machine = processes // max(machines, 1)
+    lines = [
+        f"config {path}: {machines} machine(s) x {per_machine} process(es) = {processes} processes",
+        f"  backend: {'gloo on CPU' if on_cpu else 'nccl on GPU'}"
+        + (" (no GPU on this host: the trainer runs the processes as DDP on CPU)" if gpus == 0 and not config.use_cpu
+           else ""),  # fmt: skip
+        f"  mixed precision: {config.mixed_precision}",
+    ]
+    problems: Problems = []
+    if processes % max(machines, 1):
+        problems.append(f"num_processes {processes} is not a multiple of num_machines {machines}: every machine runs "
+                        "num_processes / num_machines processes")  # fmt: skip
+    if gpus and not config.use_cpu and per_machine > gpus:
+        problems.append(f"{per_machine} processes per machine, but this machine has {gpus} GPU(s)")
+    if config.mixed_precision == "bf16" and gpus and not torch.cuda.is_bf16_supported():
+        problems.append("mixed_precision bf16, but this machine's GPU has no bf16: use fp16.yaml")
+    if machines > 1:
+        lines.append(f"  rendezvous: {config.rdzv_backend} at {config.main_process_ip}:{config.main_process_port}; "
+                     "each node passes its own --machine_rank")  # fmt: skip
+        if not launched:
+            problems += _rendezvous_problems(config.main_process_ip, config.main_process_port)
+    return lines, problems, processes
+
+
+def _rendezvous_problems(address: Optional[str], port: Optional[int]) -> Problems:
+    if not address:
+        return ["main_process_ip is not set: every node must reach node 0 at it (or pass --main_process_ip)"]
+    problems = []
+    try:
+        if ipaddress.ip_address(socket.gethostbyname(address)).is_loopback:
+            problems.append(f"main_process_ip {address} is a loopback address: other machines cannot reach it "
+                            "(pass --main_process_ip <node 0's address> on every node)")  # fmt: skip
+    except (socket.gaierror, ValueError):
+        problems.append(f"main_process_ip {address} does not resolve on this host")
+    if not port or not 0 < int(port) < 65536:
+        problems.append(f"main_process_port {port} is not a port number")
+    return problems
+
+
+def check_launch(output_dir: Optional[str], expected_processes: Optional[int], timeout_s: float) -> Problems:
+    """Run on every rank of a launched job; return the problems (the same list on every rank)."""
+    from accelerate.utils import broadcast_object_list, gather_object
+
+    from trainer.distributed import distributed_state, launched_world_size
+
+    state = distributed_state(collective_timeout_s=timeout_s)
+    rank, world = state.process_index, state.num_processes
+    me = {"rank": rank, "local_rank": state.local_process_index, "host": socket.gethostname(),
+          "device": str(state.device)}  # fmt: skip
+    problems: Problems = []
+    if world != launched_world_size():
+        problems.append(f"rank {rank} joined a world of {world}, but the launcher said WORLD_SIZE="
+                        f"{launched_world_size()}")  # fmt: skip
+    if expected_processes is not None and world != expected_processes:
+        problems.append(f"the job has {world} processes, the config asks for {expected_processes}")
+    if output_dir:
+        token = [secrets.token_hex(4) if state.is_main_process else None]
+        if world > 1:
+            broadcast_object_list(token)
+        me["sees"] = _probe_shared(Path(output_dir), token[0], rank, state)
+    me["wandb"] = _wandb_problem() if state.local_process_index == 0 else None
+    everyone = gather_object([me]) if world > 1 else [me]  # every rank answering is the reachability check
+    if state.is_main_process:
+        for other in everyone:
+            print(f"rank {other['rank']:>3} | local rank {other['local_rank']} | {other['host']} | {other['device']}")
+    hosts = sorted({other["host"] for other in everyone})
+    if output_dir:
+        blind = [o for o in everyone if o["sees"] < world]
+        for other in blind:
+            problems.append(f"output_dir {output_dir} is not one shared filesystem: rank {other['rank']} "
+                            f"({other['host']}) sees {other['sees']} of the {world} ranks' files. Checkpoints are "
+                            "written by one process and read by every rank: use a path all nodes share")  # fmt: skip
+        if not blind and state.is_main_process:
+            print(f"output_dir {output_dir}: one filesystem, shared by all {len(hosts)} host(s)")
+    problems += [f"{o['host']}: wandb: {o['wandb']}" for o in everyone if o["wandb"]]
+    if state.is_main_process:
+        print(f"job: {world} process(es) on {len(hosts)} host(s), every rank answered")
+    return problems
+
+
+def _probe_shared(output_dir: Path, token: str, rank: int, state) -> int:
+    """Each rank writes a file into ``output_dir``; how many ranks' files can this rank see?"""
+    probe = output_dir / f".trainer-check-{token}"
+    probe.mkdir(parents=True, exist_ok=True)
+    (probe / f"rank{rank}").write_text(socket.gethostname())
+    state.wait_for_everyone()
+    seen = len(list(probe.glob("rank*")))
+    state.wait_for_everyone()
+    (probe / f"rank{rank}").unlink()
+    state.wait_for_everyone()
+    try:
+        probe.rmdir()  # one rank per filesystem succeeds
+    except OSError:
+        pass
+    return seen
+
+
+def _wandb_problem() -> Optional[str]:
+    """None when wandb is reachable (or switched off on purpose), else what goes wrong."""
+    mode = os.environ.get("WANDB_MODE", "")
+    if mode in ("offline", "disabled", "dryrun"):
+        return None
+    try:
+        import wandb
+
+        wandb.Api(timeout=15).viewer  # noqa: B018 - asks the server who we are
+    except Exception as err:
+        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        return f"unreachable ({first_line}); runs would log offline (WANDB_MODE=offline to silence this)"
+    return None
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer.check", description=__doc__.splitlines()[0])
+    parser.add_argument("--config_file", "--config-file", help="an accelerate config YAML to describe and check")
+    parser.add_argument("--output_dir", "--output-dir", help="check that every node shares this directory")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds a rank may take to answer")
+    args = parser.parse_args(argv)
+
+    launched = "LOCAL_RANK" in os.environ or "WORLD_SIZE" in os.environ
+    lines, problems, expected = [], [], None
+    if args.config_file:
+        lines, problems, expected = describe_config(args.config_file, launched)
+    main_process = int(os.environ.get("RANK", "0")) == 0
+    if main_process:
+        print("\n".join(lines))
+    if launched:
+        problems += check_launch(args.output_dir, expected, args.timeout)
+    elif not args.config_file:
+        parser.error("give --config_file, or run it inside a launch (accelerate launch ... -m trainer.check)")
+    if main_process:
+        print("\n".join(f"PROBLEM: {p}" for p in problems) if problems else "preflight: no problems found")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""Naming the rank a stalled job is waiting for.
+
+When one rank stops arriving (a hung data loader, a deadlock, a frozen node), every other rank sits inside a
+collective until ``collective_timeout_s`` ends the job, and says nothing meanwhile. Here the training loop keeps a
+note of where this rank is: the step and what it is doing. A background thread publishes the note to the job's
+rendezvous store every few seconds and, once this rank has made no progress for ``stall_warning_s``, reads every
+rank's note and says which rank the others wait for, and at which step:
+
+    trainer: stalled for 30 s: rank 0 (node-a) backward at step 7 since 30 s, rank 1 (node-b) forward at step 7
+    since 31 s. Waiting for rank(s) 1 (forward at step 7).
+
+On the hot path this costs an attribute assignment per phase; the store traffic happens in the thread.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import threading
+import time
+
+import torch
+from accelerate import Accelerator
+
+# What a rank can be doing, in the order one optimizer step goes through them. The rank furthest behind in this
+# order is the one the others wait for: "backward" and later phases hold collectives, earlier ones do not.
+PHASES = ("data", "forward", "backward", "optimizer", "log", "evaluate", "checkpoint")
+
+
+class StallReporter:
+    """Watches this rank's progress; reports a stall once, from the lowest-numbered rank that is waiting."""
+
+    def __init__(self, accelerator: Accelerator, warning_s: float):
+        self.rank, self.world = accelerator.process_index, accelerator.num_processes
+        self.warning_s = warning_s
+        self.where = (0, "data")
+        self._changed = time.monotonic()
+        self._stop = threading.Event()
+        self._host = socket.gethostname()
+        # The store every rank already reached at rendezvous: no new port, no new connection to set up.
+        store = torch.distributed.distributed_c10d._get_default_store()
+        self._store = torch.distributed.PrefixStore("trainer-progress/", store)
+        interval = min(5.0, max(0.2, warning_s / 4))
+        self._thread = threading.Thread(target=self._watch, args=(interval,), name="trainer-stall", daemon=True)
+        self._thread.start()
+
+    def at(self, step: int, phase: str) -> None:
+        """The training loop is now in ``phase`` of optimizer step ``step`` (the step being computed)."""
+        self.where = (step, phase)
+        self._changed = time.monotonic()
+
+    def stop(self) -> None:
+        """Stop and join the thread. Why join: a daemon thread still inside a store call when the interpreter
+        shuts down is killed in C++ code, which aborts the process (SIGABRT) and can leave the others waiting."""
+        self._stop.set()
+        self._thread.join()
+
+    def _watch(self, interval: float) -> None:
+        reported = None
+        while not self._stop.wait(interval):
+            (step, phase), changed = self.where, self._changed
+            stalled_s = time.monotonic() - changed
+            note = {"step": step, "phase": phase, "host": self._host, "since": time.time() - stalled_s}
+            try:
+                self._store.set(str(self.rank), json.dumps(note))
+                if self._stop.is_set():
+                    return
+                if stalled_s >= self.warning_s and reported != changed:
+                    reported = changed
+                    self._report(stalled_s)
+            except Exception:  # the store went away: the job is ending, nothing left to watch
+                return
+
+    def _report(self, stalled_s: float) -> None:
+        notes = {}
+        for rank in range(self.world):
+            if self._store.check([str(rank)]):  # get() would block on a rank that never published
+                notes[rank] = json.loads(self._store.get(str(rank)))
+        now = time.time()
+        waiting = [r for r, n in notes.items() if now - n["since"] >= self.warning_s]
+        if not waiting or self.rank != min(waiting):
+            return  # one report per stall
+        line = report(notes, self.world, now, stalled_s)
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+
+def report(notes: dict[int, dict], world: int, now: float, stalled_s: float) -> str:
+    """The stall in words: where every rank is, and which one(s) the others wait for."""
+    def position(note: dict) -> tuple[int, int]:
+        return note["step"], PHASES.index(note["phase"])
+
+    silent = [r for r in range(world) if r not in notes]
+    ranks = ", ".join(f"rank {r} ({n['host']}) {n['phase']} at step {n['step']} since {now - n['since']:.0f} s"
+                      for r, n in sorted(notes.items()))  # fmt: skip
+    line = f"trainer: stalled for {stalled_s:.0f} s: {ranks}."
+    if silent:
+        return line + f" Never heard from rank(s) {', '.join(map(str, silent))}: waiting for them."
+    behind = min(position(n) for n in notes.values())
+    laggards = [r for r, n in notes.items() if position(n) == behind]
+    if len(laggards) == len(notes):
+        return line + " Every rank is at the same place: a slow collective (network?) rather than one rank."
+    step, phase = notes[laggards[0]]["step"], notes[laggards[0]]["phase"]
+    return line + f" Waiting for rank(s) {', '.join(map(str, laggards))} ({phase} at step {step})."
+
+
+class _NoStalls:
+    """One process: nobody to wait for."""
+
+    def at(self, step: int, phase: str) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+def watch_stalls(accelerator: Accelerator, warning_s: float | None) -> StallReporter | _NoStalls:
+    """A StallReporter when there are other ranks to wait for and ``warning_s`` is set."""
+    if accelerator.num_processes == 1 or warning_s is None:
+        return _NoStalls()
+    return StallReporter(accelerator, warning_s)
