@@ -101,7 +101,8 @@ def resume(args) -> None:
                          weight_decay=0.01, lr_scheduler="cosine", warmup_steps=2, save_every=4, keep_last=2,
                          resume=args.resume, log_every=3, nan_policy=args.nan_policy,
                          experiment_name=args.experiment_name, wandb_project=args.wandb_project,
-                         stall_warning_s=args.stall_warning_s, collective_timeout_s=args.collective_timeout_s)  # fmt: skip
+                         stall_warning_s=args.stall_warning_s, collective_timeout_s=args.collective_timeout_s,
+                         compile=args.compile, max_steps=args.max_steps)  # fmt: skip
 
     def loss_fn(model, batch):
         loss = model(**batch).loss
@@ -213,6 +214,8 @@ if __name__ == "__main__":
     parser.add_argument("--stall_s", type=float, default=0)
     parser.add_argument("--stall_warning_s", type=float, default=300)
     parser.add_argument("--collective_timeout_s", type=float, default=1800)
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--max_steps", type=int, default=None)
     parser.add_argument("--kill_in_save_at", type=int, default=0)
     parser.add_argument("--forbid_unsafe_load", action="store_true")
     parser.add_argument("--output_dir", default="runs/scenario")

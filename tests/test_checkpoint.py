@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file
+from scenarios import DropoutClassifier
 
 from conftest import SCENARIOS, accelerate_launch, clean_env, python
 
@@ -160,3 +161,14 @@ def test_different_world_size_stops_with_a_clear_message(one_process_run):
     message = resume_fails(one_process_run, launcher=accelerate_launch)
     assert "was written with world_size 1 (now 2)" in message
     assert "resume with the same number of processes" in message
+
+
+def test_a_compiled_model_checkpoints_resumes_and_exports_plain_weights(tmp_path):
+    """compile: true goes through accelerate's dynamo plugin; the checkpoints and the export still fit a plain
+    model (no "_orig_mod." prefixes), and a resumed compiled run continues from the checkpoint."""
+    first = python(SCENARIOS, "resume", "--output_dir", tmp_path, "--compile", "--max_steps", "4")
+    assert result_line(first.stdout)["global_step"] == 4
+    plain = final_weights(tmp_path)
+    assert sorted(plain) == sorted(DropoutClassifier().state_dict())
+    again = python(SCENARIOS, "resume", "--output_dir", tmp_path, "--compile", "--max_steps", "8")
+    assert "resumed from" in again.stdout and result_line(again.stdout)["global_step"] == 8

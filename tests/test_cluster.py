@@ -12,8 +12,18 @@ import pytest
 from test_same_updates import COMMON, assert_same_run
 
 from conftest import (
-    CONFIGS, ROOT, SAME_UPDATES, SCENARIOS, accelerate_launch, accelerate_node, clean_env, free_port, python,
-    read_summary, run, run_together,
+    CONFIGS,
+    ROOT,
+    SAME_UPDATES,
+    SCENARIOS,
+    accelerate_launch,
+    accelerate_node,
+    clean_env,
+    free_port,
+    python,
+    read_summary,
+    run,
+    run_together,
 )  # fmt: skip
 
 STALL = ["--stall_at", "5", "--stall_rank", "1"]

@@ -59,6 +59,7 @@ class TrainConfig:
     shuffle: bool = True
     drop_last: bool = False  # drop the M mod K tail examples instead of padding (seed 000)
     num_workers: int = 0
+    compile: bool = False  # torch.compile the model (accelerate's dynamo plugin, inductor); pays off on GPUs
 
     log_every: int = 10
     eval_every: Optional[int] = None

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.logging import get_logger
+from accelerate.utils import DataLoaderConfiguration
 
 from trainer.config import TrainConfig
 
@@ -81,6 +82,9 @@ def build_accelerator(config: TrainConfig) -> Accelerator:
         cpu=_needs_cpu_fallback(),  # False still honours the accelerate config's use_cpu (ACCELERATE_USE_CPU)
         gradient_accumulation_steps=config.gradient_accumulation_steps,
         step_scheduler_with_optimizer=False,
+        # Copies to the GPU overlap the step (the trainer's loaders pin memory on CUDA); a no-op on CPU.
+        dataloader_config=DataLoaderConfiguration(non_blocking=True),
+        **({"dynamo_backend": "inductor"} if config.compile else {}),  # else the accelerate config's choice
     )
     check_world_size(accelerator)
     share_cpu_threads(accelerator.device)

@@ -1,9 +1,9 @@
 """Watching the loss for NaN / inf without making every step wait for the device.
 
-``nan_policy="raise"``: each rank records, on the device, the first step whose loss was not finite. The record is
-read (one gather, every rank together, so no rank is left waiting in a collective) when the trainer logs, before
-every checkpoint, and at the end: training stops naming the step and the rank(s), and no state after a non-finite
-loss is ever checkpointed, so the last checkpoint is good.
+``nan_policy="raise"``: each rank keeps its losses since the last check, untouched: no device work per step. They
+are examined (one isfinite over all of them, then one gather, every rank together, so no rank is left waiting in a
+collective) when the trainer logs, before every checkpoint, and at the end: training stops naming the first bad
+step and the rank(s), and no state after a non-finite loss is ever checkpointed, so the last checkpoint is good.
 
 ``nan_policy="skip"``: at each optimizer step the ranks agree (one all-reduce and a host sync per optimizer step:
 the price of choosing skip) whether any of them saw a non-finite loss in the accumulation window; if so every rank
@@ -20,22 +20,25 @@ class NonFiniteLoss(FloatingPointError):
     """A loss was NaN or infinite under nan_policy='raise'."""
 
 
+NONE = 2**62  # "no bad step yet": larger than any step, so the first bad step is a minimum
+
+
 class NonFiniteGuard:
     def __init__(self, accelerator: Accelerator, policy: str):
         self.accelerator = accelerator
         self.policy = policy
         device = accelerator.device
-        self._first_bad_step = torch.full((), -1, dtype=torch.long, device=device)  # "raise": per rank
+        self._unchecked: list[tuple[int, torch.Tensor]] = []  # "raise": (step, loss) since the last check
+        self._first_bad_step = torch.full((), NONE, dtype=torch.long, device=device)  # "raise": this rank's
         self._bad_in_window = torch.zeros((), dtype=torch.bool, device=device)  # "skip": since the last update
         self.skipped_steps = 0
 
     def observe(self, loss: torch.Tensor, step: int) -> torch.Tensor:
-        """Note whether ``loss`` (of optimizer step ``step``) is finite; return the loss to count in the logs."""
-        finite = torch.isfinite(loss)
+        """Note ``loss`` of optimizer step ``step``; return the loss to count in the logs."""
         if self.policy == "raise":
-            seen = finite | (self._first_bad_step >= 0)
-            self._first_bad_step = torch.where(seen, self._first_bad_step, step)
+            self._unchecked.append((step, loss))  # examined at the next check()
             return loss
+        finite = torch.isfinite(loss)
         self._bad_in_window |= ~finite
         return torch.where(finite, loss, torch.zeros_like(loss))  # a skipped step does not poison the mean
 
@@ -53,8 +56,14 @@ class NonFiniteGuard:
         """Under "raise": stop on every rank if any rank saw a non-finite loss (a collective: call on all ranks)."""
         if self.policy != "raise":
             return
+        if self._unchecked:
+            steps = torch.tensor([step for step, _ in self._unchecked], device=self._first_bad_step.device)
+            finite = torch.isfinite(torch.stack([loss.reshape(()) for _, loss in self._unchecked]))
+            self._unchecked.clear()
+            first_here = torch.where(finite, NONE, steps).min()
+            self._first_bad_step = torch.minimum(self._first_bad_step, first_here)
         first_bad = self.accelerator.gather(self._first_bad_step.view(1)).tolist()
-        bad = {rank: step for rank, step in enumerate(first_bad) if step >= 0}
+        bad = {rank: step for rank, step in enumerate(first_bad) if step != NONE}
         if bad:
             step = min(bad.values())
             ranks = ", ".join(str(rank) for rank, s in bad.items() if s == step)

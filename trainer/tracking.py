@@ -35,17 +35,17 @@ WINDOW_FIELDS = ("loss_sum", "micro_batches", "examples", "tokens", "steps", "se
 
 
 class StepWindow:
-    """What this process did since the last log. The loss stays on the device, so steps that do not log never
-    wait for it; counts and timings are host numbers."""
+    """What this process did since the last log. Each micro-batch's loss tensor is kept as it is, on the device, and
+    summed only when the trainer logs: no device work, and no waiting for it, on steps that do not log. Counts and
+    timings are host numbers."""
 
     def __init__(self, device: torch.device):
-        self._loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         self._device = device
         self.restart()
 
     def add(self, loss: torch.Tensor, batch: Any, examples: int) -> None:
         """Count one micro-batch: its loss, examples, and tokens when it carries ``input_ids``."""
-        self._loss_sum += loss.double()
+        self._losses.append(loss)
         self.micro_batches += 1
         self.examples += examples
         if isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor):
@@ -68,10 +68,12 @@ class StepWindow:
         seconds = time.perf_counter() - self._since
         host = [self.micro_batches, self.examples, self.tokens, self.steps, seconds, self.data_wait, self.forward]
         host_part = torch.tensor(host, dtype=torch.float64, device=self._device)
-        return torch.cat([self._loss_sum.view(1), host_part]).view(1, -1)
+        loss_sum = torch.stack([loss.reshape(()) for loss in self._losses]).double().sum().view(1) if self._losses \
+            else torch.zeros(1, dtype=torch.float64, device=self._device)  # fmt: skip
+        return torch.cat([loss_sum, host_part]).view(1, -1)
 
     def restart(self) -> None:
-        self._loss_sum.zero_()
+        self._losses: list[torch.Tensor] = []
         self.micro_batches = self.examples = self.tokens = self.steps = 0
         self.data_wait = self.forward = 0.0
         self._since = time.perf_counter()

@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
@@ -100,7 +101,14 @@ class Trainer:
         self.steps_per_epoch = math.ceil(self.batches_per_epoch / accumulation) if self.batches_per_epoch else None
         self.total_steps = config.max_steps or config.epochs * self.steps_per_epoch
 
-        optimizer = optimizer or build_optimizer(model, config)
+        if optimizer is None:
+            model.to(self.accelerator.device)  # prepare() would move it anyway; on the device first, AdamW fuses
+            optimizer = build_optimizer(model, config)
+        # Per-step work that changes nothing is skipped (each costs tens of microseconds, which a small model's
+        # step notices): the scheduler of a constant lr without warm-up, built here, and accelerate's accumulate()
+        # when every micro-batch is an optimizer step. A user's scheduler is always stepped.
+        self._schedule_moves = lr_scheduler is not None or config.lr_scheduler != "constant" or config.warmup_steps > 0
+        self._accumulating = config.gradient_accumulation_steps > 1
         lr_scheduler = lr_scheduler or build_scheduler(optimizer, config, self.total_steps)
         self.model, self.optimizer, self.train_loader, self.lr_scheduler = self.accelerator.prepare(
             model, optimizer, train_loader, lr_scheduler
@@ -120,8 +128,8 @@ class Trainer:
 
     @property
     def unwrapped_model(self) -> torch.nn.Module:
-        """The plain module without the DDP wrapper: the same weights on every rank."""
-        return self.accelerator.unwrap_model(self.model)
+        """The plain module without the DDP (or torch.compile) wrapper: the same weights on every rank."""
+        return self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
 
     @property
     def epoch_progress(self) -> float:
@@ -180,7 +188,7 @@ class Trainer:
     def _micro_step(self, batch: Any, window: StepWindow) -> None:
         """Forward and backward on one batch; an optimizer step when the accumulation window closes."""
         step = self.global_step + 1
-        with self.accelerator.accumulate(self.model):
+        with self.accelerator.accumulate(self.model) if self._accumulating else contextlib.nullcontext():
             self.stall.at(step, "forward")
             started = time.perf_counter()
             loss = self.loss_fn(self.model, batch)
@@ -193,7 +201,7 @@ class Trainer:
                 if self.config.max_grad_norm is not None:
                     self.accelerator.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
                 self.optimizer.step()
-                if not self.optimizer.step_was_skipped:
+                if self._schedule_moves and not self.optimizer.step_was_skipped:
                     self.lr_scheduler.step()  # fp16 overflow skips the step, so the schedule waits too
             self.optimizer.zero_grad()  # accelerate keeps the gradients mid-accumulation
         window.add(loss, batch, find_batch_size(batch))
@@ -306,11 +314,11 @@ class Trainer:
         self.accelerator.wait_for_everyone()
         model = self.unwrapped_model
         if hasattr(model, "save_pretrained"):
-            state_dict = self.accelerator.get_state_dict(self.model)
+            state_dict = self.accelerator.get_state_dict(model)  # the plain module's: no "_orig_mod." prefixes
             if self.accelerator.is_main_process:
                 model.save_pretrained(directory, state_dict=state_dict)
         else:
-            self.accelerator.save_model(self.model, directory, safe_serialization=True)
+            self.accelerator.save_model(model, directory, safe_serialization=True)
         self.accelerator.wait_for_everyone()
         return directory
 
