@@ -129,18 +129,8 @@ def steps_accelerate(model, data, workload):
     loader = torch.utils.data.DataLoader(data, batch_size=workload["batch"], shuffle=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    model.train()
-    step = 0
-    while True:
-        for batch in loader:
-            loss = model(**batch).loss
-            accelerator.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-            step += 1
-            if step % LOG_EVERY == 0:
-                accelerator.reduce(loss.detach(), reduction="mean").item()
-            yield loss
+    read = lambda loss: accelerator.reduce(loss.detach(), reduction="mean").item()  # noqa: E731
+    yield from _framework_steps(model, loader, optimizer, accelerator.backward, read)
 
 
 def steps_fabric(model, data, workload):
@@ -151,17 +141,22 @@ def steps_fabric(model, data, workload):
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
     model, optimizer = fabric.setup(model, optimizer)
     loader = fabric.setup_dataloaders(torch.utils.data.DataLoader(data, batch_size=workload["batch"], shuffle=True))
+    yield from _framework_steps(model, loader, optimizer, fabric.backward, lambda loss: loss.item())
+
+
+def _framework_steps(model, loader, optimizer, backward, read_loss):
+    """The loop as a framework's examples write it, given the framework's backward and its way to read the loss."""
     model.train()
     step = 0
     while True:
         for batch in loader:
             loss = model(**batch).loss
-            fabric.backward(loss)
+            backward(loss)
             optimizer.step()
             optimizer.zero_grad()
             step += 1
             if step % LOG_EVERY == 0:
-                loss.item()
+                read_loss(loss)
             yield loss
 
 

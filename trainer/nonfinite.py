@@ -21,6 +21,7 @@ class NonFiniteLoss(FloatingPointError):
 
 
 NONE = 2**62  # "no bad step yet": larger than any step, so the first bad step is a minimum
+FOLD_EVERY = 1024  # losses kept before they are folded into the record on the device (memory stays flat)
 
 
 class NonFiniteGuard:
@@ -37,6 +38,8 @@ class NonFiniteGuard:
         """Note ``loss`` of optimizer step ``step``; return the loss to count in the logs."""
         if self.policy == "raise":
             self._unchecked.append((step, loss))  # examined at the next check()
+            if len(self._unchecked) >= FOLD_EVERY:
+                self._fold()
             return loss
         finite = torch.isfinite(loss)
         self._bad_in_window |= ~finite
@@ -56,12 +59,7 @@ class NonFiniteGuard:
         """Under "raise": stop on every rank if any rank saw a non-finite loss (a collective: call on all ranks)."""
         if self.policy != "raise":
             return
-        if self._unchecked:
-            steps = torch.tensor([step for step, _ in self._unchecked], device=self._first_bad_step.device)
-            finite = torch.isfinite(torch.stack([loss.reshape(()) for _, loss in self._unchecked]))
-            self._unchecked.clear()
-            first_here = torch.where(finite, NONE, steps).min()
-            self._first_bad_step = torch.minimum(self._first_bad_step, first_here)
+        self._fold()
         first_bad = self.accelerator.gather(self._first_bad_step.view(1)).tolist()
         bad = {rank: step for rank, step in enumerate(first_bad) if step != NONE}
         if bad:
@@ -72,3 +70,13 @@ class NonFiniteGuard:
                 + (f"The last good checkpoint is {last_good}. " if last_good else "")
                 + "Set nan_policy='skip' to drop such steps instead."
             )
+
+    def _fold(self) -> None:
+        """Fold the kept losses into this rank's first-bad-step record, on the device (no host sync)."""
+        if not self._unchecked:
+            return
+        steps = torch.tensor([step for step, _ in self._unchecked], device=self._first_bad_step.device)
+        finite = torch.isfinite(torch.stack([loss.reshape(()) for _, loss in self._unchecked]))
+        self._unchecked.clear()
+        first_here = torch.where(finite, NONE, steps).min()
+        self._first_bad_step = torch.minimum(self._first_bad_step, first_here)

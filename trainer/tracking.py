@@ -29,6 +29,7 @@ import torch
 from accelerate import Accelerator
 
 from trainer.config import TrainConfig
+from trainer.nonfinite import FOLD_EVERY
 
 # One row of a rank's window, in this order, gathered from every rank at each log.
 WINDOW_FIELDS = ("loss_sum", "micro_batches", "examples", "tokens", "steps", "seconds", "data_wait", "forward")
@@ -46,6 +47,9 @@ class StepWindow:
     def add(self, loss: torch.Tensor, batch: Any, examples: int) -> None:
         """Count one micro-batch: its loss, examples, and tokens when it carries ``input_ids``."""
         self._losses.append(loss)
+        if len(self._losses) >= FOLD_EVERY:  # a long window: one sum per FOLD_EVERY steps keeps memory flat
+            self._folded = self._folded + self._sum_losses()
+            self._losses = []
         self.micro_batches += 1
         self.examples += examples
         if isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor):
@@ -68,12 +72,17 @@ class StepWindow:
         seconds = time.perf_counter() - self._since
         host = [self.micro_batches, self.examples, self.tokens, self.steps, seconds, self.data_wait, self.forward]
         host_part = torch.tensor(host, dtype=torch.float64, device=self._device)
-        loss_sum = torch.stack([loss.reshape(()) for loss in self._losses]).double().sum().view(1) if self._losses \
-            else torch.zeros(1, dtype=torch.float64, device=self._device)  # fmt: skip
+        loss_sum = (self._folded + self._sum_losses()).view(1)
         return torch.cat([loss_sum, host_part]).view(1, -1)
+
+    def _sum_losses(self) -> torch.Tensor:
+        if not self._losses:
+            return torch.zeros((), dtype=torch.float64, device=self._device)
+        return torch.stack([loss.reshape(()) for loss in self._losses]).double().sum()
 
     def restart(self) -> None:
         self._losses: list[torch.Tensor] = []
+        self._folded = torch.zeros((), dtype=torch.float64, device=self._device)
         self.micro_batches = self.examples = self.tokens = self.steps = 0
         self.data_wait = self.forward = 0.0
         self._since = time.perf_counter()
