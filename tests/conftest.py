@@ -34,9 +34,22 @@ def free_port() -> int:
 
 
 def clean_env(**extra: str) -> dict[str, str]:
+    """The environment of a test's job. GPUs are hidden (CUDA_VISIBLE_DEVICES=""), so each job runs on the CPU,
+    over gloo, the same on every host: 2 processes on a 1-GPU host would otherwise be refused, and figures
+    compared across runs would mix devices. tests/test_gpu.py runs the GPU paths, and pretend_gpus() the host
+    checks."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith("ACCELERATE_")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false")
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false",
+               CUDA_VISIBLE_DEVICES="")  # fmt: skip
     env.update(extra)
+    return env
+
+
+def pretend_gpus(count: int, **extra: str) -> dict[str, str]:
+    """clean_env() on a pretend host with ``count`` GPUs (tests/fake_gpu): torch.cuda says they exist, and any
+    real CUDA work fails, so a job that should stay on the CPU but reaches for the GPU fails loudly."""
+    env = clean_env(PYTHONPATH=str(ROOT / "tests" / "fake_gpu"), FAKE_GPUS=str(count), **extra)
+    env.pop("CUDA_VISIBLE_DEVICES")
     return env
 
 

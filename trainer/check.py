@@ -26,33 +26,41 @@ import torch
 Problems = list[str]
 
 
-def describe_config(path: str, launched: bool) -> tuple[list[str], Problems, Optional[int]]:
+def describe_config(path: str, launched: bool, num_processes: Optional[int] = None,
+                    num_machines: Optional[int] = None) -> tuple[list[str], Problems, Optional[int]]:
     """What ``accelerate launch --config_file path`` would start, checked against this host: the lines to print,
-    the problems, and the number of processes the config asks for. Inside a launch the rendezvous evidently
-    worked (and may have come from --main_process_ip), so its settings are not judged."""
+    the problems, and the number of processes the config asks for. ``num_processes`` / ``num_machines`` override
+    the file as the same flags of ``accelerate launch`` do. Inside a launch the rendezvous evidently worked (and
+    may have come from --main_process_ip), so its settings are not judged."""
     from accelerate.commands.config.config_args import load_config_from_file
 
     if not Path(path).is_file():
         return [], [f"config file not found: {path}"], None
     config = load_config_from_file(path)
-    machines, processes = config.num_machines, config.num_processes
-    gpus = torch.cuda.device_count()
-    on_cpu = config.use_cpu or gpus == 0
+    machines = num_machines or config.num_machines
+    processes = num_processes or config.num_processes
+    gpus = visible_gpus(getattr(config, "gpu_ids", None))
+    kind = config.distributed_type.value
+    through_torchrun = kind.startswith("MULTI_") and kind != "MULTI_CPU"  # else accelerate's one-process launcher
+    on_cpu = gpus == 0 or (config.use_cpu and not through_torchrun)
     per_machine = processes // max(machines, 1)
     lines = [
         f"config {path}: {machines} machine(s) x {per_machine} process(es) = {processes} processes",
         f"  backend: {'gloo on CPU' if on_cpu else 'nccl on GPU'}"
-        + (" (no GPU on this host: the trainer runs the processes as DDP on CPU)" if gpus == 0 and not config.use_cpu
-           else ""),  # fmt: skip
+        + (" (no GPU visible: the trainer runs the processes as DDP on CPU)" if on_cpu and through_torchrun else ""),
         f"  mixed precision: {config.mixed_precision}",
     ]
     problems: Problems = []
     if processes % max(machines, 1):
         problems.append(f"num_processes {processes} is not a multiple of num_machines {machines}: every machine runs "
                         "num_processes / num_machines processes")  # fmt: skip
-    if gpus and not config.use_cpu and per_machine > gpus:
+    if not on_cpu and per_machine > gpus:
         problems.append(f"{per_machine} processes per machine, but this machine has {gpus} GPU(s)")
-    if config.mixed_precision == "bf16" and gpus and not torch.cuda.is_bf16_supported():
+    if not through_torchrun and per_machine > 1 and not (config.mpirun_config or {}).get("mpirun_hostfile"):
+        problems.append(f"accelerate launch starts 1 process for this file, not {per_machine}: its CPU launcher "
+                        "starts several only through mpirun (mpirun_hostfile). For K processes on the CPU over gloo "
+                        "use accelerate_configs/cpu.yaml with --num_processes K")  # fmt: skip
+    if config.mixed_precision == "bf16" and not on_cpu and not torch.cuda.is_bf16_supported():
         problems.append("mixed_precision bf16, but this machine's GPU has no bf16: use fp16.yaml")
     if machines > 1:
         lines.append(f"  rendezvous: {config.rdzv_backend} at {config.main_process_ip}:{config.main_process_port}; "
@@ -60,6 +68,20 @@ def describe_config(path: str, launched: bool) -> tuple[list[str], Problems, Opt
         if not launched:
             problems += _rendezvous_problems(config.main_process_ip, config.main_process_port)
     return lines, problems, processes
+
+
+def visible_gpus(gpu_ids: Optional[str]) -> int:
+    """GPUs the launched processes will see: accelerate turns ``gpu_ids`` other than "all" into
+    CUDA_VISIBLE_DEVICES, and CUDA stops at the first index that is not a device (cpu.yaml's '-1,-1')."""
+    installed = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpu_ids in (None, "all"):
+        return installed
+    visible = 0
+    for item in str(gpu_ids).split(","):
+        if not item.strip().isdigit() or int(item) >= installed:
+            break
+        visible += 1
+    return visible
 
 
 def _rendezvous_problems(address: Optional[str], port: Optional[int]) -> Problems:
@@ -154,13 +176,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.check", description=__doc__.splitlines()[0])
     parser.add_argument("--config_file", "--config-file", help="an accelerate config YAML to describe and check")
     parser.add_argument("--output_dir", "--output-dir", help="check that every node shares this directory")
+    parser.add_argument("--num_processes", "--num-processes", type=int, help="as accelerate launch's, over the file")
+    parser.add_argument("--num_machines", "--num-machines", type=int, help="as accelerate launch's, over the file")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds a rank may take to answer")
     args = parser.parse_args(argv)
 
     launched = "LOCAL_RANK" in os.environ or "WORLD_SIZE" in os.environ
     lines, problems, expected = [], [], None
     if args.config_file:
-        lines, problems, expected = describe_config(args.config_file, launched)
+        lines, problems, expected = describe_config(args.config_file, launched, args.num_processes,
+                                                    args.num_machines)
     main_process = int(os.environ.get("RANK", "0")) == 0
     if main_process:
         print("\n".join(lines))

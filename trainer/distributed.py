@@ -1,10 +1,13 @@
-"""Building the Accelerator, and the one place that knows about launchers and hosts without a GPU.
+"""Building the Accelerator, and the one place that knows about launchers and hosts with and without GPUs.
 
 Why this module exists: on a host without CUDA, ``accelerate launch`` (or torchrun) with K processes starts K
 processes that each build an Accelerator that believes it is alone: K silent, independent trainings. Building it
 with ``cpu=True`` instead gives real DDP over gloo. We do that, say so once, and check that the world the launcher
-announced (WORLD_SIZE) is the world the Accelerator joined. Here too: each CPU process's share of the cores, the
-process group's teardown at exit, and what an elastic restart needs from its launcher.
+announced (WORLD_SIZE) is the world the Accelerator joined. Before any of that, a launch this host cannot honour
+stops with one message saying what to run instead: more processes on a machine than it has GPUs (each would
+claim a GPU that does not exist), or several CPU processes asked of accelerate's CPU launcher, which starts one
+unless it runs mpirun. Here too: each CPU process's share of the cores, the process group's teardown at exit, and
+what an elastic restart needs from its launcher.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import atexit
 import functools
 import os
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Optional
@@ -20,7 +24,7 @@ from typing import Optional
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.logging import get_logger
-from accelerate.utils import DataLoaderConfiguration
+from accelerate.utils import DataLoaderConfiguration, parse_flag_from_env
 
 from trainer.config import TrainConfig
 
@@ -38,6 +42,11 @@ class WorldSizeMismatch(RuntimeError):
     """The launcher started K processes but the Accelerator sees a different number."""
 
 
+class LaunchMismatch(SystemExit):
+    """A launch this host cannot honour. A refusal, not a bug: the first process of the machine prints the
+    message alone (no traceback, not once per rank) and every process exits with status 1."""
+
+
 def launched_world_size() -> int:
     """How many processes the launcher (accelerate launch, torchrun, Slurm + torchrun) says the job has."""
     return int(os.environ.get("WORLD_SIZE", "1"))
@@ -45,6 +54,8 @@ def launched_world_size() -> int:
 
 def has_accelerator_device() -> bool:
     """A device DDP can use for K processes (CUDA, XPU, ...). Apple's MPS cannot host several processes."""
+    if torch.cuda.is_available():  # the common case, asked the way accelerate asks it
+        return True
     if not torch.accelerator.is_available():
         return False
     return torch.accelerator.current_accelerator().type != "mps"
@@ -57,10 +68,13 @@ def distributed_state(collective_timeout_s: Optional[float] = None) -> PartialSt
     ``collective_timeout_s``: how long a collective may wait for a missing rank before the job ends (torch's
     default, 30 minutes, when None). The first call joins the job and fixes it: pass the TrainConfig's value.
     """
+    check_launch_fits_host()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     timeout = {} if collective_timeout_s is None else {"timeout": timedelta(seconds=collective_timeout_s)}
     try:
-        state = PartialState(cpu=_needs_cpu_fallback(), **timeout)
+        # The same cpu flag the Accelerator will derive (accelerate's PartialState ignores ACCELERATE_USE_CPU, its
+        # AcceleratorState does not): on a GPU host a CPU launch would otherwise put the state on the GPU first.
+        state = PartialState(cpu=_use_cpu(), **timeout)
     except RuntimeError as err:
         if attempt == 0:
             raise
@@ -79,7 +93,7 @@ def build_accelerator(config: TrainConfig) -> Accelerator:
     """
     distributed_state(config.collective_timeout_s)
     accelerator = Accelerator(
-        cpu=_needs_cpu_fallback(),  # False still honours the accelerate config's use_cpu (ACCELERATE_USE_CPU)
+        cpu=_use_cpu(),
         gradient_accumulation_steps=config.gradient_accumulation_steps,
         step_scheduler_with_optimizer=False,
         # Copies to the GPU overlap the step (the trainer's loaders pin memory on CUDA); a no-op on CPU.
@@ -92,8 +106,8 @@ def build_accelerator(config: TrainConfig) -> Accelerator:
         world = accelerator.num_processes
         if _needs_cpu_fallback():
             logger.warning(
-                f"No GPU on this host: running the {world} launched processes as real DDP on CPU over gloo "
-                f"(accelerate would otherwise start {world} independent trainings).",
+                f"No GPU on this host is visible to the processes: running the {world} launched processes as real "
+                f"DDP on CPU over gloo (accelerate would otherwise start {world} independent trainings).",
                 main_process_only=True,
             )
         restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
@@ -122,17 +136,76 @@ def _user_chose_threads() -> bool:
     launched = "LOCAL_RANK" in os.environ or "ACCELERATE_USE_CPU" in os.environ  # torchrun-style, or accelerate's
     if not launched:  # one-process launcher: started directly, the value is the user's
         return True
-    try:  # the launcher's environment as it was started, and its command line
-        launcher = Path(f"/proc/{os.getppid()}")
-        environment = (launcher / "environ").read_bytes().split(b"\0")
-        command = (launcher / "cmdline").read_bytes()
-    except OSError:
+    launcher = _launcher()
+    if launcher is None:
         return True  # cannot tell (not Linux): leave the value alone
-    return any(v.startswith(b"OMP_NUM_THREADS=") for v in environment) or b"num_cpu_threads_per_process" in command
+    environment, command = launcher
+    return "OMP_NUM_THREADS" in environment or b"num_cpu_threads_per_process" in command
+
+
+def _launcher() -> Optional[tuple[set[str], bytes]]:
+    """The names in the parent process's environment as it was started, and its command line (Linux only)."""
+    try:
+        parent = Path(f"/proc/{os.getppid()}")
+        names = {v.split(b"=", 1)[0].decode(errors="replace") for v in (parent / "environ").read_bytes().split(b"\0")}
+        return names, (parent / "cmdline").read_bytes()
+    except OSError:
+        return None
+
+
+def _use_cpu() -> bool:
+    """Build the process state on the CPU: asked for (``use_cpu`` / ``--cpu`` at launch), or the fallback."""
+    return parse_flag_from_env("ACCELERATE_USE_CPU") or _needs_cpu_fallback()
 
 
 def _needs_cpu_fallback() -> bool:
     return launched_world_size() > 1 and not has_accelerator_device()
+
+
+def check_launch_fits_host() -> None:
+    """Stop a launch this host cannot honour before anything is built, naming the command that works.
+
+    - More processes on this machine than it has GPUs: every process after the last GPU would die with "invalid
+      device ordinal" (or NCCL's "invalid usage" where two share one), behind a wall of launcher tracebacks.
+    - Several CPU processes asked of ``accelerate launch``'s CPU path (``use_cpu`` / ``--cpu``, or the multi-CPU
+      file ``accelerate config`` writes): without mpirun it starts ONE process, which would train alone. It gives
+      that process MASTER_ADDR only when it was asked for more than one, so a MASTER_ADDR the launcher itself did
+      not have, in a process no launcher gave a WORLD_SIZE (torchrun) or an MPI rank, says so.
+    """
+    problem = None
+    per_machine = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0  # those CUDA_VISIBLE_DEVICES leaves
+    if per_machine > gpus > 0 and not parse_flag_from_env("ACCELERATE_USE_CPU"):
+        problem = (
+            f"this launch starts {per_machine} processes on this machine, but it has {gpus} GPU(s): one process per "
+            f"GPU. Run `accelerate launch --num_processes {gpus} ...` (or --config_file "
+            f"accelerate_configs/single_gpu.yaml), or `torchrun --nproc_per_node {gpus} ...`; to run {per_machine} "
+            f"processes on the CPU instead: `accelerate launch --config_file accelerate_configs/cpu.yaml "
+            f"--num_processes {per_machine} ...`."
+        )
+    elif _lone_process_of_a_cpu_launch():
+        problem = (
+            "accelerate launch was asked for several CPU processes (use_cpu / --cpu, or a multi-CPU config from "
+            "`accelerate config`) but started ONE: its CPU launcher starts more only through mpirun (a config with "
+            "mpirun_hostfile). To run K processes on the CPU over gloo: `accelerate launch --config_file "
+            "accelerate_configs/cpu.yaml --num_processes K ...`, or `torchrun --nproc_per_node K ...`."
+        )
+    if problem is None:
+        return
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        raise LaunchMismatch(f"trainer: cannot start: {problem}")
+    time.sleep(5)  # let the first process say it: the launcher stops the others once one of them exits
+    raise LaunchMismatch(1)
+
+
+def _lone_process_of_a_cpu_launch() -> bool:
+    if not parse_flag_from_env("ACCELERATE_USE_CPU") or "MASTER_ADDR" not in os.environ:
+        return False
+    mpi_or_torchrun = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+    if any(name in os.environ for name in mpi_or_torchrun):
+        return False
+    launcher = _launcher()
+    return launcher is not None and "MASTER_ADDR" not in launcher[0]
 
 
 def check_world_size(accelerator: Accelerator) -> None:

@@ -1,0 +1,138 @@
+"""Launches against the host: more processes than GPUs, CPU launches on a host with GPUs, several CPU processes,
+and `accelerate config` itself driven through a pty. Real launches on a pretend GPU host (conftest.pretend_gpus:
+torch.cuda reports GPUs, and any real CUDA work fails); tests/test_gpu.py repeats the GPU cases on a real one."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+
+import pytest
+
+from conftest import CONFIGS, ROOT, SCENARIOS, accelerate_launch, clean_env, pretend_gpus, run, torchrun
+
+GPT2 = ROOT / "examples" / "gpt2.py"
+REFUSAL = "trainer: cannot start: "
+
+
+def job_report(output_dir) -> dict:
+    return json.loads((output_dir / "result.json").read_text())
+
+
+@pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
+def test_more_processes_than_gpus_stop_at_once_with_one_message_naming_what_works(tmp_path, launcher):
+    # The README's main command on a 1-GPU machine: 2 processes, 1 GPU.
+    started = time.monotonic()
+    if launcher == "accelerate":
+        result = accelerate_launch(GPT2, "--output-dir", tmp_path, env=pretend_gpus(1), expect_ok=False)
+    else:
+        result = torchrun(GPT2, "--output-dir", tmp_path, env=pretend_gpus(1), expect_ok=False)
+    output = result.stdout + result.stderr
+    assert output.count(REFUSAL) == 1, output  # once, not once per rank
+    assert "starts 2 processes on this machine, but it has 1 GPU(s)" in output
+    assert "accelerate launch --num_processes 1" in output and "torchrun --nproc_per_node 1" in output
+    assert "accelerate_configs/cpu.yaml --num_processes 2" in output
+    assert "gpt2 |" not in output and not (tmp_path / "tokenizer").exists()  # before any model or data
+    assert time.monotonic() - started < 60
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_cpu_yaml_runs_on_the_cpu_of_a_host_with_a_gpu(tmp_path, processes):
+    result = accelerate_launch(SCENARIOS, "job", "--output_dir", tmp_path, config="cpu.yaml",
+                               num_processes=processes, env=pretend_gpus(1))  # fmt: skip
+    report = job_report(tmp_path)
+    assert (report["world_size"], report["device"]) == (processes, "cpu")
+    assert f"trainer | {processes} process(es) on 1 machine(s), device cpu" in result.stdout
+    assert report["result"]["eval_loss"] < report["before"]["eval_loss"]
+
+
+def test_accelerates_cpu_flag_on_a_host_with_a_gpu_runs_on_the_cpu(tmp_path):
+    # accelerate's own CPU path (ACCELERATE_USE_CPU): the process state, set_seed and the Accelerator must agree.
+    accelerate_launch(SCENARIOS, "job", "--output_dir", tmp_path, config="single_gpu.yaml", run_args=["--cpu"],
+                      env=pretend_gpus(1))  # fmt: skip
+    assert job_report(tmp_path)["device"] == "cpu"
+
+
+def test_several_processes_asked_of_accelerates_cpu_launcher_stop_naming_what_works(tmp_path):
+    result = accelerate_launch(SCENARIOS, "job", "--output_dir", tmp_path, config="single_gpu.yaml",
+                               run_args=["--cpu"], num_processes=2, expect_ok=False)  # fmt: skip
+    output = result.stdout + result.stderr
+    assert output.count(REFUSAL) == 1 and "but started ONE" in output
+    assert "accelerate_configs/cpu.yaml --num_processes K" in output
+    assert not (tmp_path / "result.json").exists()
+
+
+# ------------------------------------------------------------- `accelerate config`, interactive, through a pty
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+# The README's walk-through for CPU processes ("Your own cluster's config"), and the multi-CPU answers that
+# accelerate's CPU launcher cannot honour without mpirun.
+README_CPU_ANSWERS = {"Which type of machine": "multi-GPU", "How many GPU(s)": "2", "What GPU(s) (by id)": "-1,-1"}
+MULTI_CPU_ANSWERS = {"Which type of machine": "multi-CPU", "How many processes": "2"}
+
+
+def accelerate_config(path, answers: dict[str, str]) -> list[tuple[str, str]]:
+    """Answer ``accelerate config`` as a person at a terminal would: ``answers`` by a part of the question (a menu
+    entry's label for menus), Enter (the default) for the rest. Returns the questions asked and the answers."""
+    pexpect = pytest.importorskip("pexpect")
+    command = ["-m", "accelerate.commands.accelerate_cli", "config", "--config_file", str(path)]
+    child = pexpect.spawn(sys.executable, command, env=clean_env(), encoding="utf-8", timeout=60, dimensions=(50, 200))
+    menu = r"arrow or number keys.*?\n((?:.*\n)*?.*)\x1b\[\d+A"  # the options, then the cursor moves back up
+    question = r"([^\n]*)(\[[^\]\n]*\]|\? ?): ?$"
+    asked = []
+    while child.expect([menu, question, pexpect.EOF]) != 2:
+        if child.match.re.pattern == menu:
+            text = [line for line in ANSI.sub("", child.before).splitlines() if line.strip().endswith("?")][-1]
+            options = [ANSI.sub("", line).replace("➔", "").strip() for line in child.match.group(1).splitlines()]
+            options = [option for option in options if option]
+            wanted = next((v for k, v in answers.items() if k in text), options[0])
+            asked.append((text.strip("- "), wanted))
+            child.send("\x1b[B" * options.index(wanted) + "\r")  # arrow down to the entry, then Enter
+        else:
+            text = ANSI.sub("", child.match.group(0)).strip()
+            reply = next((v for k, v in answers.items() if k in text), "")
+            asked.append((text, reply))
+            child.send(reply + "\r")
+    child.close()
+    assert child.exitstatus == 0, asked
+    return asked
+
+
+def test_the_readmes_accelerate_config_answers_give_k_cpu_processes_even_on_a_gpu_host(tmp_path):
+    path = tmp_path / "my.yaml"
+    asked = accelerate_config(path, README_CPU_ANSWERS)
+    assert ("What GPU(s) (by id) should be used for training on this machine as a comma-separated list? [all]:",
+            "-1,-1") in asked  # fmt: skip
+    readme = (ROOT / "README.md").read_text()
+    assert all(f"`{answer}`" in readme for answer in README_CPU_ANSWERS.values()), "the README walks through these"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", path, SCENARIOS, "job",
+           "--output_dir", tmp_path / "job"]  # fmt: skip
+    run([str(c) for c in cmd], env=pretend_gpus(1))
+    report = job_report(tmp_path / "job")
+    assert (report["world_size"], report["device"]) == (2, "cpu")
+
+
+def test_a_multi_cpu_config_from_accelerate_config_stops_instead_of_running_one_process(tmp_path):
+    path = tmp_path / "multi_cpu.yaml"
+    accelerate_config(path, MULTI_CPU_ANSWERS)
+    assert "distributed_type: MULTI_CPU" in path.read_text() and "num_processes: 2" in path.read_text()
+    check = run([sys.executable, "-m", "trainer.check", "--config_file", str(path)], expect_ok=False)
+    assert "PROBLEM: accelerate launch starts 1 process for this file, not 2" in check.stdout
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", path, SCENARIOS, "job",
+           "--output_dir", tmp_path / "job"]  # fmt: skip
+    result = run([str(c) for c in cmd], expect_ok=False)
+    assert (result.stdout + result.stderr).count(REFUSAL) == 1
+    assert not (tmp_path / "job" / "result.json").exists()
+
+
+def test_preflight_names_more_processes_than_gpus_and_passes_cpu_yaml():
+    check = run([sys.executable, "-m", "trainer.check", "--config_file", str(CONFIGS / "multi_gpu.yaml")],
+                env=pretend_gpus(1), expect_ok=False)  # fmt: skip
+    assert "PROBLEM: 2 processes per machine, but this machine has 1 GPU(s)" in check.stdout
+    for processes in ("1", "2"):
+        cpu = run([sys.executable, "-m", "trainer.check", "--config_file", str(CONFIGS / "cpu.yaml"),
+                   "--num_processes", processes], env=pretend_gpus(1))  # fmt: skip
+        assert "gloo on CPU" in cpu.stdout and "preflight: no problems found" in cpu.stdout
