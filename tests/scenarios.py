@@ -66,11 +66,15 @@ def job(args) -> None:
     before = trainer.evaluate()
     result = trainer.fit()
     acc = trainer.accelerator
+    with trainer.autocast():  # the forward as a training step runs it
+        logits = trainer.model(**next(iter(trainer.train_loader))).logits
     if acc.is_main_process:
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         Path(args.output_dir, "result.json").write_text(json.dumps({
             "world_size": acc.num_processes, "device": acc.device.type, "mixed_precision": acc.mixed_precision,
-            "before": before, "result": result, "log_history": trainer.log_history,
+            "before": before, "result": result, "log_history": trainer.log_history, "logits_dtype": str(logits.dtype),
+            "fused_optimizer": bool(trainer.optimizer.optimizer.defaults.get("fused")),
+            "pin_memory": trainer.train_loader.base_dataloader.pin_memory,
         }))  # fmt: skip
 
 

@@ -23,8 +23,14 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, total_steps: int):
-    """constant / linear / cosine, each after ``warmup_steps`` of linear warm-up; stepped once per optimizer step."""
-    from transformers import get_scheduler  # deferred: importing transformers costs a second at start-up
+    """constant / linear / cosine, each after ``warmup_steps`` of linear warm-up; stepped once per optimizer step.
+
+    A constant lr without warm-up is torch's ConstantLR (factor 1): the rest are transformers' schedules, whose
+    import costs half a second at start-up that a constant lr need not pay.
+    """
+    if config.lr_scheduler == "constant" and config.warmup_steps == 0:
+        return torch.optim.lr_scheduler.ConstantLR(optimizer, factor=1.0, total_iters=0)
+    from transformers import get_scheduler
 
     name = "constant_with_warmup" if config.lr_scheduler == "constant" else config.lr_scheduler
     return get_scheduler(name, optimizer, num_warmup_steps=config.warmup_steps, num_training_steps=total_steps)

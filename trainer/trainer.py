@@ -34,6 +34,7 @@ from trainer.checkpoint import CheckpointError, check_writable, checkpoint_root,
 from trainer.config import TrainConfig
 from trainer.data import DataError, batches_per_epoch, build_eval_loader, build_train_loader, start_epoch
 from trainer.distributed import build_accelerator, num_machines
+from trainer.fastpath import Stepper, keep_own_forward
 from trainer.nonfinite import NonFiniteGuard
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.stall import watch_stalls
@@ -113,6 +114,8 @@ class Trainer:
         self.model, self.optimizer, self.train_loader, self.lr_scheduler = self.accelerator.prepare(
             model, optimizer, train_loader, lr_scheduler
         )
+        self.autocast = keep_own_forward(self.accelerator, self.model)  # forward and loss run under it
+        self.stepper = Stepper(self.accelerator, self.optimizer, config.gradient_accumulation_steps)
         self.eval_loader = self.accelerator.prepare(eval_loader) if eval_loader is not None else None
 
         # Where training stands: optimizer steps taken, the epoch being read, micro-batches read of it.
@@ -191,19 +194,21 @@ class Trainer:
         with self.accelerator.accumulate(self.model) if self._accumulating else contextlib.nullcontext():
             self.stall.at(step, "forward")
             started = time.perf_counter()
-            loss = self.loss_fn(self.model, batch)
+            with self.autocast():
+                loss = self.loss_fn(self.model, batch)
             window.forward += time.perf_counter() - started  # host time: this rank's own work before the all-reduce
             self.stall.at(step, "backward")
-            self.accelerator.backward(loss)
+            self.stepper.backward(loss)
             loss = self.nonfinite.observe(loss.detach(), step=step)
-            if self.accelerator.sync_gradients and not self.nonfinite.skip_this_step():
-                self.stall.at(step, "optimizer")
-                if self.config.max_grad_norm is not None:
-                    self.accelerator.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
-                self.optimizer.step()
-                if self._schedule_moves and not self.optimizer.step_was_skipped:
-                    self.lr_scheduler.step()  # fp16 overflow skips the step, so the schedule waits too
-            self.optimizer.zero_grad()  # accelerate keeps the gradients mid-accumulation
+            if self.accelerator.sync_gradients:  # else mid-accumulation: the gradients add up
+                if not self.nonfinite.skip_this_step():
+                    self.stall.at(step, "optimizer")
+                    if self.config.max_grad_norm is not None:
+                        self.accelerator.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+                    self.stepper.step()
+                    if self._schedule_moves and not self.stepper.step_was_skipped:
+                        self.lr_scheduler.step()  # fp16 overflow skips the step, so the schedule waits too
+                self.stepper.zero_grad()
         window.add(loss, batch, find_batch_size(batch))
         self.stall.at(step, "data")
 
@@ -341,7 +346,9 @@ class Trainer:
         count = 0
         for batch in self.eval_loader:
             size = find_batch_size(batch)
-            loss_sum += self.loss_fn(model, batch).double() * size
+            with self.autocast():
+                loss = self.loss_fn(model, batch)
+            loss_sum += loss.double() * size
             count += size
         model.train(was_training)
         totals = torch.stack([loss_sum, torch.tensor(count, dtype=torch.float64, device=loss_sum.device)])
