@@ -28,7 +28,9 @@ def test_two_processes_train_save_a_loadable_model_and_resume(tmp_path):
     losses = logged_losses(first.stdout)
     assert len(losses) == 4 and losses[-1] < losses[0], losses
     assert re.search(r"^eval loss [\d.]+, perplexity [\d.]+$", first.stdout, re.M)
-    assert re.search(r"^  tokens/s [\d,]+$", first.stdout, re.M) and "\nsample: " in first.stdout
+    step_line = r"^step 20/20 \| loss [\d.]+ \| lr \S+ \| [\d.]+ examples/s \| [\d,]+ tokens/s$"  # (MFU on a GPU)
+    assert re.search(step_line, first.stdout, re.M)
+    assert "\nsample: " in first.stdout
     assert f"saved to {tmp_path}/final" in first.stdout
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -92,5 +94,5 @@ def test_model_name_and_train_file_take_local_paths(tmp_path):
     local = ["--model-name", tmp_path / "first" / "final", "--train-file", text, "--peak-flops", "1e12"]
     result = python(GPT2, *TINY, "--max-steps", "4", "--output-dir", tmp_path / "second", *local)
     assert re.search(r"^gpt2 \| [\d,]+ parameters, \d+ train and \d+ eval sequences of 32 tokens$", result.stdout, re.M)
-    assert re.search(r"^  tokens/s [\d,]+ \| MFU [\d.]+%$", result.stdout, re.M)
+    assert re.search(r"^step 4/4 \| .* examples/s \| [\d,]+ tokens/s \| MFU [\d.]+%$", result.stdout, re.M)
     assert not (tmp_path / "second" / "tokenizer").exists(), "a --model-name run uses that model's tokenizer"

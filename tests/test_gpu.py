@@ -1,0 +1,104 @@
+"""On a host with a GPU (skipped without CUDA): the launch paths a GPU user takes, for real.
+
+bf16 and fp16 on the GPU, a crash and resume ending bit-identical on one GPU, pinned memory and fused AdamW in
+use, the fp32 output copy gone under mixed precision, ``compile``, the banner, cpu.yaml staying on the CPU, and
+more processes than GPUs refused with one message. Run: ``python -m pytest -q tests/test_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from test_checkpoint import assert_bit_identical, final_weights, result_line
+
+from conftest import ROOT, SCENARIOS, accelerate_launch, clean_env, torchrun
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+REFUSAL = "trainer: cannot start: "
+
+
+def gpu_env(**extra: str) -> dict[str, str]:
+    """clean_env() with the host's GPUs visible again."""
+    env = clean_env(**extra)
+    env.pop("CUDA_VISIBLE_DEVICES")
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        env["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
+    return env
+
+
+def job(tmp_path, *args, config="single_gpu.yaml", run_args=(), **kw) -> tuple[dict, str]:
+    result = accelerate_launch(SCENARIOS, "job", "--output_dir", tmp_path, *args, config=config, run_args=run_args,
+                               env=gpu_env(), **kw)  # fmt: skip
+    return json.loads((tmp_path / "result.json").read_text()), result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("precision", ["no", "bf16", "fp16"])
+def test_one_gpu_trains_in_each_precision_with_pinned_memory_fused_adamw_and_no_fp32_copy(tmp_path, precision):
+    report, output = job(tmp_path, run_args=["--mixed_precision", precision])
+    assert (report["device"], report["mixed_precision"], report["world_size"]) == ("cuda", precision, 1)
+    assert f"trainer | 1 process(es) on 1 machine(s), device cuda (NO), mixed precision {precision}" in output
+    assert report["fused_optimizer"] and report["pin_memory"]
+    expected = {"no": "torch.float32", "bf16": "torch.bfloat16", "fp16": "torch.float16"}[precision]
+    assert report["logits_dtype"] == expected, "the model's outputs stay in the autocast dtype"
+    assert report["result"]["eval_loss"] < report["before"]["eval_loss"]
+
+
+def test_crash_and_resume_on_one_gpu_ends_bit_identical(tmp_path):
+    def launch(output_dir, *args, **kw):
+        return accelerate_launch(SCENARIOS, "resume", "--output_dir", output_dir, *map(str, args),
+                                 config="single_gpu.yaml", env=gpu_env(), **kw)  # fmt: skip
+
+    launch(tmp_path / "reference")
+    crashed = launch(tmp_path / "crashed", "--crash_at", 9, "--crash_rank", 0, expect_ok=False)
+    assert "CRASH rank 0 after step 9" in crashed.stdout
+    resumed = launch(tmp_path / "crashed")
+    assert "step 8, epoch 2, batch 0" in resumed.stdout and result_line(resumed.stdout)["global_step"] == 36
+    assert_bit_identical(final_weights(tmp_path / "reference"), final_weights(tmp_path / "crashed"))
+
+
+def test_compile_on_a_gpu_trains_and_exports_plain_weights(tmp_path):
+    bf16 = ["--mixed_precision", "bf16"]
+    result = accelerate_launch(SCENARIOS, "resume", "--output_dir", tmp_path, "--compile", "--max_steps", "8",
+                               config="single_gpu.yaml", run_args=bf16, env=gpu_env())  # fmt: skip
+    assert result_line(result.stdout)["global_step"] == 8
+    assert not any(key.startswith("_orig_mod") for key in final_weights(tmp_path))
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_cpu_yaml_stays_on_the_cpu_of_a_gpu_host(tmp_path, processes):
+    report, output = job(tmp_path, config="cpu.yaml", num_processes=processes)
+    assert (report["device"], report["world_size"]) == ("cpu", processes)
+    assert f"{processes} process(es) on 1 machine(s), device cpu" in output
+
+
+def test_accelerates_cpu_flag_stays_on_the_cpu_of_a_gpu_host(tmp_path):
+    report, _ = job(tmp_path, run_args=["--cpu"])
+    assert report["device"] == "cpu"
+
+
+@pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
+def test_more_processes_than_gpus_stop_with_one_message(tmp_path, launcher):
+    too_many = GPUS + 1
+    gpt2 = ROOT / "examples" / "gpt2.py"
+    if launcher == "accelerate":
+        result = accelerate_launch(gpt2, "--output-dir", tmp_path, num_processes=too_many, env=gpu_env(),
+                                   expect_ok=False)  # fmt: skip
+    else:
+        result = torchrun(gpt2, "--output-dir", tmp_path, nproc=too_many, env=gpu_env(), expect_ok=False)
+    output = result.stdout + result.stderr
+    assert output.count(REFUSAL) == 1, output
+    assert f"starts {too_many} processes on this machine, but it has {GPUS} GPU(s)" in output
+    assert "invalid device ordinal" not in output and "gpt2 |" not in output
+
+
+def test_the_gpt2_example_on_one_gpu_uses_tf32_and_reports_mfu(tmp_path):
+    tiny = ["--n-layer", "1", "--n-embd", "64", "--n-head", "2", "--seq-len", "64", "--vocab-size", "512",
+            "--max-steps", "10", "--log-every", "5", "--eval-every", "1000", "--save-every", "1000"]  # fmt: skip
+    result = accelerate_launch(ROOT / "examples" / "gpt2.py", *tiny, "--output-dir", tmp_path,
+                               config="single_gpu.yaml", env=gpu_env())  # fmt: skip
+    assert "TF32 matmuls on" in result.stdout
+    assert "| MFU " in result.stdout and "tokens/s" in result.stdout
