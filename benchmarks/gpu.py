@@ -1,0 +1,239 @@
+"""What our Trainer costs on a GPU: GPT-2 124M in bf16 through a hand-written PyTorch loop, a raw Accelerate loop
+and our Trainer, eager and compiled, as transformers' GPT2LMHeadModel and as a compact GPT (benchmarks/compact_gpt.py,
+whose fast step shows a trainer's own per-step cost). One table: tokens/s, MFU, ms/step, peak memory, and each
+variant's speed and memory against the raw PyTorch loop.
+
+    bash benchmarks/gpu.sh                       # the whole grid, one GPU, about 15 minutes on an H100
+    python benchmarks/gpu.py --models compact --modes eager --batches 16 --rounds 3    # a part of it
+    python benchmarks/gpu.py --smoke             # the same code on a tiny model, on the CPU, in a minute
+
+Every variant: the same weights and tokens (seed 0), 1024 tokens x B sequences a step, AdamW (fused on the GPU), a
+constant lr, bf16 autocast (the raw loop's own; accelerate's and ours from ACCELERATE_MIXED_PRECISION=bf16, as
+`accelerate launch --config_file accelerate_configs/bf16.yaml` sets it), batches from a DataLoader with pinned
+memory and non-blocking copies, the loss read on the host every 50 steps. Each run is a fresh process; rounds
+alternate the variants. Timed: the steps after warm-up, between two device synchronisations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+VARIANTS = {"torch": "raw PyTorch loop", "accelerate": "raw Accelerate loop", "ours": "our Trainer"}
+LOG_EVERY = 50
+SIZES = {"full": dict(n_layer=12, n_embd=768, n_head=12, seq=1024, vocab=50304),
+         "smoke": dict(n_layer=2, n_embd=64, n_head=2, seq=64, vocab=512)}  # fmt: skip
+
+
+def build(model_name: str, size: dict, examples: int):
+    import torch
+
+    torch.manual_seed(0)
+    if model_name == "hf":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=size["vocab"], n_positions=size["seq"], n_embd=size["n_embd"],
+                                           n_layer=size["n_layer"], n_head=size["n_head"]))  # fmt: skip
+    else:
+        from compact_gpt import CompactGPT
+
+        model = CompactGPT(size["vocab"], size["seq"], size["n_layer"], size["n_embd"], size["n_head"])
+    tokens = torch.randint(0, size["vocab"], (examples, size["seq"]), generator=torch.Generator().manual_seed(0))
+    return model, [{"input_ids": t, "labels": t} for t in tokens]
+
+
+def flops_per_token(model, size: dict) -> float:
+    """6N (forward + backward) plus attention's 12 x layers x width x sequence, N counting tied weights once."""
+    n_params = sum(p.numel() for p in model.parameters())
+    return 6 * n_params + 12 * size["n_layer"] * size["n_embd"] * size["seq"]
+
+
+class Clock:
+    """Called after every optimizer step: synchronises the device after warm-up and at the end, and times between."""
+
+    def __init__(self, warmup: int, total: int):
+        self.warmup, self.total, self.steps = warmup, total, 0
+        self.started = self.seconds = None
+
+    def tick(self) -> None:
+        import torch
+
+        self.steps += 1
+        if self.steps in (self.warmup, self.total):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            if self.steps == self.warmup:
+                self.started = time.perf_counter()
+            else:
+                self.seconds = (time.perf_counter() - self.started) / (self.total - self.warmup)
+
+
+def run_torch(model, data, batch: int, compiled: bool, clock: Clock) -> None:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    model.to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=cuda or None)
+    forward = torch.compile(model) if compiled else model
+    loader = torch.utils.data.DataLoader(data, batch_size=batch, shuffle=True, pin_memory=cuda)
+    model.train()
+    for step, examples in enumerate(loader, 1):
+        examples = {k: v.to(device, non_blocking=True) for k, v in examples.items()}
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = forward(**examples).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % LOG_EVERY == 0:
+            loss.item()
+        clock.tick()
+        if step == clock.total:
+            return
+
+
+def run_accelerate(model, data, batch: int, compiled: bool, clock: Clock) -> None:
+    """As accelerate's examples write it: prepare, then backward through the Accelerator."""
+    import torch
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(**({"dynamo_backend": "inductor"} if compiled else {}))  # bf16 from the environment
+    model.to(accelerator.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=accelerator.device.type == "cuda" or None)
+    loader = torch.utils.data.DataLoader(data, batch_size=batch, shuffle=True,
+                                         pin_memory=accelerator.device.type == "cuda")  # fmt: skip
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    model.train()
+    for step, examples in enumerate(loader, 1):
+        loss = model(**examples).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        if step % LOG_EVERY == 0:
+            loss.item()
+        clock.tick()
+        if step == clock.total:
+            return
+
+
+def run_ours(model, data, batch: int, compiled: bool, clock: Clock) -> None:
+    from trainer import TrainConfig, Trainer
+
+    class Tick:
+        def on_step_end(self, trainer):
+            clock.tick()
+
+    config = TrainConfig(output_dir=tempfile.mkdtemp(), max_steps=clock.total, batch_size=batch, lr=3e-4,
+                         log_every=LOG_EVERY, compile=compiled, stall_warning_s=None)  # fmt: skip
+    trainer = Trainer(model, config, train_data=data, callbacks=[Tick()])
+    trainer.save_model = lambda *a, **kw: None  # the 500 MB export at the end is not part of a step
+    trainer.fit()
+
+
+def worker(args) -> None:
+    import torch
+
+    size = SIZES["smoke" if args.smoke else "full"]
+    model, data = build(args.model, size, (args.steps + 1) * args.batch)
+    per_token = flops_per_token(model, size)
+    clock = Clock(args.warmup, args.steps)
+    globals()[f"run_{args.variant}"](model, data, args.batch, args.mode == "compiled", clock)
+    cuda = torch.cuda.is_available()
+    print("RESULT " + json.dumps({
+        "step_s": clock.seconds, "tokens_per_s": args.batch * size["seq"] / clock.seconds,
+        "flops_per_token": per_token, "peak_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
+    }), flush=True)  # fmt: skip
+
+
+def measure(variant: str, model: str, mode: str, batch: int, args) -> dict | None:
+    cmd = [sys.executable, __file__, "--worker", variant, "--model", model, "--mode", mode, "--batch", str(batch),
+           "--steps", str(args.steps), "--warmup", str(args.warmup), *(["--smoke"] if args.smoke else [])]  # fmt: skip
+    env = {**os.environ, "ACCELERATE_MIXED_PRECISION": "bf16", "WANDB_MODE": "disabled",
+           "TRANSFORMERS_VERBOSITY": "error"}  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    line = next((line for line in done.stdout.splitlines() if line.startswith("RESULT ")), None)
+    if line is None:
+        sys.stderr.write(f"{variant} {model} {mode} B={batch} failed:\n{done.stderr[-3000:]}\n")
+        return None
+    return json.loads(line.removeprefix("RESULT "))
+
+
+def peak_flops() -> float | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    from gpt2 import PEAK_FLOPS  # examples/gpt2.py: dense bf16 peaks of common GPUs
+
+    name = torch.cuda.get_device_name(0)
+    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="hf,compact", help="hf (GPT2LMHeadModel), compact (compact_gpt.py)")
+    parser.add_argument("--modes", default="eager,compiled")
+    parser.add_argument("--batches", default="16,32", help="sequences per step (compact: the first only)")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=50, help="steps in all, warm-up included")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--smoke", action="store_true", help="a tiny model, on the CPU too, to try the script")
+    parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        args.variant = args.worker
+        return worker(args)
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import torch
+
+    peak = peak_flops()
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
+    print(f"{device}, torch {torch.__version__}; bf16 peak {peak / 1e12 if peak else float('nan'):.0f} TFLOP/s; "
+          f"{args.steps - args.warmup} timed steps after {args.warmup}, {args.rounds} round(s)", flush=True)
+    batches = [int(b) for b in args.batches.split(",")]
+    grid = [(model, mode, batch) for model in args.models.split(",") for mode in args.modes.split(",")
+            for batch in (batches if model == "hf" else batches[:1])]  # fmt: skip
+    results: dict[tuple, dict[str, list[dict]]] = {}
+    for _ in range(args.rounds):
+        for key in grid:
+            for variant in VARIANTS:
+                measured = measure(variant, *key, args)
+                if measured:
+                    results.setdefault(key, {}).setdefault(variant, []).append(measured)
+
+    print("\n| model | mode | B | variant | tokens/s | MFU | ms/step | peak GB | speed vs raw PyTorch | "
+          "memory vs raw PyTorch |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for (model, mode, batch), runs in results.items():
+        base = runs.get("torch")
+        for variant, measured in runs.items():
+            step_s = statistics.median(m["step_s"] for m in measured)
+            tokens = statistics.median(m["tokens_per_s"] for m in measured)
+            memory = max(m["peak_gb"] for m in measured)
+            mfu = f"{tokens * measured[0]['flops_per_token'] / peak:.1%}" if peak else "n/a"
+            speed = statistics.median(b["step_s"] for b in base) / step_s if base else float("nan")
+            memory_ratio = memory / max(b["peak_gb"] for b in base) if base else float("nan")
+            name = "GPT2LMHeadModel" if model == "hf" else "compact GPT"
+            print(f"| {name} | {mode} | {batch} | {VARIANTS[variant]} | {tokens:,.0f} | {mfu} | {1000 * step_s:.1f} | "
+                  f"{memory:.2f} | {speed:.3f} | {memory_ratio:.3f} |", flush=True)  # fmt: skip
+    out = ROOT / "runs" / "benchmarks"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu.json").write_text(json.dumps({" ".join(map(str, k)): v for k, v in results.items()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
