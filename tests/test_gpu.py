@@ -56,7 +56,7 @@ def test_crash_and_resume_on_one_gpu_ends_bit_identical(tmp_path):
     crashed = launch(tmp_path / "crashed", "--crash_at", 9, "--crash_rank", 0, expect_ok=False)
     assert "CRASH rank 0 after step 9" in crashed.stdout
     resumed = launch(tmp_path / "crashed")
-    assert "step 8, epoch 2, batch 0" in resumed.stdout and result_line(resumed.stdout)["global_step"] == 36
+    assert "step 8, epoch 0, batch 8" in resumed.stdout and result_line(resumed.stdout)["global_step"] == 36
     assert_bit_identical(final_weights(tmp_path / "reference"), final_weights(tmp_path / "crashed"))
 
 
