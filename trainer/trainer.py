@@ -79,7 +79,8 @@ class Trainer:
             as is: with several processes it needs a DistributedSampler, or an IterableDataset that shards itself).
         eval_data: optional Dataset or DataLoader for :meth:`evaluate`, each example counted exactly once.
         loss_fn: ``loss_fn(model, batch) -> scalar tensor``; default ``model(**batch).loss``. In training ``model``
-            is the prepared (DDP-wrapped) model, in evaluation the plain module.
+            is the prepared (DDP-wrapped) model, in evaluation the plain module. Under mixed precision it runs
+            inside the launch's autocast, as torch's AMP recipe does, and the model's outputs keep its dtype.
         optimizer, lr_scheduler: built from ``config`` when not given; the scheduler steps once per optimizer step.
         collate_fn: how the trainer's own loaders batch examples (torch's default collate when None).
         callbacks: objects with any of ``on_train_begin(trainer)``, ``on_epoch_begin(trainer)``,
