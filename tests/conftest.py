@@ -48,7 +48,8 @@ def clean_env(**extra: str) -> dict[str, str]:
 def pretend_gpus(count: int, **extra: str) -> dict[str, str]:
     """clean_env() on a pretend host with ``count`` GPUs (tests/fake_gpu): torch.cuda says they exist, and any
     real CUDA work fails, so a job that should stay on the CPU but reaches for the GPU fails loudly."""
-    env = clean_env(PYTHONPATH=str(ROOT / "tests" / "fake_gpu"), FAKE_GPUS=str(count), **extra)
+    env = clean_env(FAKE_GPUS=str(count), **extra)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "tests" / "fake_gpu"), env.get("PYTHONPATH")]))
     env.pop("CUDA_VISIBLE_DEVICES")
     return env
 
