@@ -50,16 +50,7 @@ def run_torch(model, data, steps: int, tick) -> None:
 
     loader = torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    for step, batch in enumerate(loader, 1):
-        loss = mse(model, batch)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        if step % LOG_EVERY == 0:
-            loss.item()
-        tick()
-        if step == steps:
-            return
+    hand_written_loop(model, loader, optimizer, lambda loss: loss.backward(), steps, tick)
 
 
 def run_accelerate(model, data, steps: int, tick) -> None:
@@ -70,9 +61,14 @@ def run_accelerate(model, data, steps: int, tick) -> None:
     loader = torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    hand_written_loop(model, loader, optimizer, accelerator.backward, steps, tick)
+
+
+def hand_written_loop(model, loader, optimizer, backward, steps: int, tick) -> None:
+    """The loop as a user writes it, given torch's or accelerate's backward."""
     for step, batch in enumerate(loader, 1):
         loss = mse(model, batch)
-        accelerator.backward(loss)
+        backward(loss)
         optimizer.step()
         optimizer.zero_grad()
         if step % LOG_EVERY == 0:
