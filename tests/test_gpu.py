@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
 from test_checkpoint import assert_bit_identical, final_weights, result_line
+from test_gpt2 import load_example
 
 from conftest import ROOT, SCENARIOS, accelerate_launch, clean_env, torchrun
 
@@ -95,10 +97,14 @@ def test_more_processes_than_gpus_stop_with_one_message(tmp_path, launcher):
     assert "invalid device ordinal" not in output and "gpt2 |" not in output
 
 
-def test_the_gpt2_example_on_one_gpu_uses_tf32_and_reports_mfu(tmp_path):
+def test_the_gpt2_example_on_one_gpu_uses_tf32_a_gpu_batch_and_reports_mfu(tmp_path):
+    example = load_example()
+    known = any(key in torch.cuda.get_device_name(0) for key in example.PEAK_FLOPS)  # else --peak-flops says
     tiny = ["--n-layer", "1", "--n-embd", "64", "--n-head", "2", "--seq-len", "64", "--vocab-size", "512",
-            "--max-steps", "10", "--log-every", "5", "--eval-every", "1000", "--save-every", "1000"]  # fmt: skip
+            "--max-steps", "10", "--log-every", "5", "--eval-every", "1000", "--save-every", "1000",
+            *([] if known else ["--peak-flops", "1e14"])]  # fmt: skip
     result = accelerate_launch(ROOT / "examples" / "gpt2.py", *tiny, "--output-dir", tmp_path,
                                config="single_gpu.yaml", env=gpu_env())  # fmt: skip
     assert "TF32 matmuls on" in result.stdout
-    assert "| MFU " in result.stdout and "tokens/s" in result.stdout
+    assert f"batch {example.GPU_BATCH_SIZE} per process x 1 processes" in result.stdout
+    assert re.search(r"^step 10/10 \| .* tokens/s \| MFU [\d.]+%$", result.stdout, re.M)
