@@ -25,10 +25,11 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-# Distributed types whose backward and optimizer step are plain torch ones (DeepSpeed, Megatron and XLA do more).
+# Distributed types whose backward and optimizer step are plain torch ones (DDP or none); FSDP, DeepSpeed, Megatron
+# and XLA keep accelerate's.
 PLAIN_TYPES = {
     DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.MULTI_XPU,
-    DistributedType.MULTI_NPU, DistributedType.MULTI_MLU, DistributedType.MULTI_MUSA, DistributedType.FSDP,
+    DistributedType.MULTI_NPU, DistributedType.MULTI_MLU, DistributedType.MULTI_MUSA,
 }
 
 
