@@ -3,7 +3,7 @@ and our Trainer, eager and compiled, as transformers' GPT2LMHeadModel and as a c
 whose fast step shows a trainer's own per-step cost). One table: tokens/s, MFU, ms/step, peak memory, and each
 variant's speed and memory against the raw PyTorch loop.
 
-    bash benchmarks/gpu.sh                       # the whole grid, one GPU, about 15 minutes on an H100
+    bash benchmarks/gpu.sh                       # the whole grid on one GPU: 15-20 minutes (--modes splits it)
     python benchmarks/gpu.py --models compact --modes eager --batches 16 --rounds 3    # a part of it
     python benchmarks/gpu.py --smoke             # the same code on a tiny model, on the CPU, in a minute
 
