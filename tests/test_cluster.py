@@ -132,6 +132,17 @@ def test_preflight_inside_a_two_node_launch_checks_the_shared_output_dir(tmp_pat
         assert "PROBLEM: output_dir out is not one shared filesystem: rank 1" in head
 
 
+def test_preflight_asks_wandb_only_of_a_job_that_uses_it(tmp_path):
+    env = clean_env()
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_PROJECT"):
+        env.pop(name, None)
+    env["HOME"] = str(tmp_path)  # no ~/.netrc: no API key anywhere
+    quiet = accelerate_launch("trainer.check", run_args=["-m"], env=env)  # as the README runs it
+    assert "wandb" not in quiet.stdout and quiet.stdout.rstrip().endswith("preflight: no problems found")
+    asked = accelerate_launch("trainer.check", "--wandb_project", "p", run_args=["-m"], env=env, expect_ok=False)
+    assert "wandb: unreachable" in asked.stdout
+
+
 def test_a_stalled_rank_is_named_by_the_others(tmp_path):
     result = accelerate_launch(SCENARIOS, "resume", "--output_dir", tmp_path, *STALL, "--stall_s", "6",
                                "--stall_warning_s", "2")  # fmt: skip

@@ -2,12 +2,14 @@
 
     python -m trainer.check --config_file accelerate_configs/multi_node.yaml              # read the config
     accelerate launch --config_file my.yaml -m trainer.check --output_dir runs/x           # every rank, for real
+    accelerate launch --config_file my.yaml -m trainer.check --wandb_project my-project   # ... and wandb from each node
 
-Read alone, the config says machines, processes, backend, mixed precision and rendezvous, checked against this
-host. Launched, every rank joins the job and reports its host, local rank and device; the check then asks: did the
-world come out as configured, can every rank be reached (a collective with a short timeout), is ``output_dir``
-one filesystem shared by all nodes (checkpoints are written by one process and read by all), and can each node
-reach wandb. It ends with one line per problem and exits 1, or says none were found and exits 0.
+Read alone, the config says machines, processes, backend, mixed precision and rendezvous, checked against this host.
+Launched, every rank joins the job and reports its host, local rank and device; the check then asks: did the world
+come out as configured, can every rank be reached (a collective with a short timeout), is ``output_dir`` one
+filesystem shared by all nodes (checkpoints are written by one process and read by all), and, for a job that logs to
+wandb (``--wandb_project``, or WANDB_PROJECT set), can each node reach it. It ends with one line per problem and
+exits 1, or says none were found and exits 0.
 """
 
 from __future__ import annotations
@@ -99,8 +101,10 @@ def _rendezvous_problems(address: Optional[str], port: Optional[int]) -> Problem
     return problems
 
 
-def check_launch(output_dir: Optional[str], expected_processes: Optional[int], timeout_s: float) -> Problems:
-    """Run on every rank of a launched job; return the problems (the same list on every rank)."""
+def check_launch(output_dir: Optional[str], expected_processes: Optional[int], timeout_s: float,
+                 uses_wandb: bool = False) -> Problems:
+    """Run on every rank of a launched job; return the problems (the same list on every rank). wandb is asked
+    only of a job that uses it: one that does not should not fail its preflight over a missing API key."""
     from accelerate.utils import broadcast_object_list, gather_object
 
     from trainer.distributed import distributed_state, launched_world_size
@@ -120,7 +124,7 @@ def check_launch(output_dir: Optional[str], expected_processes: Optional[int], t
         if world > 1:
             broadcast_object_list(token)
         me["sees"] = _probe_shared(Path(output_dir), token[0], rank, state)
-    me["wandb"] = _wandb_problem() if state.local_process_index == 0 else None
+    me["wandb"] = _wandb_problem() if uses_wandb and state.local_process_index == 0 else None
     everyone = gather_object([me]) if world > 1 else [me]  # every rank answering is the reachability check
     if state.is_main_process:
         for other in everyone:
@@ -176,6 +180,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.check", description=__doc__.splitlines()[0])
     parser.add_argument("--config_file", "--config-file", help="an accelerate config YAML to describe and check")
     parser.add_argument("--output_dir", "--output-dir", help="check that every node shares this directory")
+    parser.add_argument("--wandb_project", "--wandb-project", default=os.environ.get("WANDB_PROJECT"),
+                        help="the job logs to wandb: check that every node reaches it (default: $WANDB_PROJECT)")
     parser.add_argument("--num_processes", "--num-processes", type=int, help="as accelerate launch's, over the file")
     parser.add_argument("--num_machines", "--num-machines", type=int, help="as accelerate launch's, over the file")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds a rank may take to answer")
@@ -190,7 +196,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if main_process:
         print("\n".join(lines))
     if launched:
-        problems += check_launch(args.output_dir, expected, args.timeout)
+        problems += check_launch(args.output_dir, expected, args.timeout, uses_wandb=bool(args.wandb_project))
     elif not args.config_file:
         parser.error("give --config_file, or run it inside a launch (accelerate launch ... -m trainer.check)")
     if main_process:
