@@ -67,6 +67,13 @@ def test_elastic_restart_finishes_by_itself_bit_identical(tmp_path, reference):
     assert_bit_identical(final_weights(reference), final_weights(tmp_path))
 
 
+def test_a_finished_run_started_again_says_so(tmp_path, reference):
+    shutil.copytree(reference, tmp_path / "run")
+    again = launch_resume(tmp_path / "run")
+    assert "already finished at step 18 of 18: nothing to train; raise max_steps" in again.stdout
+    assert_bit_identical(final_weights(reference), final_weights(tmp_path / "run"))
+
+
 def test_kill_during_a_save_leaves_the_previous_checkpoint_latest(tmp_path, reference):
     killed = launch_resume(tmp_path, "--kill_in_save_at", 8, expect_ok=False)
     assert "KILLED during the save of step 8" in killed.stdout

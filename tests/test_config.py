@@ -88,3 +88,8 @@ def test_wandb_project_is_a_name_or_null():
     assert TrainConfig(wandb_project="p").wandb_project == "p"
     with pytest.raises(ConfigError, match="wandb_project must be a wandb project name"):
         TrainConfig(wandb_project="")
+
+
+def test_the_constructor_suggests_the_closest_field_as_the_yaml_path_does():
+    with pytest.raises(ConfigError, match="TrainConfig: unknown key 'batchsize'. Did you mean: batch_size"):
+        TrainConfig(batchsize=3)

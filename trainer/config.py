@@ -72,6 +72,10 @@ class TrainConfig:
     # Set it to log to wandb from every process: run <experiment_name>-rank<k> in group <experiment_name>.
     wandb_project: Optional[str] = None
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> "TrainConfig":
+        _check_keys(cls, kwargs, "TrainConfig")  # a misspelt keyword gets the YAML path's suggestion, not a TypeError
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
@@ -85,12 +89,7 @@ class TrainConfig:
         """Build from a mapping; an unknown key is an error naming the closest valid ones."""
         if not isinstance(values, dict):
             raise ConfigError(f"{source}: expected a mapping of TrainConfig keys, got {type(values).__name__}")
-        valid = [f.name for f in dataclasses.fields(cls)]
-        for key in values:
-            if key not in valid:
-                close = difflib.get_close_matches(str(key), valid, n=3, cutoff=0.5)
-                hint = f" Did you mean: {', '.join(close)}?" if close else ""
-                raise ConfigError(f"{source}: unknown key '{key}'.{hint} Valid keys: {', '.join(valid)}")
+        _check_keys(cls, values, source)
         return cls(**values)
 
     @classmethod
@@ -145,6 +144,16 @@ class TrainConfig:
             raise ConfigError("resume must be null, 'auto' or a checkpoint path; got ''")
         if self.wandb_project == "":
             raise ConfigError("wandb_project must be a wandb project name, or null to log without wandb; got ''")
+
+
+def _check_keys(cls: type, values: dict[str, Any], source: str) -> None:
+    """An unknown key is an error naming the closest valid ones."""
+    valid = [f.name for f in dataclasses.fields(cls)]
+    for key in values:
+        if key not in valid:
+            close = difflib.get_close_matches(str(key), valid, n=3, cutoff=0.5)
+            hint = f" Did you mean: {', '.join(close)}?" if close else ""
+            raise ConfigError(f"{source}: unknown key '{key}'.{hint} Valid keys: {', '.join(valid)}")
 
 
 def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
