@@ -6,6 +6,7 @@
                   (os._exit) after a given step, or make one rank's loss NaN at a given step; with
                   --wandb_project it logs to wandb, and can raise on one rank or slow one rank down
     user_loader   train_data is the user's own DataLoader (--sampler none|distributed)
+    predict       evaluate() with a metrics_fn and predict() on 9 examples, printed by every rank
     too_small     fewer training examples than processes
     world_guard   a plain Accelerator on a CPU host under a 2-process launch: the trainer's guard must stop it
 """
@@ -186,6 +187,26 @@ def user_loader(args) -> None:
     say(f"SEEN rank{trainer.accelerator.process_index} {json.dumps(seen)}")
 
 
+def predict(args) -> None:
+    """Eval metrics and predictions of a fixed model on 9 examples: every example once, in dataset order."""
+    torch.manual_seed(0)
+    data = Examples(9, seed=1)
+
+    def accuracy(model, batch):
+        return {"accuracy": (model(**batch).logits.argmax(-1) == batch["labels"]).float(),
+                "label": batch["labels"].float()}  # fmt: skip
+
+    config = TrainConfig(output_dir=args.output_dir, max_steps=1, batch_size=2, lr=0.0, shuffle=False)
+    trainer = Trainer(TinyClassifier(), config, train_data=Examples(8), eval_data=data, metrics_fn=accuracy)
+    metrics = trainer.evaluate()
+    logits = trainer.predict(data)
+    labels = trainer.predict(data, lambda model, batch: batch["labels"])
+    say(f"PREDICT rank{trainer.accelerator.process_index} " + json.dumps({
+        "metrics": metrics, "logits": logits.tolist(), "labels": labels.tolist(),
+        "expected_labels": data.labels.tolist(),
+    }))  # fmt: skip
+
+
 def too_small(args) -> None:
     Trainer(TinyClassifier(), TrainConfig(batch_size=1), train_data=Examples(1))
 
@@ -200,7 +221,8 @@ def world_guard(args) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("case", choices=["job", "resume", "hf_export", "user_loader", "too_small", "world_guard"])
+    parser.add_argument("case", choices=["job", "resume", "hf_export", "user_loader", "too_small", "world_guard",
+                                         "predict"])
     parser.add_argument("--resume", default="auto", type=lambda v: None if v == "none" else v)
     parser.add_argument("--crash_at", type=int, default=0)
     parser.add_argument("--crash_rank", type=int, default=1)

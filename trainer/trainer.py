@@ -34,6 +34,9 @@ from trainer.checkpoint import CheckpointError, check_writable, checkpoint_root,
 from trainer.config import TrainConfig
 from trainer.data import DataError, batches_per_epoch, build_eval_loader, build_train_loader, start_epoch
 from trainer.distributed import build_accelerator, num_machines
+from trainer.evaluation import MetricsFn, PredictFn, model_logits, perplexity
+from trainer.evaluation import evaluate as evaluate_shares
+from trainer.evaluation import predict as predict_shares
 from trainer.fastpath import Stepper, keep_own_forward
 from trainer.nonfinite import NonFiniteGuard
 from trainer.optim import build_optimizer, build_scheduler
@@ -81,6 +84,9 @@ class Trainer:
         loss_fn: ``loss_fn(model, batch) -> scalar tensor``; default ``model(**batch).loss``. In training ``model``
             is the prepared (DDP-wrapped) model, in evaluation the plain module. Under mixed precision it runs
             inside the launch's autocast, as torch's AMP recipe does, and the model's outputs keep its dtype.
+        metrics_fn: ``metrics_fn(model, batch) -> {name: tensor of shape [batch]}``, one number per example (say
+            ``(logits.argmax(-1) == labels).float()`` for accuracy); :meth:`evaluate` adds ``eval_<name>``, the mean
+            over the eval set with every example counted once.
         optimizer, lr_scheduler: built from ``config`` when not given; the scheduler steps once per optimizer step.
         collate_fn: how the trainer's own loaders batch examples (torch's default collate when None).
         callbacks: objects with any of ``on_train_begin(trainer)``, ``on_epoch_begin(trainer)``,
@@ -97,6 +103,7 @@ class Trainer:
         train_data: Dataset | DataLoader,
         eval_data: Optional[Dataset | DataLoader] = None,
         loss_fn: Optional[LossFn] = None,
+        metrics_fn: Optional[MetricsFn] = None,
         optimizer: Optional[torch.optim.Optimizer] = None,
         lr_scheduler: Optional[Any] = None,
         collate_fn: Optional[Callable] = None,
@@ -107,6 +114,8 @@ class Trainer:
         check_writable(config.output_dir)
         set_seed(config.seed, device_specific=True)  # dropout etc.: reproducible, different on each rank
         self.loss_fn = loss_fn or model_loss
+        self.metrics_fn = metrics_fn
+        self.collate_fn = collate_fn
         self.callbacks = list(callbacks)
 
         train_loader = build_train_loader(train_data, config, self.accelerator, collate_fn)
@@ -347,39 +356,56 @@ class Trainer:
 
     # ---------------------------------------------------------------- evaluation
 
-    @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Mean loss over the whole eval set, every example counted once whatever the process count.
-
-        Each process runs its own share on the plain module (shares may differ in length, so no DDP collective can
-        run per batch); the per-process sums are reduced once at the end. ``eval_perplexity`` is added when the loss
-        is the model's own (``model(**batch).loss``, a language model's cross-entropy).
-        """
+        """Mean loss (and each ``metrics_fn`` figure) over the whole eval set, every example counted once whatever
+        the process count: ``eval_loss``, ``eval_examples``, ``eval_<name>``. ``eval_perplexity`` is added when the
+        loss is the model's own (``model(**batch).loss``, a language model's cross-entropy)."""
         if self.eval_loader is None:
             raise ValueError("evaluate() needs eval_data: pass eval_data=... to the Trainer")
-        model = self.unwrapped_model
-        was_training = model.training
-        model.eval()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.accelerator.device)
-        count = 0
-        for batch in self.eval_loader:
-            size = find_batch_size(batch)
-            with self.autocast():
-                loss = self.loss_fn(model, batch)
-            loss_sum += loss.double() * size
-            count += size
-        model.train(was_training)
-        totals = torch.stack([loss_sum, torch.tensor(count, dtype=torch.float64, device=loss_sum.device)])
-        loss_sum, count = self.accelerator.reduce(totals, reduction="sum").tolist()
-        metrics = {"eval_loss": loss_sum / count, "eval_examples": int(count)}
+        with self._plain_model_in_eval_mode() as model:
+            metrics = evaluate_shares(model, self.eval_loader, self.loss_fn, self.metrics_fn, self.accelerator,
+                                      self.autocast)  # fmt: skip
         if self.loss_fn is model_loss:
-            metrics["eval_perplexity"] = math.exp(metrics["eval_loss"]) if metrics["eval_loss"] < 700 else math.inf
+            metrics["eval_perplexity"] = perplexity(metrics["eval_loss"])
         self._say(f"eval at step {self.global_step}: " + ", ".join(f"{k} {v:.6g}" for k, v in metrics.items()))
         self.last_eval = (self.global_step, metrics)
         if self.accelerator.is_main_process:  # the same reduced figures on every rank: the main run holds them
             self.tracker.log({f"eval/{k.removeprefix('eval_')}": v for k, v in metrics.items()}, self.global_step)
         self._call("on_evaluate", metrics=metrics)
         return metrics
+
+    def predict(self, data: Dataset, predict_fn: Optional[PredictFn] = None) -> torch.Tensor:
+        """One row per example of ``data``, in dataset order, returned on every process (on the CPU).
+
+        Args:
+            data: a map-style Dataset; each process predicts its share, and one gather puts the rows in order.
+            predict_fn: ``predict_fn(model, batch) -> tensor`` with one row per example, the same trailing shape
+                for every batch; default ``model(**batch).logits``. Runs on the plain module in eval mode, without
+                gradients, under the launch's autocast.
+
+        Example::
+
+            logits = trainer.predict(test_set)                     # [len(test_set), classes]
+            labels = trainer.predict(test_set, lambda model, batch: model(**batch).logits.argmax(-1))
+        """
+        if isinstance(data, DataLoader):
+            raise DataError("predict() takes the Dataset itself (each process predicts its share and the rows are put "
+                            "back in dataset order), not a DataLoader")  # fmt: skip
+        loader = build_eval_loader(data, self.config, self.accelerator, self.collate_fn)
+        with self._plain_model_in_eval_mode() as model:
+            return predict_shares(model, loader, predict_fn or model_logits, self.accelerator, self.autocast,
+                                  len(data))  # fmt: skip
+
+    @contextlib.contextmanager
+    def _plain_model_in_eval_mode(self):
+        """The plain module (no DDP: the processes' shares differ in length), in eval mode, then as it was."""
+        model = self.unwrapped_model
+        was_training = model.training
+        model.eval()
+        try:
+            yield model
+        finally:
+            model.train(was_training)
 
     # ------------------------------------------------------------------- helpers
 

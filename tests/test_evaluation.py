@@ -1,0 +1,48 @@
+"""evaluate() with metrics_fn and predict(): every example counted once, in dataset order, whatever the process
+count. Real processes: 9 examples on 1 process (plain python) and on 2 (accelerate launch), a fixed model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import SCENARIOS, accelerate_launch, python
+
+
+def reports(output: str) -> dict[str, dict]:
+    lines = [line.split(" ", 2) for line in output.splitlines() if line.startswith("PREDICT ")]
+    return {rank: json.loads(payload) for _, rank, payload in lines}
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    (report,) = reports(python(SCENARIOS, "predict", "--output_dir", tmp_path_factory.mktemp("one")).stdout).values()
+    return report
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    two = reports(accelerate_launch(SCENARIOS, "predict", "--output_dir", tmp_path_factory.mktemp("two")).stdout)
+    assert set(two) == {"rank0", "rank1"}
+    return two
+
+
+def test_metrics_count_every_example_once_and_match_one_process(one_process, two_processes):
+    expected = one_process["expected_labels"]
+    for report in [one_process, *two_processes.values()]:
+        metrics = report["metrics"]
+        assert metrics["eval_examples"] == 9
+        # The mean label is exact only if each of the 9 examples is counted once (padding would repeat example 0).
+        assert metrics["eval_label"] == pytest.approx(sum(expected) / 9, rel=1e-12)
+        assert metrics["eval_accuracy"] == pytest.approx(one_process["metrics"]["eval_accuracy"], rel=1e-12)
+        assert metrics["eval_loss"] == pytest.approx(one_process["metrics"]["eval_loss"], rel=1e-6)
+
+
+def test_predictions_come_back_in_dataset_order_on_every_process(one_process, two_processes):
+    assert one_process["labels"] == one_process["expected_labels"]
+    for report in two_processes.values():
+        assert report["labels"] == one_process["expected_labels"]  # example i's own label in row i
+        assert len(report["logits"]) == 9
+        for row, reference in zip(report["logits"], one_process["logits"], strict=True):
+            assert row == pytest.approx(reference, rel=1e-5)

@@ -1,0 +1,102 @@
+"""Evaluation and prediction over a data set: every example counted exactly once, whatever the process count.
+
+Each process runs its own share, examples k, k+K, k+2K, ... (``trainer.data.ShardSampler``: no padded tail, so no
+example twice), on the plain module under the launch's autocast. Shares may differ in length, so nothing collective
+runs per batch: evaluation sums the loss and each metric per process and reduces the sums once at the end;
+prediction gathers each process's outputs once and interleaves them back into dataset order.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, ContextManager, Optional
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list, find_batch_size
+
+MetricsFn = Callable[[torch.nn.Module, Any], dict[str, torch.Tensor]]
+PredictFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, loader, loss_fn, metrics_fn: Optional[MetricsFn], accelerator: Accelerator,
+             autocast: Callable[[], ContextManager]) -> dict[str, float]:  # fmt: skip
+    """``eval_loss``, ``eval_examples`` and ``eval_<name>`` for each metric: means over the whole set.
+
+    ``metrics_fn(model, batch)`` returns ``{name: tensor}`` with one number per example of the batch (shape
+    ``[batch]``); each metric's mean counts every example once.
+    """
+    device = accelerator.device
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    metric_sums: dict[str, torch.Tensor] = {}
+    count = 0
+    for batch in loader:
+        size = find_batch_size(batch)
+        with autocast():
+            loss = loss_fn(model, batch)
+            values = metrics_fn(model, batch) if metrics_fn is not None else {}
+        loss_sum += loss.double() * size
+        for name, value in values.items():
+            value = torch.as_tensor(value).reshape(-1)
+            if value.numel() != size:
+                raise ValueError(f"metrics_fn's {name!r} has {value.numel()} values for a batch of {size} examples: "
+                                 "return one number per example (shape [batch])")  # fmt: skip
+            metric_sums[name] = metric_sums.get(name, 0) + value.double().sum()
+        count += size
+    names = sorted(metric_sums)
+    if accelerator.num_processes > 1 and metrics_fn is not None:
+        # A process whose share is empty saw no metric: the main process (it always has example 0) names them.
+        shared = [names]
+        broadcast_object_list(shared)
+        names = shared[0]
+    sums = [metric_sums.get(name, torch.zeros((), dtype=torch.float64, device=device)) for name in names]
+    totals = torch.stack([loss_sum, torch.tensor(count, dtype=torch.float64, device=device), *sums])
+    loss_total, examples, *metric_totals = accelerator.reduce(totals, reduction="sum").tolist()
+    if examples == 0:
+        raise ValueError("eval_data has no examples: evaluate() has nothing to average")
+    metrics = {"eval_loss": loss_total / examples, "eval_examples": int(examples)}
+    metrics.update({f"eval_{name}": total / examples for name, total in zip(names, metric_totals, strict=True)})
+    return metrics
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else math.inf
+
+
+def model_logits(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    """The default prediction: ``model(**batch).logits``, as transformers models return them."""
+    if not isinstance(batch, dict):
+        raise TypeError(f"the default prediction calls model(**batch).logits, but the batch is a "
+                        f"{type(batch).__name__}; pass predict_fn=lambda model, batch: ... to predict()")  # fmt: skip
+    return model(**batch).logits
+
+
+@torch.no_grad()
+def predict(model: torch.nn.Module, loader, predict_fn: PredictFn, accelerator: Accelerator,
+            autocast: Callable[[], ContextManager], num_examples: int) -> torch.Tensor:  # fmt: skip
+    """Every example's prediction, in dataset order, on every process (on the CPU).
+
+    Process k holds rows for examples k, k+K, ...: each pads its rows to ceil(n / K), one gather brings them all
+    (rank-major), and reading them row by row across ranks restores the order. Every batch's predictions must have
+    the same trailing shape.
+    """
+    rows = []
+    for batch in loader:
+        with autocast():
+            rows.append(predict_fn(model, batch).detach())
+    local = torch.cat(rows) if rows else None
+    world = accelerator.num_processes
+    if world == 1:
+        return local.cpu()
+    # A process with no example (fewer examples than processes) learns the shape from the main process.
+    template = [(tuple(local.shape[1:]), local.dtype) if local is not None else None]
+    broadcast_object_list(template)
+    trailing, dtype = template[0]
+    per_process = math.ceil(num_examples / world)
+    padded = torch.zeros((per_process, *trailing), dtype=dtype, device=accelerator.device)
+    if local is not None:
+        padded[: len(local)] = local
+    gathered = accelerator.gather(padded).view(world, per_process, *trailing)
+    return gathered.transpose(0, 1).reshape(world * per_process, *trailing)[:num_examples].cpu()
+
