@@ -7,6 +7,7 @@
                   --wandb_project it logs to wandb, and can raise on one rank or slow one rank down
     user_loader   train_data is the user's own DataLoader (--sampler none|distributed)
     predict       evaluate() with a metrics_fn and predict() on 9 examples, printed by every rank
+    stop          rank 1 alone sets should_stop after --stop_at, or (--stop_at 0) EarlyStopping on a flat eval loss
     too_small     fewer training examples than processes
     world_guard   a plain Accelerator on a CPU host under a 2-process launch: the trainer's guard must stop it
 """
@@ -207,6 +208,32 @@ def predict(args) -> None:
     }))  # fmt: skip
 
 
+class AskToStop:
+    """Sets trainer.should_stop on one rank only, after optimizer step ``step``."""
+
+    def __init__(self, step: int, rank: int):
+        self.step, self.rank = step, rank
+
+    def on_step_end(self, trainer) -> None:
+        if trainer.global_step == self.step and trainer.accelerator.process_index == self.rank:
+            trainer.should_stop = True
+
+
+def stop(args) -> None:
+    """Stopping early: one rank asks after step --stop_at, or EarlyStopping on an eval loss that cannot improve."""
+    from trainer import EarlyStopping
+
+    torch.manual_seed(0)
+    early = args.stop_at == 0
+    config = TrainConfig(output_dir=args.output_dir, max_steps=40, batch_size=4, log_every=3, save_every=4,
+                         eval_every=2, lr=0.0 if early else 1e-2)  # fmt: skip
+    callbacks = [EarlyStopping(monitor="eval_loss", patience=2)] if early else [AskToStop(args.stop_at, 1)]
+    trainer = Trainer(TinyClassifier(), config, train_data=Examples(48), eval_data=Examples(9, seed=1),
+                      callbacks=callbacks)  # fmt: skip
+    result = trainer.fit()
+    say(f"STOPPED rank{trainer.accelerator.process_index} " + json.dumps(result))
+
+
 def too_small(args) -> None:
     Trainer(TinyClassifier(), TrainConfig(batch_size=1), train_data=Examples(1))
 
@@ -222,10 +249,11 @@ def world_guard(args) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("case", choices=["job", "resume", "hf_export", "user_loader", "too_small", "world_guard",
-                                         "predict"])
+                                         "predict", "stop"])
     parser.add_argument("--resume", default="auto", type=lambda v: None if v == "none" else v)
     parser.add_argument("--crash_at", type=int, default=0)
     parser.add_argument("--crash_rank", type=int, default=1)
+    parser.add_argument("--stop_at", type=int, default=0)
     parser.add_argument("--nan_at", type=int, default=0)
     parser.add_argument("--nan_rank", type=int, default=1)
     parser.add_argument("--nan_policy", default="raise")

@@ -8,6 +8,7 @@ The same script runs on a CPU, one GPU, a node or a cluster; the accelerate conf
     trainer.fit()
 """
 
+from trainer.callbacks import EarlyStopping
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError, TrainConfig
 from trainer.data import DataError
@@ -16,7 +17,7 @@ from trainer.nonfinite import NonFiniteLoss
 from trainer.trainer import Trainer
 
 __all__ = [
-    "CheckpointError", "ConfigError", "DataError", "NonFiniteLoss", "TrainConfig", "Trainer", "WorldSizeMismatch",
-    "distributed_state",
+    "CheckpointError", "ConfigError", "DataError", "EarlyStopping", "NonFiniteLoss", "TrainConfig", "Trainer",
+    "WorldSizeMismatch", "distributed_state",
 ]  # fmt: skip
 __version__ = "0.1.0"

@@ -32,7 +32,8 @@ from trainer.config import TrainConfig
 from trainer.nonfinite import FOLD_EVERY
 
 # One row of a rank's window, in this order, gathered from every rank at each log.
-WINDOW_FIELDS = ("loss_sum", "micro_batches", "examples", "tokens", "steps", "seconds", "data_wait", "forward")
+WINDOW_FIELDS = ("loss_sum", "micro_batches", "examples", "tokens", "steps", "seconds", "data_wait", "forward",
+                 "stop")  # stop: this rank's trainer.should_stop, riding on the same gather (trainer.py)
 
 
 class StepWindow:
@@ -67,10 +68,11 @@ class StepWindow:
             self.data_wait += time.perf_counter() - asked
             yield batch
 
-    def row(self) -> torch.Tensor:
+    def row(self, stop: bool = False) -> torch.Tensor:
         """This window as one row (``WINDOW_FIELDS``), on the device, ready to gather."""
         seconds = time.perf_counter() - self._since
-        host = [self.micro_batches, self.examples, self.tokens, self.steps, seconds, self.data_wait, self.forward]
+        host = [self.micro_batches, self.examples, self.tokens, self.steps, seconds, self.data_wait, self.forward,
+                float(stop)]  # fmt: skip
         host_part = torch.tensor(host, dtype=torch.float64, device=self._device)
         loss_sum = (self._folded + self._sum_losses()).view(1)
         return torch.cat([loss_sum, host_part]).view(1, -1)

@@ -41,7 +41,7 @@ from trainer.fastpath import Stepper, keep_own_forward
 from trainer.nonfinite import NonFiniteGuard
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.stall import watch_stalls
-from trainer.tracking import StepWindow, Tracker, memory_gb, new_run_id, summarize
+from trainer.tracking import WINDOW_FIELDS, StepWindow, Tracker, memory_gb, new_run_id, summarize
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 
@@ -92,8 +92,10 @@ class Trainer:
         callbacks: objects with any of ``on_train_begin(trainer)``, ``on_epoch_begin(trainer)``,
             ``on_step_end(trainer)`` (after that step's logging, evaluation and checkpoint),
             ``on_log(trainer, metrics)``, ``on_evaluate(trainer, metrics)``, ``on_train_end(trainer, result)``.
-            They observe; they do not steer the loop. Figures ``on_log`` adds to ``metrics`` are printed on the
-            step line and kept in ``log_history``.
+            Figures ``on_log`` adds to ``metrics`` are printed on the step line and kept in ``log_history``. To stop
+            early, a callback on any rank sets ``trainer.should_stop = True`` (and ``trainer.stop_reason``): every
+            rank stops after the next step that logs, saves a checkpoint when ``save_every`` is set, and ``fit()``
+            returns with ``"stopped"`` saying why (see :class:`trainer.EarlyStopping`).
     """
 
     def __init__(
@@ -147,6 +149,10 @@ class Trainer:
 
         # Where training stands: optimizer steps taken, the epoch being read, micro-batches read of it.
         self.global_step = self.epoch = self.batches_into_epoch = 0
+        # Any callback on any rank may set should_stop (and say why in stop_reason): the ranks compare flags when
+        # they next log, and all stop after that same step, checkpointed when save_every is set.
+        self.should_stop, self.stop_reason = False, None
+        self.stopped: Optional[str] = None
         self.nonfinite = NonFiniteGuard(self.accelerator, config.nan_policy)
         self.log_history: list[dict[str, float]] = []
         self.last_eval: Optional[tuple[int, dict[str, float]]] = None  # (step, metrics) of the latest evaluate()
@@ -199,7 +205,7 @@ class Trainer:
                         disable=None if self.accelerator.is_main_process else True)  # None: off when not a tty
         self.model.train()
         started = time.perf_counter()
-        while self.global_step < self.total_steps:
+        while self.global_step < self.total_steps and self.stopped is None:
             loader = start_epoch(self.train_loader, self.epoch, self.batches_into_epoch, self.config.seed)
             self._call("on_epoch_begin")
             for batch in window.timed(loader):
@@ -211,7 +217,7 @@ class Trainer:
                 window.steps += 1
                 progress.update()
                 self._after_step(window, progress)
-                if self.global_step >= self.total_steps:
+                if self.global_step >= self.total_steps or self.stopped is not None:
                     break
             else:
                 self.epoch, self.batches_into_epoch = self.epoch + 1, 0
@@ -251,7 +257,7 @@ class Trainer:
         if cfg.eval_every and step % cfg.eval_every == 0 and self.eval_loader is not None:
             self.stall.at(step, "evaluate")
             self.evaluate()
-        if cfg.save_every and (step % cfg.save_every == 0 or last):
+        if cfg.save_every and (step % cfg.save_every == 0 or last or self.stopped is not None):
             self.stall.at(step, "checkpoint")
             self.save_checkpoint()
         self._call("on_step_end")
@@ -264,6 +270,7 @@ class Trainer:
             "train_loss": self.log_history[-1]["train_loss"] if self.log_history else float("nan"),
             "train_runtime_s": time.perf_counter() - started,
             "skipped_steps": self.nonfinite.skipped_steps,
+            "stopped": self.stopped,  # None when it ran to the end, else why it stopped early
         }
         if self.eval_loader is not None:
             evaluated_now = self.last_eval is not None and self.last_eval[0] == self.global_step
@@ -276,8 +283,9 @@ class Trainer:
         """Every rank's window since the last log, gathered once: the only host synchronisation in the loop.
         Each rank logs its own figures; the main process adds the global view and the stragglers."""
         self.nonfinite.check(str(self.last_checkpoint or ""))
-        rows = self.accelerator.gather(window.row()).tolist()
+        rows = self.accelerator.gather(window.row(stop=bool(self.should_stop))).tolist()
         window.restart()
+        asked = [rank for rank, row in enumerate(rows) if row[WINDOW_FIELDS.index("stop")]]
         own, global_view = summarize(rows, self.accelerator.process_index)
         metrics = {
             "step": self.global_step,
@@ -297,6 +305,10 @@ class Trainer:
                                  ex_s=f"{metrics['examples_per_s']:.4g}", refresh=False)  # fmt: skip
         self._call("on_log", metrics=metrics)  # before the line: figures a callback adds go on it (gpt2.py: MFU)
         self._say(step_line(metrics, self.total_steps))
+        if asked and self.stopped is None:  # every rank sees the same rows: all stop after this very step
+            why = f" ({self.stop_reason})" if self.stop_reason else ""
+            self.stopped = f"should_stop set on rank(s) {', '.join(map(str, asked))}{why}"
+            self._say(f"stopping at step {self.global_step} of {self.total_steps}: {self.stopped}")
 
     # --------------------------------------------------------------- checkpoints
 

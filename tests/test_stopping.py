@@ -1,0 +1,36 @@
+"""Stopping early through real processes (tests/scenarios.py `stop`, 2 CPU processes): one rank's should_stop stops
+every rank after the same step, with a checkpoint; EarlyStopping on an eval loss that cannot improve."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import SCENARIOS, accelerate_launch
+
+
+def stopped(output_dir, *args) -> tuple[dict, str]:
+    result = accelerate_launch(SCENARIOS, "stop", "--output_dir", output_dir, *map(str, args))
+    reports = {line.split(" ", 2)[1]: json.loads(line.split(" ", 2)[2])
+               for line in result.stdout.splitlines() if line.startswith("STOPPED ")}  # fmt: skip
+    assert set(reports) == {"rank0", "rank1"}
+    for report in reports.values():
+        report.pop("train_runtime_s")
+    assert reports["rank0"] == reports["rank1"], "every rank stops at the same step, with the same figures"
+    return reports["rank0"], result.stdout
+
+
+def test_one_ranks_should_stop_stops_every_rank_at_the_next_log_with_a_checkpoint(tmp_path):
+    # rank 1 alone asks after step 5; the ranks log every 3 steps: both stop after step 6 (of 40).
+    result, output = stopped(tmp_path, "--stop_at", 5)
+    assert result["global_step"] == 6 and result["stopped"] == "should_stop set on rank(s) 1"
+    assert "stopping at step 6 of 40: should_stop set on rank(s) 1" in output
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step-00000006"
+    assert (tmp_path / "final" / "model.safetensors").is_file()
+
+
+def test_early_stopping_ends_a_run_whose_eval_loss_does_not_improve(tmp_path):
+    # lr 0: the eval loss (every 2 steps) never improves; patience 2 asks at step 6, the log at step 9 agrees.
+    result, output = stopped(tmp_path)
+    assert result["global_step"] == 9
+    assert "EarlyStopping: eval_loss has not improved on 1.15853 (step 2)" in result["stopped"]
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step-00000009"
