@@ -184,6 +184,7 @@ class Trainer:
         An exception on this rank ends its wandb run marked as failed, with the error in it, before it propagates.
         """
         self._print_banner()
+        self.should_stop, self.stop_reason, self.stopped = False, None, None  # a second fit() trains on
         if self.global_step >= self.total_steps:  # resumed from a checkpoint of a run that already ended
             self._say(f"already finished at step {self.global_step} of {self.total_steps}: nothing to train; raise "
                       "max_steps (or epochs) to train on")  # fmt: skip
