@@ -404,6 +404,8 @@ class Trainer:
         if isinstance(data, DataLoader):
             raise DataError("predict() takes the Dataset itself (each process predicts its share and the rows are put "
                             "back in dataset order), not a DataLoader")  # fmt: skip
+        if len(data) == 0:
+            raise DataError("predict() got a data set with no examples")
         loader = build_eval_loader(data, self.config, self.accelerator, self.collate_fn)
         with self._plain_model_in_eval_mode() as model:
             return predict_shares(model, loader, predict_fn or model_logits, self.accelerator, self.autocast,
