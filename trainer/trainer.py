@@ -179,7 +179,10 @@ class Trainer:
     # ------------------------------------------------------------------ training
 
     def fit(self) -> dict[str, float]:
-        """Train for ``max_steps`` optimizer steps, or ``epochs`` epochs; return the final figures.
+        """Train for ``max_steps`` optimizer steps, or ``epochs`` epochs; return the final figures: ``global_step``,
+        ``epoch``, ``train_loss`` (the mean loss of the last log window: the last ``log_every`` steps, every rank's
+        micro-batches; NaN when this call trained no step), ``train_runtime_s``, ``skipped_steps``, ``stopped``
+        (None, or why it stopped early) and, with eval data, the final ``evaluate()`` figures.
 
         An exception on this rank ends its wandb run marked as failed, with the error in it, before it propagates.
         """
