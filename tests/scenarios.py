@@ -8,6 +8,7 @@
     user_loader   train_data is the user's own DataLoader (--sampler none|distributed)
     predict       evaluate() with a metrics_fn and predict() on 9 examples, printed by every rank
     stop          rank 1 alone sets should_stop after --stop_at, or (--stop_at 0) EarlyStopping on a flat eval loss
+    best          keep_best on a metric that peaks at step 4, keep_last=1
     too_small     fewer training examples than processes
     world_guard   a plain Accelerator on a CPU host under a 2-process launch: the trainer's guard must stop it
 """
@@ -234,6 +235,23 @@ def stop(args) -> None:
     say(f"STOPPED rank{trainer.accelerator.process_index} " + json.dumps(result))
 
 
+def best(args) -> None:
+    """keep_best on a figure that peaks at step 4 whatever the model does; keep_last=1."""
+    trainer = None
+
+    def peak(model, batch):
+        return {"peak": torch.full((len(batch["labels"]),), -float((trainer.global_step - 4) ** 2))}
+
+    torch.manual_seed(0)
+    config = TrainConfig(output_dir=args.output_dir, max_steps=args.max_steps or 10, batch_size=4, log_every=5,
+                         eval_every=2, save_every=2, keep_last=1, keep_best="eval_peak", keep_best_mode="max",
+                         resume=args.resume)  # fmt: skip
+    trainer = Trainer(TinyClassifier(), config, train_data=Examples(48), eval_data=Examples(9, seed=1),
+                      metrics_fn=peak)  # fmt: skip
+    trainer.fit()
+    say(f"BEST rank{trainer.accelerator.process_index} {trainer.best_checkpoint} {json.dumps(trainer.best)}")
+
+
 def too_small(args) -> None:
     Trainer(TinyClassifier(), TrainConfig(batch_size=1), train_data=Examples(1))
 
@@ -249,7 +267,7 @@ def world_guard(args) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("case", choices=["job", "resume", "hf_export", "user_loader", "too_small", "world_guard",
-                                         "predict", "stop"])
+                                         "predict", "stop", "best"])
     parser.add_argument("--resume", default="auto", type=lambda v: None if v == "none" else v)
     parser.add_argument("--crash_at", type=int, default=0)
     parser.add_argument("--crash_rank", type=int, default=1)

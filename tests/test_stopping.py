@@ -1,5 +1,6 @@
 """Stopping early through real processes (tests/scenarios.py `stop`, 2 CPU processes): one rank's should_stop stops
-every rank after the same step, with a checkpoint; EarlyStopping on an eval loss that cannot improve."""
+every rank after the same step, with a checkpoint; EarlyStopping on an eval loss that cannot improve; keep_best
+keeps the best evaluation's checkpoint apart from keep_last, also across a resume."""
 
 from __future__ import annotations
 
@@ -34,3 +35,17 @@ def test_early_stopping_ends_a_run_whose_eval_loss_does_not_improve(tmp_path):
     assert result["global_step"] == 9
     assert "EarlyStopping: eval_loss has not improved on 1.15853 (step 2)" in result["stopped"]
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step-00000009"
+
+
+def test_keep_best_keeps_the_best_evaluations_checkpoint_apart_from_keep_last(tmp_path):
+    # The figure peaks at step 4; checkpoints every 2 steps with keep_last=1.
+    result = accelerate_launch(SCENARIOS, "best", "--output_dir", tmp_path)
+    best = tmp_path / "checkpoints" / "step-00000004"
+    assert f"BEST rank0 {best} " in result.stdout and f"BEST rank1 {best} " in result.stdout
+    assert '"figure": "eval_peak", "value": 0.0, "step": 4' in result.stdout
+    kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert kept == ["best", "latest", "step-00000004", "step-00000010"]
+    # Resumed and trained on, the best is still the step-4 one (its value came back with the checkpoint).
+    again = accelerate_launch(SCENARIOS, "best", "--output_dir", tmp_path, "--max_steps", "14")
+    assert f"BEST rank0 {best} " in again.stdout
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir())[-2:] == ["step-00000004", "step-00000014"]

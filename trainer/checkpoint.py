@@ -27,6 +27,7 @@ from accelerate import Accelerator
 
 STATE_FILE = "trainer_state.json"
 POINTER_FILE = "latest"
+BEST_FILE = "best"  # with keep_best: the checkpoint of the best evaluation, spared by keep_last
 PREFIX = "step-"
 
 
@@ -75,6 +76,12 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX))
 
 
+def best_checkpoint(root: Path) -> Optional[Path]:
+    """The checkpoint the ``best`` pointer names (keep_best), or None."""
+    pointer = root / BEST_FILE
+    return root / pointer.read_text().strip() if pointer.is_file() else None
+
+
 def latest_checkpoint(root: Path) -> Optional[Path]:
     """The checkpoint the pointer names, checked to be whole; None when nothing was ever committed."""
     pointer = root / POINTER_FILE
@@ -108,8 +115,10 @@ def read_state(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path}: cannot read {STATE_FILE}: {err}") from None
 
 
-def save(accelerator: Accelerator, root: Path, step: int, trainer_state: dict[str, Any], keep_last: int) -> Path:
-    """Write a checkpoint from every rank, then commit it (rename, then move the pointer), then prune."""
+def save(accelerator: Accelerator, root: Path, step: int, trainer_state: dict[str, Any], keep_last: int,
+         best: bool = False) -> Path:  # fmt: skip
+    """Write a checkpoint from every rank, then commit it (rename, then move the pointer), then prune all but the
+    ``keep_last`` newest and the one the ``best`` pointer names (this one, when ``best``)."""
     final = root / f"{PREFIX}{step:08d}"
     staging = root / f".tmp-{final.name}"
     if accelerator.is_main_process and staging.exists():
@@ -124,8 +133,11 @@ def save(accelerator: Accelerator, root: Path, step: int, trainer_state: dict[st
             shutil.rmtree(final)  # the same step saved again (a resumed run ending where the last one did)
         os.replace(staging, final)
         _write_atomically(root / POINTER_FILE, final.name)
+        if best:
+            _write_atomically(root / BEST_FILE, final.name)
+        spared = {final, best_checkpoint(root)}  # a run resumed from an older checkpoint keeps what it just wrote
         for old in complete_checkpoints(root)[:-keep_last]:
-            if old != final:  # a run resumed from an older checkpoint keeps what it just wrote
+            if old not in spared:
                 shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final

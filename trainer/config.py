@@ -65,6 +65,11 @@ class TrainConfig:
     eval_every: Optional[int] = None
     save_every: Optional[int] = None  # full-state checkpoint every N optimizer steps and at the end; None: none
     keep_last: int = 2  # checkpoints kept; older ones are deleted once a newer one is committed
+    # An evaluate() figure (eval_loss, eval_accuracy, ...): the checkpoint of its best evaluation is kept apart from
+    # keep_last (the "best" pointer names it). Needs checkpoints at evaluation steps (save_every a multiple of
+    # eval_every); keep_best_mode "min" (lower is better) or "max".
+    keep_best: Optional[str] = None
+    keep_best_mode: str = "min"
     resume: Optional[str] = None  # None (refuses an output_dir holding checkpoints) | "auto" | a checkpoint path
     nan_policy: str = "raise"  # non-finite loss: "raise" (stop, naming step and rank) | "skip" (drop that step)
     collective_timeout_s: float = 1800.0  # a collective still waiting after this long ends the job
@@ -140,6 +145,7 @@ class TrainConfig:
         _check_choice("optimizer", self.optimizer, OPTIMIZERS)
         _check_choice("lr_scheduler", self.lr_scheduler, LR_SCHEDULERS)
         _check_choice("nan_policy", self.nan_policy, NAN_POLICIES)
+        _check_choice("keep_best_mode", self.keep_best_mode, ("min", "max"))
         if self.resume == "":
             raise ConfigError("resume must be null, 'auto' or a checkpoint path; got ''")
         if self.wandb_project == "":

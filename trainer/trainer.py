@@ -153,6 +153,7 @@ class Trainer:
         # they next log, and all stop after that same step, checkpointed when save_every is set.
         self.should_stop, self.stop_reason = False, None
         self.stopped: Optional[str] = None
+        self.best: Optional[dict[str, Any]] = None  # keep_best: {"figure", "value", "step"} of the best evaluation
         self.nonfinite = NonFiniteGuard(self.accelerator, config.nan_policy)
         self.log_history: list[dict[str, float]] = []
         self.last_eval: Optional[tuple[int, dict[str, float]]] = None  # (step, metrics) of the latest evaluate()
@@ -329,9 +330,32 @@ class Trainer:
             "gradient_accumulation_steps": self.config.gradient_accumulation_steps, "config": self.config.to_dict(),
             "run_id": self.run_id,  # rank k's wandb run is <run_id>-rank<k>: a resume continues it
         }  # fmt: skip
+        best = self._best_so_far()
+        state["best"] = self.best
         root = checkpoint_root(self.config.output_dir)
-        self.last_checkpoint = checkpoint.save(self.accelerator, root, self.global_step, state, self.config.keep_last)
+        self.last_checkpoint = checkpoint.save(self.accelerator, root, self.global_step, state, self.config.keep_last,
+                                               best=best)  # fmt: skip
         return self.last_checkpoint
+
+    @property
+    def best_checkpoint(self) -> Optional[Path]:
+        """With ``keep_best``: the checkpoint of the best evaluation so far (``load_checkpoint`` it), else None."""
+        return checkpoint.best_checkpoint(checkpoint_root(self.config.output_dir))
+
+    def _best_so_far(self) -> bool:
+        """Whether this step's evaluation is the best yet of ``keep_best`` (the same answer on every rank)."""
+        figure = self.config.keep_best
+        if figure is None or self.last_eval is None or self.last_eval[0] != self.global_step:
+            return False
+        if figure not in self.last_eval[1]:
+            raise KeyError(f"keep_best is {figure!r}, but evaluate() gives {', '.join(self.last_eval[1])}")
+        value = self.last_eval[1][figure]
+        if self.best is not None:
+            previous = self.best["value"]
+            if (value >= previous) if self.config.keep_best_mode == "min" else (value <= previous):
+                return False
+        self.best = {"figure": figure, "value": value, "step": self.global_step}
+        return True
 
     def load_checkpoint(self, path: str | Path) -> None:
         """Continue from checkpoint ``path``: weights, optimizer, schedule, RNG and the position in the data."""
@@ -353,6 +377,7 @@ class Trainer:
         self.global_step, self.epoch = state["global_step"], state["epoch"]
         self.batches_into_epoch = state["batches_into_epoch"]
         self.run_id = state.get("run_id", self.run_id)
+        self.best = state.get("best")
         self._say(f"resumed from {path}: step {self.global_step}, epoch {self.epoch}, batch {self.batches_into_epoch}")
 
     def save_model(self, directory: str | Path | None = None) -> Path:
