@@ -31,6 +31,7 @@ def test_two_processes_train_save_a_loadable_model_and_resume(tmp_path):
     step_line = r"^step 20/20 \| loss [\d.]+ \| lr \S+ \| [\d.]+ examples/s \| [\d,]+ tokens/s$"  # (MFU on a GPU)
     assert re.search(step_line, first.stdout, re.M)
     assert "\nsample: " in first.stdout
+    assert "Writing model shards" not in first.stderr, "no progress bar when the output is not a terminal"
     assert f"saved to {tmp_path}/final" in first.stdout
 
     from transformers import AutoModelForCausalLM, AutoTokenizer

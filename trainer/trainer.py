@@ -72,6 +72,22 @@ def step_line(metrics: dict[str, Any], total_steps: int) -> str:
 STEP_FIGURES = ("step", "epoch", "train_loss", "lr", "examples_per_s", "tokens_per_s")
 
 
+@contextlib.contextmanager
+def _no_progress_bars_off_a_terminal():
+    """transformers' progress bars (save_pretrained's "Writing model shards") off, when the output is a log file
+    rather than a terminal: there they are lines of carriage returns."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    if was_on and not sys.stderr.isatty():
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
 class Trainer:
     """Trains ``model`` on ``train_data`` with DDP across however many processes were launched.
 
@@ -389,7 +405,8 @@ class Trainer:
         if hasattr(model, "save_pretrained"):
             state_dict = self.accelerator.get_state_dict(model)  # the plain module's: no "_orig_mod." prefixes
             if self.accelerator.is_main_process:
-                model.save_pretrained(directory, state_dict=state_dict)
+                with _no_progress_bars_off_a_terminal():
+                    model.save_pretrained(directory, state_dict=state_dict)
         else:
             self.accelerator.save_model(model, directory, safe_serialization=True)
         self.accelerator.wait_for_everyone()
