@@ -3,6 +3,14 @@
 from __future__ import annotations
 
 
+def improves(value: float, best: float | None, mode: str, min_delta: float = 0.0) -> bool:
+    """``value`` beats ``best`` (None: nothing yet) by more than ``min_delta``: lower with mode "min", higher with
+    "max". EarlyStopping and keep_best both judge by it."""
+    if best is None:
+        return True
+    return value < best - min_delta if mode == "min" else value > best + min_delta
+
+
 class EarlyStopping:
     """Stop training when ``monitor`` has not improved for ``patience`` evaluations in a row.
 
@@ -29,10 +37,7 @@ class EarlyStopping:
         if self.monitor not in metrics:
             raise KeyError(f"EarlyStopping watches {self.monitor!r}, but evaluate() gives {', '.join(metrics)}")
         value = metrics[self.monitor]
-        better = self.best is None or (
-            value < self.best - self.min_delta if self.mode == "min" else value > self.best + self.min_delta
-        )
-        if better:
+        if improves(value, self.best, self.mode, self.min_delta):
             self.best, self.best_step, self.waited = value, trainer.global_step, 0
             return
         self.waited += 1

@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from trainer import checkpoint
+from trainer.callbacks import improves
 from trainer.checkpoint import CheckpointError, check_writable, checkpoint_root, find_resume_point
 from trainer.config import TrainConfig
 from trainer.data import DataError, batches_per_epoch, build_eval_loader, build_train_loader, start_epoch
@@ -56,6 +57,9 @@ def model_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     return model(**batch).loss
 
 
+STEP_FIGURES = ("step", "epoch", "train_loss", "lr", "examples_per_s", "tokens_per_s")  # the rest: a callback's
+
+
 def step_line(metrics: dict[str, Any], total_steps: int) -> str:
     """``step 300/300 | loss 4.746 | lr 0.0002 | 53.4 examples/s | 6,834 tokens/s``, then any figure a callback
     added to ``metrics`` in ``on_log`` (``| MFU 41.5%``)."""
@@ -67,9 +71,6 @@ def step_line(metrics: dict[str, Any], total_steps: int) -> str:
         if key not in STEP_FIGURES:
             line += f" | {key} {value:.4g}" if isinstance(value, float) else f" | {key} {value}"
     return line
-
-
-STEP_FIGURES = ("step", "epoch", "train_loss", "lr", "examples_per_s", "tokens_per_s")
 
 
 @contextlib.contextmanager
@@ -366,10 +367,8 @@ class Trainer:
         if figure not in self.last_eval[1]:
             raise KeyError(f"keep_best is {figure!r}, but evaluate() gives {', '.join(self.last_eval[1])}")
         value = self.last_eval[1][figure]
-        if self.best is not None:
-            previous = self.best["value"]
-            if (value >= previous) if self.config.keep_best_mode == "min" else (value <= previous):
-                return False
+        if not improves(value, self.best and self.best["value"], self.config.keep_best_mode):
+            return False
         self.best = {"figure": figure, "value": value, "step": self.global_step}
         return True
 
