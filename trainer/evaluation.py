@@ -9,6 +9,7 @@ prediction gathers each process's outputs once and interleaves them back into da
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any, Callable, ContextManager, Optional
 
 import torch
@@ -66,7 +67,7 @@ def perplexity(loss: float) -> float:
 
 def model_logits(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     """The default prediction: ``model(**batch).logits``, as transformers models return them."""
-    if not isinstance(batch, dict):
+    if not isinstance(batch, Mapping):
         raise TypeError(f"the default prediction calls model(**batch).logits, but the batch is a "
                         f"{type(batch).__name__}; pass predict_fn=lambda model, batch: ... to predict()")  # fmt: skip
     return model(**batch).logits

@@ -22,6 +22,7 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -53,7 +54,7 @@ class StepWindow:
             self._losses = []
         self.micro_batches += 1
         self.examples += examples
-        if isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor):
+        if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), torch.Tensor):  # dict, BatchEncoding
             self.tokens += batch["input_ids"].numel()  # shape metadata: no device sync
 
     def timed(self, batches: Iterable) -> Iterator:

@@ -21,6 +21,7 @@ import contextlib
 import math
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
@@ -32,6 +33,7 @@ from tqdm.auto import tqdm
 from trainer import checkpoint
 from trainer.callbacks import improves
 from trainer.checkpoint import CheckpointError, check_writable, checkpoint_root, find_resume_point
+from trainer.columns import ready_columns
 from trainer.config import TrainConfig
 from trainer.data import DataError, batches_per_epoch, build_eval_loader, build_train_loader, start_epoch
 from trainer.distributed import build_accelerator, num_machines
@@ -49,7 +51,7 @@ LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 
 def model_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     """The default loss: ``model(**batch).loss``, as transformers models compute it when given labels."""
-    if not isinstance(batch, dict):
+    if not isinstance(batch, Mapping):  # a dict, or transformers' BatchEncoding from its collators
         raise TypeError(
             f"the default loss calls model(**batch).loss, but the batch is a {type(batch).__name__}; "
             "pass loss_fn=lambda model, batch: ... to the Trainer"
@@ -71,6 +73,12 @@ def step_line(metrics: dict[str, Any], total_steps: int) -> str:
         if key not in STEP_FIGURES:
             line += f" | {key} {value:.4g}" if isinstance(value, float) else f" | {key} {value}"
     return line
+
+
+def _generates(model: torch.nn.Module) -> bool:
+    """A transformers language model (causal or sequence-to-sequence), whose loss is a per-token cross-entropy."""
+    can_generate = getattr(model, "can_generate", None)
+    return bool(can_generate and can_generate())
 
 
 @contextlib.contextmanager
@@ -105,7 +113,10 @@ class Trainer:
             ``(logits.argmax(-1) == labels).float()`` for accuracy); :meth:`evaluate` adds ``eval_<name>``, the mean
             over the eval set with every example counted once.
         optimizer, lr_scheduler: built from ``config`` when not given; the scheduler steps once per optimizer step.
-        collate_fn: how the trainer's own loaders batch examples (torch's default collate when None).
+        collate_fn: how the trainer's own loaders batch examples (torch's default collate when None); say
+            ``DataCollatorWithPadding(tokenizer)`` for dynamic padding. An unformatted ``datasets.Dataset`` is readied
+            as transformers' Trainer does (``trainer.columns``): the columns ``model.forward`` does not take left
+            out, and without a collate_fn the rest formatted as torch tensors; a formatted one is used as is.
         callbacks: objects with any of ``on_train_begin(trainer)``, ``on_epoch_begin(trainer)``,
             ``on_step_end(trainer)`` (after that step's logging, evaluation and checkpoint),
             ``on_log(trainer, metrics)``, ``on_evaluate(trainer, metrics)``, ``on_train_end(trainer, result)``.
@@ -137,9 +148,11 @@ class Trainer:
         self.collate_fn = collate_fn
         self.callbacks = list(callbacks)
 
+        train_data = self._ready_columns(train_data, model, "train_data")
         train_loader = build_train_loader(train_data, config, self.accelerator, collate_fn)
         eval_loader = None
         if eval_data is not None:
+            eval_data = self._ready_columns(eval_data, model, "eval_data")
             eval_loader = build_eval_loader(eval_data, config, self.accelerator, collate_fn)
         self.batches_per_epoch = batches_per_epoch(train_loader)  # None for an IterableDataset
         if self.batches_per_epoch is None and config.max_steps is None:
@@ -415,14 +428,15 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """Mean loss (and each ``metrics_fn`` figure) over the whole eval set, every example counted once whatever
-        the process count: ``eval_loss``, ``eval_examples``, ``eval_<name>``. ``eval_perplexity`` is added when the
-        loss is the model's own (``model(**batch).loss``, a language model's cross-entropy)."""
+        the process count: ``eval_loss``, ``eval_examples``, ``eval_<name>``. ``eval_perplexity`` is added for a
+        language model's own loss (``model(**batch).loss`` of a transformers model that generates): elsewhere
+        exp(loss) means nothing (a classifier's perplexity), and ``math.exp(metrics["eval_loss"])`` is at hand."""
         if self.eval_loader is None:
             raise ValueError("evaluate() needs eval_data: pass eval_data=... to the Trainer")
         with self._plain_model_in_eval_mode() as model:
             metrics = evaluate_shares(model, self.eval_loader, self.loss_fn, self.metrics_fn, self.accelerator,
                                       self.autocast)  # fmt: skip
-        if self.loss_fn is model_loss:
+        if self.loss_fn is model_loss and _generates(model):
             metrics["eval_perplexity"] = perplexity(metrics["eval_loss"])
         self._say(f"eval at step {self.global_step}: " + ", ".join(f"{k} {v:.6g}" for k, v in metrics.items()))
         self.last_eval = (self.global_step, metrics)
@@ -450,6 +464,7 @@ class Trainer:
                             "back in dataset order), not a DataLoader")  # fmt: skip
         if len(data) == 0:
             raise DataError("predict() got a data set with no examples")
+        data, _ = ready_columns(data, self.unwrapped_model, self.collate_fn is not None, "data")
         loader = build_eval_loader(data, self.config, self.accelerator, self.collate_fn)
         with self._plain_model_in_eval_mode() as model:
             return predict_shares(model, loader, predict_fn or model_logits, self.accelerator, self.autocast,
@@ -475,6 +490,13 @@ class Trainer:
             with tqdm.external_write_mode(file=sys.stdout):
                 sys.stdout.write(text + "\n")
                 sys.stdout.flush()
+
+    def _ready_columns(self, data: Any, model: torch.nn.Module, name: str) -> Any:
+        """An unformatted datasets.Dataset's model inputs, as tensors (trainer.columns), said once; else as is."""
+        data, change = ready_columns(data, model, self.collate_fn is not None, name)
+        if change:
+            self._say(f"trainer | {change}")
+        return data
 
     def _call(self, hook: str, **kwargs: Any) -> None:
         for callback in self.callbacks:
