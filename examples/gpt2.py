@@ -120,7 +120,7 @@ def train_tokenizer(texts, vocab_size: int):
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     alphabet = pre_tokenizers.ByteLevel.alphabet()  # every byte, so no text is ever out of vocabulary
-    bpe_trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS],
+    bpe_trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS], show_progress=False,
                                       initial_alphabet=alphabet)  # fmt: skip
     bpe.train_from_iterator(texts["text"], trainer=bpe_trainer)
     return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=EOS, eos_token=EOS, pad_token=EOS)

@@ -89,7 +89,8 @@ def word_tokenizer(texts):
 
     words = Tokenizer(models.WordLevel(unk_token="[UNK]"))
     words.pre_tokenizer = pre_tokenizers.Whitespace()
-    words.train_from_iterator(texts, trainers.WordLevelTrainer(special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]"]))
+    vocabulary = trainers.WordLevelTrainer(special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]"], show_progress=False)
+    words.train_from_iterator(texts, vocabulary)
     specials = [(token, words.token_to_id(token)) for token in ("[CLS]", "[SEP]")]
     words.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=specials)
     return PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",

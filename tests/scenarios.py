@@ -9,6 +9,7 @@
     predict       evaluate() with a metrics_fn and predict() on 9 examples, printed by every rank
     stop          rank 1 alone sets should_stop after --stop_at, or (--stop_at 0) EarlyStopping on a flat eval loss
     best          keep_best on a metric that peaks at step 4, keep_last=1
+    noisy         every rank logs the same library warnings at every step, and the main process prints in pieces
     too_small     fewer training examples than processes
     world_guard   a plain Accelerator on a CPU host under a 2-process launch: the trainer's guard must stop it
 """
@@ -252,6 +253,28 @@ def best(args) -> None:
     say(f"BEST rank{trainer.accelerator.process_index} {trainer.best_checkpoint} {json.dumps(trainer.best)}")
 
 
+class Noise:
+    """What a job's console meets mid-training: libraries' warnings on every rank, a user's print in pieces."""
+
+    def on_step_end(self, trainer) -> None:
+        import logging
+
+        from accelerate.logging import get_logger
+
+        logging.getLogger("transformers.modeling_utils").warning("NOISE from transformers, on every rank")
+        get_logger("accelerate.utils.other").warning("NOISE from accelerate, at every save", main_process_only=False)
+        if trainer.accelerator.is_main_process:
+            print("NOISE", "printed", "in", "pieces", flush=True)  # print() writes each piece apart
+            time.sleep(0.05)  # the bar redraws between steps
+
+
+def noisy(args) -> None:
+    import transformers  # noqa: F401  (its logger set up before the trainer, as in a transformers job)
+
+    config = TrainConfig(output_dir=args.output_dir, max_steps=args.max_steps or 8, batch_size=4, log_every=1)
+    Trainer(TinyClassifier(), config, train_data=Examples(64), callbacks=[Noise()]).fit()
+
+
 def too_small(args) -> None:
     Trainer(TinyClassifier(), TrainConfig(batch_size=1), train_data=Examples(1))
 
@@ -267,7 +290,7 @@ def world_guard(args) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("case", choices=["job", "resume", "hf_export", "user_loader", "too_small", "world_guard",
-                                         "predict", "stop", "best"])
+                                         "predict", "stop", "best", "noisy"])
     parser.add_argument("--resume", default="auto", type=lambda v: None if v == "none" else v)
     parser.add_argument("--crash_at", type=int, default=0)
     parser.add_argument("--crash_rank", type=int, default=1)

@@ -131,9 +131,9 @@ def resume_fails(output_dir, *args, launcher=python):
 
 
 def test_existing_checkpoints_are_not_silently_overwritten(one_process_run):
-    assert "already holds checkpoints of an earlier run. Set resume='auto'" in resume_fails(
-        one_process_run, "--resume", "none"
-    )
+    message = resume_fails(one_process_run, "--resume", "none")
+    assert "already holds checkpoints of an earlier run. Set resume='auto'" in message
+    assert message.startswith("trainer: ") and message.count("\n") == 1, "one line, no traceback: " + message
 
 
 def test_checkpoint_of_another_model_is_refused_by_name(one_process_run):
@@ -166,7 +166,8 @@ def test_unwritable_output_dir_is_named(one_process_run):
 
 def test_different_world_size_stops_with_a_clear_message(one_process_run):
     message = resume_fails(one_process_run, launcher=accelerate_launch)
-    assert "was written with world_size 1 (now 2)" in message
+    assert message.count("was written with world_size 1 (now 2)") == 1, "said once for the job, not per process"
+    assert "[rank0]: Traceback" not in message and "[rank1]: Traceback" not in message
     assert "resume with the same number of processes" in message
 
 

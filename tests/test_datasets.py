@@ -8,9 +8,10 @@ import pytest
 import torch
 from datasets import Dataset
 
-from conftest import ROOT, accelerate_launch
 from trainer.columns import ready_columns
 from trainer.data import DataError
+
+from conftest import ROOT, accelerate_launch
 
 RECIPE = ROOT / "examples" / "text_classification.py"
 
@@ -39,8 +40,9 @@ class TakesIds(torch.nn.Module):
 
 
 def tokenised(lengths: list[int]) -> Dataset:
-    return Dataset.from_dict({"text": [f"text {i}" for i in range(len(lengths))], "idx": list(range(len(lengths))),
-                              "input_ids": [list(range(n)) for n in lengths], "label": [0, 1, 0][: len(lengths)]})  # fmt: skip
+    count = len(lengths)
+    return Dataset.from_dict({"text": [f"text {i}" for i in range(count)], "idx": list(range(count)),
+                              "input_ids": [list(range(n)) for n in lengths], "label": [0, 1, 0][:count]})
 
 
 def test_lists_of_different_lengths_without_a_collate_fn_are_refused_naming_the_columns_and_the_fix():

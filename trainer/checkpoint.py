@@ -25,13 +25,15 @@ from typing import Any, Optional
 
 from accelerate import Accelerator
 
+from trainer.refusal import Refusal
+
 STATE_FILE = "trainer_state.json"
 POINTER_FILE = "latest"
 BEST_FILE = "best"  # with keep_best: the checkpoint of the best evaluation, spared by keep_last
 PREFIX = "step-"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(Refusal, RuntimeError):
     """A checkpoint is missing, torn, or does not fit this run; the message names it."""
 
 

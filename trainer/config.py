@@ -20,12 +20,14 @@ from typing import Any, Optional
 
 import yaml
 
+from trainer.refusal import Refusal
+
 OPTIMIZERS = ("sgd", "adam", "adamw")
 NAN_POLICIES = ("raise", "skip")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 
 
-class ConfigError(ValueError):
+class ConfigError(Refusal, ValueError):
     """A TrainConfig value, key or file is wrong; the message names the culprit."""
 
 

@@ -20,10 +20,13 @@ from accelerate.data_loader import get_sampler, prepare_data_loader
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
 
 from trainer.config import TrainConfig
+from trainer.refusal import Refusal
 
 
-class DataError(ValueError):
+class DataError(Refusal, ValueError):
     """The data cannot be loaded as configured; the message says what to pass instead."""
+
+    job_wide = False  # one process's share can be the problem: each process that meets it says so
 
 
 class ResumableSampler(DistributedSampler):

@@ -27,6 +27,8 @@ from accelerate.logging import get_logger
 from accelerate.utils import DataLoaderConfiguration, parse_flag_from_env
 
 from trainer.config import TrainConfig
+from trainer.console import quiet_library_logs
+from trainer.refusal import Refusal
 
 logger = get_logger(__name__)
 
@@ -38,8 +40,10 @@ ELASTIC_RECIPE = (
 )
 
 
-class WorldSizeMismatch(RuntimeError):
+class WorldSizeMismatch(Refusal, RuntimeError):
     """The launcher started K processes but the Accelerator sees a different number."""
+
+    job_wide = False  # each process sees its own world
 
 
 class LaunchMismatch(SystemExit):
@@ -82,6 +86,7 @@ def distributed_state(collective_timeout_s: Optional[float] = None) -> PartialSt
         message = f"restart {attempt}: the processes could not reconnect ({first_line}). {ELASTIC_RECIPE}"
         raise RuntimeError(message) from err
     _destroy_process_group_at_exit()
+    quiet_library_logs(state.process_index)
     return state
 
 

@@ -15,8 +15,10 @@ from __future__ import annotations
 import torch
 from accelerate import Accelerator
 
+from trainer.refusal import Refusal
 
-class NonFiniteLoss(FloatingPointError):
+
+class NonFiniteLoss(Refusal, FloatingPointError):
     """A loss was NaN or infinite under nan_policy='raise'."""
 
 

@@ -35,6 +35,7 @@ from trainer.callbacks import improves
 from trainer.checkpoint import CheckpointError, check_writable, checkpoint_root, find_resume_point
 from trainer.columns import ready_columns
 from trainer.config import TrainConfig
+from trainer.console import no_library_progress_bars_off_a_terminal, progress_bar
 from trainer.data import DataError, batches_per_epoch, build_eval_loader, build_train_loader, start_epoch
 from trainer.distributed import build_accelerator, num_machines
 from trainer.evaluation import MetricsFn, PredictFn, model_logits, perplexity
@@ -79,22 +80,6 @@ def _generates(model: torch.nn.Module) -> bool:
     """A transformers language model (causal or sequence-to-sequence), whose loss is a per-token cross-entropy."""
     can_generate = getattr(model, "can_generate", None)
     return bool(can_generate and can_generate())
-
-
-@contextlib.contextmanager
-def _no_progress_bars_off_a_terminal():
-    """transformers' progress bars (save_pretrained's "Writing model shards") off, when the output is a log file
-    rather than a terminal: there they are lines of carriage returns."""
-    from transformers.utils import logging as hf_logging
-
-    was_on = hf_logging.is_progress_bar_enabled()
-    if was_on and not sys.stderr.isatty():
-        hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_on:
-            hf_logging.enable_progress_bar()
 
 
 class Trainer:
@@ -236,10 +221,13 @@ class Trainer:
 
     def _train(self) -> dict[str, float]:
         window = StepWindow(self.accelerator.device)
-        progress = tqdm(total=self.total_steps, initial=self.global_step, desc="train", dynamic_ncols=True,
-                        disable=None if self.accelerator.is_main_process else True)  # None: off when not a tty
         self.model.train()
         started = time.perf_counter()
+        with progress_bar(self.total_steps, self.global_step, show=self.accelerator.is_main_process) as progress:
+            self._train_epochs(window, progress)
+        return self._finish(started)
+
+    def _train_epochs(self, window: StepWindow, progress: tqdm) -> None:
         while self.global_step < self.total_steps and self.stopped is None:
             loader = start_epoch(self.train_loader, self.epoch, self.batches_into_epoch, self.config.seed)
             self._call("on_epoch_begin")
@@ -256,8 +244,6 @@ class Trainer:
                     break
             else:
                 self.epoch, self.batches_into_epoch = self.epoch + 1, 0
-        progress.close()
-        return self._finish(started)
 
     def _micro_step(self, batch: Any, window: StepWindow) -> None:
         """Forward and backward on one batch; an optimizer step when the accumulation window closes."""
@@ -417,7 +403,7 @@ class Trainer:
         if hasattr(model, "save_pretrained"):
             state_dict = self.accelerator.get_state_dict(model)  # the plain module's: no "_orig_mod." prefixes
             if self.accelerator.is_main_process:
-                with _no_progress_bars_off_a_terminal():
+                with no_library_progress_bars_off_a_terminal():
                     model.save_pretrained(directory, state_dict=state_dict)
         else:
             self.accelerator.save_model(model, directory, safe_serialization=True)
@@ -485,11 +471,10 @@ class Trainer:
 
     def _say(self, text: str) -> None:
         """A line on the main process, as one write (print() writes the newline apart, and other ranks' lines
-        could land between), clear of the progress bar."""
+        could land between); while the progress bar is up, stdout goes around it (trainer.console)."""
         if self.accelerator.is_main_process:
-            with tqdm.external_write_mode(file=sys.stdout):
-                sys.stdout.write(text + "\n")
-                sys.stdout.flush()
+            sys.stdout.write(text + "\n")
+            sys.stdout.flush()
 
     def _ready_columns(self, data: Any, model: torch.nn.Module, name: str) -> Any:
         """An unformatted datasets.Dataset's model inputs, as tensors (trainer.columns), said once; else as is."""
