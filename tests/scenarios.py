@@ -2,7 +2,8 @@
 
     job           a tiny classifier with eval data: evaluates before and after training, writes result.json
     hf_export     a tiny transformers GPT-2 with the default loss: final/ written with save_pretrained
-    resume        dropout, AdamW, cosine, shuffling, checkpoints every 4 steps, resume="auto"; can crash one rank
+    resume        dropout, AdamW, cosine, shuffling, checkpoints every 4 steps, resume="auto"; can signal one rank
+                  (--signal_at), or crash one rank
                   (os._exit) after a given step, or make one rank's loss NaN at a given step; with
                   --wandb_project it logs to wandb, and can raise on one rank or slow one rank down
     user_loader   train_data is the user's own DataLoader (--sampler none|distributed)
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -89,6 +91,18 @@ class DropoutClassifier(TinyClassifier):
                                        torch.nn.Linear(hidden, classes))  # fmt: skip
 
 
+class SignalAfter:
+    """A real signal to this one process after optimizer step ``step`` on ``rank`` (the others receive none)."""
+
+    def __init__(self, step: int, rank: int, name: str):
+        self.step, self.rank, self.signal = step, rank, getattr(signal, name)
+
+    def on_step_end(self, trainer) -> None:
+        if trainer.global_step == self.step and trainer.accelerator.process_index == self.rank:
+            say(f"SIGNAL {self.signal.name} to rank {self.rank} after step {self.step}")
+            os.kill(os.getpid(), self.signal)
+
+
 class CrashAfter:
     """Kills one rank the hard way right after optimizer step ``step`` (after any checkpoint of that step), in the
     first attempt only: a restart by the elastic agent (TORCHELASTIC_RESTART_COUNT > 0) runs on."""
@@ -110,12 +124,14 @@ def resume(args) -> None:
                          resume=args.resume, log_every=3, nan_policy=args.nan_policy,
                          experiment_name=args.experiment_name, wandb_project=args.wandb_project,
                          stall_warning_s=args.stall_warning_s, collective_timeout_s=args.collective_timeout_s,
-                         compile=args.compile, max_steps=args.max_steps)  # fmt: skip
+                         compile=args.compile, max_steps=args.max_steps, preemption_grace_s=args.preemption_grace_s,
+                         slurm_requeue=args.slurm_requeue)  # fmt: skip
 
     def loss_fn(model, batch):
         loss = model(**batch).loss
         step = trainer.global_step + 1
         rank = trainer.accelerator.process_index
+        time.sleep(args.step_sleep)  # a step long enough for a test to signal the job mid-run
         if rank == args.slow_rank:
             time.sleep(0.1)  # a straggler: the others wait for it at every gradient all-reduce
         if step == args.raise_at and rank == args.raise_rank:
@@ -136,6 +152,8 @@ def resume(args) -> None:
 
         torch.load = safe_load_only
     callbacks = [CrashAfter(args.crash_at, args.crash_rank)] if args.crash_at else []
+    if args.signal_at:
+        callbacks.append(SignalAfter(args.signal_at, args.signal_rank, args.signal))
     trainer = Trainer(DropoutClassifier(args.hidden), config, train_data=Examples(48), loss_fn=loss_fn,
                       callbacks=callbacks)  # fmt: skip
     if args.kill_in_save_at:  # die after every rank wrote the step's files, before the checkpoint is committed
@@ -149,6 +167,16 @@ def resume(args) -> None:
                 os._exit(1)
 
         trainer.accelerator.save_state = save_then_die
+    if args.hang_in_preemption_save:  # a save that never ends: the deadline or a second signal must end it
+        save_state = trainer.accelerator.save_state
+
+        def hang(*a, **kw):
+            if trainer.global_step % 4:  # not a periodic save: the preemption's
+                say(f"HANGING in the save of step {trainer.global_step}")
+                time.sleep(600)
+            save_state(*a, **kw)
+
+        trainer.accelerator.save_state = hang
     result = trainer.fit()
     if trainer.accelerator.is_main_process:
         say("RESULT " + json.dumps(result))
@@ -314,6 +342,13 @@ if __name__ == "__main__":
     parser.add_argument("--kill_in_save_at", type=int, default=0)
     parser.add_argument("--forbid_unsafe_load", action="store_true")
     parser.add_argument("--output_dir", default="runs/scenario")
+    parser.add_argument("--signal_at", type=int, default=0)
+    parser.add_argument("--signal_rank", type=int, default=1)
+    parser.add_argument("--signal", default="SIGUSR1")
+    parser.add_argument("--step_sleep", type=float, default=0)
+    parser.add_argument("--hang_in_preemption_save", action="store_true")
+    parser.add_argument("--preemption_grace_s", type=float, default=180)
+    parser.add_argument("--slurm_requeue", action="store_true")
     parser.add_argument("--sampler", choices=["none", "distributed"], default="none")
     cli = parser.parse_args()
     globals()[cli.case](cli)

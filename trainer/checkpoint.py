@@ -71,6 +71,11 @@ def find_resume_point(config) -> Optional[Path]:
     return verify(Path(config.resume))
 
 
+def step_of(path: Path) -> int:
+    """The optimizer step a checkpoint folder holds (``step-00000012`` -> 12)."""
+    return int(path.name.removeprefix(PREFIX))
+
+
 def complete_checkpoints(root: Path) -> list[Path]:
     """Committed checkpoint folders, oldest first (``.tmp-*`` folders are unfinished writes)."""
     if not root.is_dir():

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import signal
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +80,12 @@ class TrainConfig:
     stall_warning_s: Optional[float] = 300.0  # no progress this long: name the rank(s) the others wait for
     # Set it to log to wandb from every process: run <experiment_name>-rank<k> in group <experiment_name>.
     wandb_project: Optional[str] = None
+    # Preemption (trainer/preemption.py): on any of these signals, every rank stops after the same step, commits a
+    # checkpoint there and exits with status 75; "" leaves the signals alone. A second signal, or
+    # preemption_grace_s after the first, exits at once. slurm_requeue: then `scontrol requeue` the job.
+    preemption_signals: str = "SIGTERM,SIGINT,SIGUSR1"
+    preemption_grace_s: float = 180.0
+    slurm_requeue: bool = False
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "TrainConfig":
         _check_keys(cls, kwargs, "TrainConfig")  # a misspelt keyword gets the YAML path's suggestion, not a TypeError
@@ -110,14 +118,16 @@ class TrainConfig:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
-        try:
-            values = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{path}: not valid YAML: {err}") from None
+        values = read_yaml(path)
         if not isinstance(values, dict):
             raise ConfigError(f"{path}: expected a mapping of TrainConfig keys, got {type(values).__name__}")
         values.update(parse_overrides(overrides))
         return cls.from_dict(values, source=str(path))
+
+    @property
+    def signal_names(self) -> tuple[str, ...]:
+        """``preemption_signals`` as names: ``("SIGTERM", "SIGINT", "SIGUSR1")``."""
+        return tuple(name.strip() for name in self.preemption_signals.split(",") if name.strip())
 
     def replace(self, **changes: Any) -> "TrainConfig":
         """A copy with some fields changed (validated again)."""
@@ -133,6 +143,7 @@ class TrainConfig:
             "epochs": 1, "batch_size": 1, "gradient_accumulation_steps": 1, "warmup_steps": 0,
             "num_workers": 0, "log_every": 1, "keep_last": 1, "max_steps": 1, "eval_every": 1, "save_every": 1,
             "lr": 0.0, "weight_decay": 0.0, "eps": 0.0, "collective_timeout_s": 1.0, "stall_warning_s": 0.1,
+            "preemption_grace_s": 1.0,
         }  # fmt: skip
         for key, low in at_least.items():
             value = getattr(self, key)
@@ -150,8 +161,41 @@ class TrainConfig:
         _check_choice("keep_best_mode", self.keep_best_mode, ("min", "max"))
         if self.resume == "":
             raise ConfigError("resume must be null, 'auto' or a checkpoint path; got ''")
+        for name in self.signal_names:
+            if name not in signal.Signals.__members__:
+                raise ConfigError(f"preemption_signals: {name!r} is not a signal name (say 'SIGTERM,SIGUSR1'; '' "
+                                  "for none)")  # fmt: skip
         if self.wandb_project == "":
             raise ConfigError("wandb_project must be a wandb project name, or null to log without wandb; got ''")
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice is an error (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                lines = f"lines {seen[key] + 1} and {key_node.start_mark.line + 1}"
+                raise ConfigError(f"key '{key}' is given twice ({lines}): keep one")
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml(path: Path) -> Any:
+    """A YAML config file's contents; an empty file, a repeated key or bad YAML is a ConfigError naming it."""
+    text = path.read_text()
+    try:
+        values = yaml.load(text, Loader=_StrictLoader)
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if values is None:
+        raise ConfigError(f"{path} is empty: list the TrainConfig keys that differ from the defaults, or do not "
+                          "pass a config file")  # fmt: skip
+    return values
 
 
 def _check_keys(cls: type, values: dict[str, Any], source: str) -> None:
@@ -212,11 +256,13 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     if annotation is float:
         if isinstance(value, str):
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 raise wrong() from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise wrong()
+        if not math.isfinite(value):  # YAML's .nan / .inf: torch would fail late, or train on nonsense
+            raise ConfigError(f"{key} must be a finite number, got {value!r}")
         return float(value)
     if annotation is str:
         if not isinstance(value, str):

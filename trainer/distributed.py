@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import functools
 import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -86,6 +87,7 @@ def distributed_state(collective_timeout_s: Optional[float] = None) -> PartialSt
         message = f"restart {attempt}: the processes could not reconnect ({first_line}). {ELASTIC_RECIPE}"
         raise RuntimeError(message) from err
     _destroy_process_group_at_exit()
+    _end_with_the_launcher()
     quiet_library_logs(state.process_index)
     return state
 
@@ -253,6 +255,22 @@ def _destroy_process_group_at_exit() -> None:
         torch.distributed.destroy_process_group()
 
     atexit.register(destroy)
+
+
+def _end_with_the_launcher() -> None:
+    """A worker gets SIGTERM when its launcher dies (kill -9, the OOM killer), as if preempted: it checkpoints the
+    step reached and exits, instead of training on headless and colliding with the next launch. Linux's
+    PR_SET_PDEATHSIG; only under torch's elastic agent (accelerate launch, torchrun), which starts the workers from
+    its main thread (the death signal follows the parent *thread*)."""
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    import ctypes
+
+    launcher = os.getppid()
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM))
+    if os.getppid() != launcher:  # it died before the request was in place
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def num_machines(accelerator: Accelerator) -> int:

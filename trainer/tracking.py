@@ -31,6 +31,7 @@ from accelerate import Accelerator
 
 from trainer.config import TrainConfig
 from trainer.nonfinite import FOLD_EVERY
+from trainer.preemption import PREEMPTED_EXIT
 
 # One row of a rank's window, in this order, gathered from every rank at each log.
 WINDOW_FIELDS = ("loss_sum", "micro_batches", "examples", "tokens", "steps", "seconds", "data_wait", "forward",
@@ -183,6 +184,17 @@ class Tracker:
     def finish(self) -> None:
         if self.wandb_run is not None:
             self._finish(exit_code=0)
+
+    def preempted(self, reason: str) -> None:
+        """End this rank's run as preempted (wandb's own state for it), to be resumed under the same id."""
+        with open(self.metrics_file, "a") as f:
+            f.write(json.dumps({"time": time.time(), "rank": self.rank, "preempted": reason}) + "\n")
+        if self.wandb_run is not None:
+            try:
+                self.wandb_run.mark_preempting()
+            except Exception as err:
+                _warn(f"wandb could not mark rank {self.rank}'s run preempting: {err}")
+            self._finish(exit_code=PREEMPTED_EXIT)
 
     def _finish(self, exit_code: int) -> None:
         run, self.wandb_run = self.wandb_run, None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import signal
 import sys
 import time
 from collections.abc import Mapping
@@ -44,6 +45,7 @@ from trainer.evaluation import predict as predict_shares
 from trainer.fastpath import Stepper, keep_own_forward
 from trainer.nonfinite import NonFiniteGuard
 from trainer.optim import build_optimizer, build_scheduler
+from trainer.preemption import PREEMPTED_EXIT, Preempted, PreemptionWatch, requeue_slurm_job
 from trainer.stall import watch_stalls
 from trainer.tracking import WINDOW_FIELDS, StepWindow, Tracker, memory_gb, new_run_id, summarize
 
@@ -211,6 +213,10 @@ class Trainer:
         self.stall = watch_stalls(self.accelerator, self.config.stall_warning_s)  # its thread lives while fit() runs
         try:
             result = self._train()
+        except Preempted as stop:
+            self.tracker.preempted(stop.message)
+            self._say(stop.message)
+            raise
         except BaseException as err:
             self.tracker.fail(err)
             raise
@@ -223,11 +229,13 @@ class Trainer:
         window = StepWindow(self.accelerator.device)
         self.model.train()
         started = time.perf_counter()
-        with progress_bar(self.total_steps, self.global_step, show=self.accelerator.is_main_process) as progress:
-            self._train_epochs(window, progress)
+        cfg, acc = self.config, self.accelerator
+        self.preemption = PreemptionWatch(cfg.signal_names, cfg.preemption_grace_s, acc.num_processes)
+        with progress_bar(self.total_steps, self.global_step, show=acc.is_main_process) as progress, self.preemption:
+            self._train_epochs(window, progress, self.preemption)
         return self._finish(started)
 
-    def _train_epochs(self, window: StepWindow, progress: tqdm) -> None:
+    def _train_epochs(self, window: StepWindow, progress: tqdm, watch: PreemptionWatch) -> None:
         while self.global_step < self.total_steps and self.stopped is None:
             loader = start_epoch(self.train_loader, self.epoch, self.batches_into_epoch, self.config.seed)
             self._call("on_epoch_begin")
@@ -240,6 +248,9 @@ class Trainer:
                 window.steps += 1
                 progress.update()
                 self._after_step(window, progress)
+                signal_number = watch.agreed(self.global_step)  # the same answer on every rank, at this same step
+                if signal_number:
+                    self._preempt(signal_number, window, progress)
                 if self.global_step >= self.total_steps or self.stopped is not None:
                     break
             else:
@@ -283,6 +294,25 @@ class Trainer:
             self.save_checkpoint()
         self._call("on_step_end")
 
+    def _preempt(self, signal_number: int, window: StepWindow, progress: tqdm) -> None:
+        """A signal reached some rank: every rank logs what this window holds, commits a checkpoint of the step
+        reached (whatever save_every says), then leaves fit() by raising Preempted (exit status 75)."""
+        name = signal.Signals(signal_number).name
+        started = time.monotonic()
+        if window.steps:
+            self._log(window, progress)
+        saved = self.last_checkpoint
+        if saved is None or checkpoint.step_of(saved) != self.global_step:
+            saved = self.save_checkpoint()
+        requeue = ""
+        if self.config.slurm_requeue:
+            if self.accelerator.is_main_process:
+                requeue = f"; {requeue_slurm_job()}"
+            self.accelerator.wait_for_everyone()  # no rank leaves (and gets the others signalled) before the requeue
+        raise Preempted(f"trainer: preempted ({name}) at step {self.global_step} of {self.total_steps}: checkpoint "
+                        f"{saved} committed in {time.monotonic() - started:.1f} s{requeue}; exiting with status "
+                        f"{PREEMPTED_EXIT}. Start the job again with resume='auto' to continue.")  # fmt: skip
+
     def _finish(self, started: float) -> dict[str, float]:
         self.nonfinite.check(str(self.last_checkpoint or ""))
         result = {
@@ -308,6 +338,7 @@ class Trainer:
         window.restart()
         asked = [rank for rank, row in enumerate(rows) if row[WINDOW_FIELDS.index("stop")]]
         own, global_view = summarize(rows, self.accelerator.process_index)
+        self.preemption.pace(global_view["global/step_time_max_s"])  # the same gathered figure on every rank
         metrics = {
             "step": self.global_step,
             "epoch": round(self.epoch_progress, 4),

@@ -1,0 +1,129 @@
+"""Preemption through real signals: a checkpoint at the step every rank agreed on, a clean exit with status 75, a
+bounded wait, and a rerun (resume: auto) bit-identical to a run never interrupted (tests/scenarios.py `resume`:
+2 CPU processes, 18 optimizer steps, a periodic checkpoint every 4)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from test_checkpoint import assert_bit_identical, final_weights, launch_resume, reference  # noqa: F401
+
+from conftest import CONFIGS, SCENARIOS, clean_env, free_port, python
+
+PREEMPTED_EXIT = 75
+
+
+def latest(output_dir: Path) -> str:
+    return (output_dir / "checkpoints" / "latest").read_text()
+
+
+def test_one_ranks_signal_is_enough_every_rank_checkpoints_the_same_step(tmp_path, reference):  # noqa: F811
+    result = launch_resume(tmp_path, "--signal_at", 5, "--signal_rank", 1, "--step_sleep", 0.3, expect_ok=False)
+    assert "SIGNAL SIGUSR1 to rank 1 after step 5" in result.stdout
+    # Rank 1 alone got it. After the first log (step 3) the ranks compare notes about once a second: every 3
+    # steps of 0.3 s, so rank 1's note goes out at step 6 and both ranks read it, and stop, at step 9.
+    assert result.stdout.count("trainer: preempted (SIGUSR1) at step ") == 1
+    step = preempted_at(result.stdout, "SIGUSR1")
+    assert 6 <= step <= 12
+    assert f"exitcode  : {PREEMPTED_EXIT}" in result.stderr  # the launcher's report of the worker
+    assert latest(tmp_path) == f"step-{step:08d}", "a checkpoint of the step reached, whatever save_every says"
+    assert not (tmp_path / "final").exists()
+    again = launch_resume(tmp_path)
+    assert "resumed from" in again.stdout and f"step {step}" in again.stdout
+    assert_bit_identical(final_weights(reference), final_weights(tmp_path))
+
+
+def start_slow_job(output_dir: Path) -> tuple[subprocess.Popen, tempfile.TemporaryFile]:
+    """The 2-process `resume` job at 0.3 s a step, returned once it is past step 6 (and its checkpoint of step 4)."""
+    log = tempfile.TemporaryFile("w+")
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "multi_gpu.yaml"),
+               "--main_process_port", str(free_port()), str(SCENARIOS), "resume", "--output_dir", str(output_dir),
+               "--step_sleep", "0.3"]  # fmt: skip
+    launcher = subprocess.Popen(command, env=clean_env(), stdout=log, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)  # fmt: skip
+    metrics = output_dir / "metrics" / "rank0.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.is_file() and '"step": 6' in metrics.read_text()):
+        assert launcher.poll() is None and time.monotonic() < deadline, "the job never reached step 6"
+        time.sleep(0.05)
+    return launcher, log
+
+
+def preempted_at(output: str, signal_name: str) -> int:
+    assert f"trainer: preempted ({signal_name}) at step " in output, output[-3000:]
+    return int(output.split(f"trainer: preempted ({signal_name}) at step ")[1].split()[0])
+
+
+def workers_alive(output_dir: Path) -> int:
+    ps = subprocess.run(["ps", "-eww", "-o", "args"], capture_output=True, text=True).stdout
+    return sum(str(output_dir) in line and "scenarios.py" in line for line in ps.splitlines())
+
+
+def test_sigterm_to_the_job_saves_exits_in_seconds_and_the_rerun_is_bit_identical(tmp_path, reference):  # noqa: F811
+    launcher, log = start_slow_job(tmp_path)
+    signalled = time.monotonic()
+    # As Slurm does: SIGTERM to every process of the job, the launcher and its workers, and the launcher forwards
+    # its own copy to each worker: both copies are the one preemption, not a second signal.
+    os.killpg(launcher.pid, signal.SIGTERM)
+    launcher.wait(timeout=60)
+    seconds = time.monotonic() - signalled
+    log.seek(0)
+    step = preempted_at(log.read(), "SIGTERM")
+    assert step >= 6 and latest(tmp_path) == f"step-{step:08d}"
+    assert seconds < 15, f"{seconds:.1f} s from the signal to the exit"
+    again = launch_resume(tmp_path)
+    assert f"step {step}" in again.stdout
+    assert_bit_identical(final_weights(reference), final_weights(tmp_path))
+
+
+def test_a_killed_launcher_takes_its_workers_with_it_after_their_checkpoint(tmp_path, reference):  # noqa: F811
+    launcher, log = start_slow_job(tmp_path)
+    killed = time.monotonic()
+    launcher.kill()  # SIGKILL to the launcher alone, as the OOM killer or `kill -9` does
+    launcher.wait()
+    while workers_alive(tmp_path) and time.monotonic() - killed < 30:
+        time.sleep(0.1)
+    assert not workers_alive(tmp_path), "the workers outlived their launcher"
+    log.seek(0)
+    step = preempted_at(log.read(), "SIGTERM")  # their death signal, set at start (PR_SET_PDEATHSIG)
+    assert latest(tmp_path) == f"step-{step:08d}"
+    again = launch_resume(tmp_path)
+    assert f"step {step}" in again.stdout
+    assert_bit_identical(final_weights(reference), final_weights(tmp_path))
+
+
+def test_a_save_that_hangs_ends_at_the_deadline_and_the_last_checkpoint_stays(tmp_path):
+    started = time.monotonic()
+    result = python(SCENARIOS, "resume", "--output_dir", tmp_path, "--signal_at", 5, "--signal_rank", 0,
+                    "--hang_in_preemption_save", "--preemption_grace_s", 3, expect_ok=False)  # fmt: skip
+    assert result.returncode == PREEMPTED_EXIT
+    assert "HANGING in the save of step 5" in result.stdout
+    assert "trainer: still not done 3 s after SIGUSR1 (preemption_grace_s): exiting now" in result.stderr
+    assert time.monotonic() - started < 60
+    assert latest(tmp_path) == "step-00000004", "the half-done save never became latest"
+
+
+def test_a_second_signal_exits_at_once(tmp_path):
+    """A second signal, seconds after the first (copies within 2 s count as one)."""
+    command = [sys.executable, str(SCENARIOS), "resume", "--output_dir", str(tmp_path), "--signal_at", "5",
+               "--signal_rank", "0", "--hang_in_preemption_save"]  # fmt: skip
+    job = subprocess.Popen(command, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in job.stdout:
+        if line.startswith("HANGING"):
+            break
+    else:
+        pytest.fail("the job never reached its preemption save")
+    time.sleep(2.5)
+    second = time.monotonic()
+    job.send_signal(signal.SIGINT)  # Ctrl-C, again
+    job.wait(timeout=30)
+    assert job.returncode == PREEMPTED_EXIT and time.monotonic() - second < 5
+    assert "trainer: second signal (SIGINT): exiting now" in job.stderr.read()
+    assert latest(tmp_path) == "step-00000004"

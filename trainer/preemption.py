@@ -1,0 +1,131 @@
+"""Preemption: a signal becomes a checkpoint at an optimizer step every rank agrees on, then a clean exit.
+
+Slurm (before it kills a preempted or timed-out job; ``#SBATCH --signal``), Kubernetes and torchrun (which
+forwards its own SIGTERM to every worker, then kills them 30 s later) send a signal first. Saving inside the
+handler is fragile (it can interrupt a collective or a half-written file), so the handler only notes the signal;
+copies of it within SAME_EVENT_S count once. The ranks compare notes at optimizer-step boundaries through one
+small all-reduce on a gloo group of its own, asynchronous: issued at one check and read at the next, so no step
+waits for it and no GPU sync is added. Checks come every step until the first log, then every CHECK_EVERY_S of
+training (a step count every rank derives from the same gathered step times). One rank's signal is enough; the
+others may not receive it. All ranks then stop after the same step, commit a full checkpoint there, flush metrics
+and wandb, and exit with ``PREEMPTED_EXIT`` (75, "try again"). A second signal, or ``preemption_grace_s`` after
+the first, ends the process at once. Under Slurm with ``slurm_requeue`` the first process asks ``scontrol
+requeue`` once the checkpoint is committed, so the next allocation resumes by itself (``resume: auto``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+PREEMPTED_EXIT = 75  # sysexits' EX_TEMPFAIL: a temporary failure, to be tried again
+# Slurm signals every process of the job and the launcher forwards its own copy; a terminal's Ctrl-C reaches the
+# launcher and the workers alike. Copies this close to the first are the same event, not a second signal.
+SAME_EVENT_S = 2.0
+# How often the ranks compare notes, in seconds of training: each comparison costs a few hundred microseconds of
+# CPU (measured: benchmarks/preemption_check.py), nothing against a second, and a signal gives tens of seconds.
+CHECK_EVERY_S = 1.0
+
+
+class Preempted(SystemExit):
+    """Raised by fit() on every rank after the preemption checkpoint is committed; exits with PREEMPTED_EXIT."""
+
+    def __init__(self, message: str):
+        super().__init__(PREEMPTED_EXIT)
+        self.message = message
+
+
+class PreemptionWatch:
+    """Notes the configured signals while fit() runs; ``agreed()`` at each optimizer step says whether to stop."""
+
+    def __init__(self, signal_names: tuple[str, ...], grace_s: float, world_size: int):
+        self.signals = [getattr(signal, name) for name in signal_names]
+        self.grace_s = grace_s
+        self.received = 0  # the first signal's number, 0 until one arrives
+        self._first_at = 0.0
+        self._previous: dict[int, object] = {}
+        self._group = None
+        self._flag = torch.zeros(1, dtype=torch.int32)
+        self._pending: Optional[dist.Work] = None
+        self._world_size = world_size
+        self.every = 1  # steps between checks
+
+    def __enter__(self) -> "PreemptionWatch":
+        if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
+            for number in self.signals:
+                self._previous[number] = signal.signal(number, self._on_signal)
+        if self._world_size > 1 and self.signals:
+            # Its own gloo group: CPU tensors, so neither NCCL streams nor a GPU sync are involved.
+            self._group = dist.new_group(backend="gloo")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+        self._previous.clear()
+        if self._pending is not None:
+            self._pending.wait()  # every rank issued the same reductions; let the last one land before teardown
+            self._pending = None
+
+    def _on_signal(self, number: int, frame) -> None:
+        if self.received and time.monotonic() - self._first_at < SAME_EVENT_S:
+            return  # the same event's other copy
+        if self.received:  # a second signal: no more waiting
+            sys.stderr.write(f"trainer: second signal ({signal.Signals(number).name}): exiting now\n")
+            os._exit(PREEMPTED_EXIT)
+        self.received, self._first_at = number, time.monotonic()
+        deadline = threading.Timer(self.grace_s, self._out_of_time)
+        deadline.daemon = True
+        deadline.start()
+
+    def _out_of_time(self) -> None:
+        sys.stderr.write(f"trainer: still not done {self.grace_s:g} s after {signal.Signals(self.received).name} "
+                         "(preemption_grace_s): exiting now\n")  # fmt: skip
+        sys.stderr.flush()
+        os._exit(PREEMPTED_EXIT)
+
+    def pace(self, seconds_per_step: float) -> None:
+        """Check every CHECK_EVERY_S from now on; pass a figure every rank has alike (from the log's gather)."""
+        self.every = max(1, int(CHECK_EVERY_S / max(seconds_per_step, 1e-9)))
+
+    def agreed(self, step: int) -> int:
+        """The signal any rank had received by the previous check (0: none); the same answer on every rank."""
+        if self._group is None:
+            return self.received
+        if step % self.every:
+            return 0
+        seen = 0
+        if self._pending is not None:
+            self._pending.wait()
+            seen = int(self._flag.item())
+        if not seen:
+            self._flag[0] = self.received
+            self._pending = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        else:
+            self._pending = None
+        return seen
+
+
+def requeue_slurm_job() -> str:
+    """Ask Slurm to requeue this job (the first process, after the checkpoint is committed); what happened."""
+    job = os.environ.get("SLURM_ARRAY_JOB_ID") and (
+        f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ.get('SLURM_ARRAY_TASK_ID', '')}"
+    ) or os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return "not under Slurm: no requeue"
+    started = time.monotonic()
+    try:
+        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"scontrol requeue {job} failed: {err}"
+    if done.returncode != 0:
+        return f"scontrol requeue {job} failed: {(done.stderr or done.stdout).strip()}"
+    return f"job {job} requeued ({time.monotonic() - started:.1f} s)"
