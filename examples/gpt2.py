@@ -32,11 +32,11 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, HfArgumentParser
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 from trainer import TrainConfig, Trainer, distributed_state  # noqa: E402
+from trainer.config import read_yaml  # noqa: E402
 
 EOS = "<|endoftext|>"
 
@@ -84,7 +84,7 @@ def parse_args(argv=None) -> tuple[GPT2Args, TrainConfig]:
     config_file.add_argument("--config")
     path = config_file.parse_known_args(argv)[0].config
     if path:  # keys from the file over the example's defaults, checked as strictly as TrainConfig checks them
-        from_file = yaml.safe_load(Path(path).read_text()) or {}
+        from_file = read_yaml(path)  # a missing file, a list, a repeated key: a ConfigError naming the file
         TrainConfig.from_dict({**EXAMPLE_DEFAULTS, **from_file}, source=path)
         parser.set_defaults(**from_file)
     args, config = parser.parse_args_into_dataclasses(args=argv)

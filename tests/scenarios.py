@@ -11,6 +11,8 @@
     stop          rank 1 alone sets should_stop after --stop_at, or (--stop_at 0) EarlyStopping on a flat eval loss
     best          keep_best on a metric that peaks at step 4, keep_last=1
     noisy         every rank logs the same library warnings at every step, and the main process prints in pieces
+    faults        one bad input (--fault): an unused parameter, a loss_fn returning a float / None / a vector, an
+                  empty eval set
     too_small     fewer training examples than processes
     world_guard   a plain Accelerator on a CPU host under a 2-process launch: the trainer's guard must stop it
 """
@@ -303,6 +305,36 @@ def noisy(args) -> None:
     Trainer(TinyClassifier(), config, train_data=Examples(64), callbacks=[Noise()]).fit()
 
 
+class Output(dict):
+    """A dict whose keys read as attributes, as transformers' ModelOutput: DDP finds the tensors in a dict."""
+
+    __getattr__ = dict.__getitem__
+
+
+class HalfUsed(TinyClassifier):
+    """A classifier with a head it never uses: fine on one process, DDP's error on two."""
+
+    def __init__(self):
+        super().__init__()
+        self.unused_head = torch.nn.Linear(8, 3)
+
+    def forward(self, x, labels):
+        return Output(super().forward(x, labels).__dict__)
+
+
+def faults(args) -> None:
+    """One bad input per run (--fault): unused (a parameter outside the loss), loss_float / loss_vector /
+    loss_none (what loss_fn returns), empty_eval (an eval set with no examples)."""
+    config = TrainConfig(output_dir=args.output_dir, max_steps=4, batch_size=4, log_every=2,
+                         find_unused_parameters=args.find_unused_parameters)  # fmt: skip
+    returns = {"loss_float": lambda m, b: 1.0, "loss_none": lambda m, b: None,
+               "loss_vector": lambda m, b: m(**b).logits.sum(-1)}  # fmt: skip
+    model = HalfUsed() if args.fault == "unused" else TinyClassifier()
+    eval_data = Examples(0) if args.fault == "empty_eval" else None
+    trainer = Trainer(model, config, train_data=Examples(32), eval_data=eval_data, loss_fn=returns.get(args.fault))
+    say("RESULT " + json.dumps(trainer.fit()))
+
+
 def too_small(args) -> None:
     Trainer(TinyClassifier(), TrainConfig(batch_size=1), train_data=Examples(1))
 
@@ -318,7 +350,7 @@ def world_guard(args) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("case", choices=["job", "resume", "hf_export", "user_loader", "too_small", "world_guard",
-                                         "predict", "stop", "best", "noisy"])
+                                         "predict", "stop", "best", "noisy", "faults"])
     parser.add_argument("--resume", default="auto", type=lambda v: None if v == "none" else v)
     parser.add_argument("--crash_at", type=int, default=0)
     parser.add_argument("--crash_rank", type=int, default=1)
@@ -349,6 +381,8 @@ if __name__ == "__main__":
     parser.add_argument("--hang_in_preemption_save", action="store_true")
     parser.add_argument("--preemption_grace_s", type=float, default=180)
     parser.add_argument("--slurm_requeue", action="store_true")
+    parser.add_argument("--fault", default="")
+    parser.add_argument("--find_unused_parameters", action="store_true")
     parser.add_argument("--sampler", choices=["none", "distributed"], default="none")
     cli = parser.parse_args()
     globals()[cli.case](cli)

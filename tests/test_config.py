@@ -25,10 +25,6 @@ def test_overrides_win_over_the_file(tmp_path):
     assert config.lr == 0.001 and config.max_steps is None and config.shuffle is False
 
 
-def test_empty_file_gives_defaults(tmp_path):
-    assert TrainConfig.from_yaml(write(tmp_path, "")) == TrainConfig()
-
-
 @pytest.mark.parametrize(
     "text, culprit",
     [
@@ -54,6 +50,13 @@ def test_empty_file_gives_defaults(tmp_path):
         ("epochs: null\n", "epochs must be int"),
         ("- lr\n", "expected a mapping"),
         ("lr: [\n", "not valid YAML"),
+        ("lr: .nan\n", "lr must be a finite number, got nan"),  # torch would refuse it only at the optimizer
+        ("lr: .inf\n", "lr must be a finite number, got inf"),  # or train to a misleading NaN loss
+        ("max_grad_norm: .inf\n", "max_grad_norm must be a finite number"),
+        ("lr: 0.001\nbatch_size: 4\nlr: 5\n", "key 'lr' is given twice (lines 1 and 3)"),  # PyYAML keeps the last
+        ("", "is empty: list the TrainConfig keys"),
+        ("# all defaults\n", "is empty"),
+        ("preemption_signals: SIGTERM,SIGFOO\n", "'SIGFOO' is not a signal name"),
     ],
 )
 def test_bad_yaml_names_the_culprit(tmp_path, text, culprit):
@@ -63,7 +66,7 @@ def test_bad_yaml_names_the_culprit(tmp_path, text, culprit):
 
 
 def test_bad_override_names_the_key(tmp_path):
-    path = write(tmp_path, "")
+    path = write(tmp_path, "seed: 0\n")
     with pytest.raises(ConfigError, match="unknown key 'lrr'.*Did you mean: lr"):
         TrainConfig.from_yaml(path, overrides=["lrr=0.1"])
     with pytest.raises(ConfigError, match="not of the form key=value"):

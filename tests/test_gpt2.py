@@ -86,6 +86,11 @@ def test_flags_take_hyphens_or_underscores_and_a_yaml_config(tmp_path):
         example.parse_args(["--config", str(run_yaml)])
     with pytest.raises(ConfigError, match="optimizer must be one of"):
         example.parse_args(["--optimizer", "adagrad"])
+    run_yaml.write_text("- lr: 1e-4\n")
+    with pytest.raises(ConfigError, match="run.yaml: expected a mapping of TrainConfig keys, got list"):
+        example.parse_args(["--config", str(run_yaml)])
+    with pytest.raises(ConfigError, match="config file not found: .*nope.yaml"):
+        example.parse_args(["--config", str(tmp_path / "nope.yaml")])
 
 
 def test_model_name_and_train_file_take_local_paths(tmp_path):

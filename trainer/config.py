@@ -64,6 +64,9 @@ class TrainConfig:
     drop_last: bool = False  # drop the M mod K tail examples instead of padding (seed 000)
     num_workers: int = 0
     compile: bool = False  # torch.compile the model (accelerate's dynamo plugin, inductor); pays off on GPUs
+    # DDP: parameters that get no gradient in some step (a branch not taken, a frozen head used only sometimes) must
+    # be looked for after each forward, at some cost; without it such a model fails at its second step.
+    find_unused_parameters: bool = False
 
     log_every: int = 10
     eval_every: Optional[int] = None
@@ -116,11 +119,7 @@ class TrainConfig:
             TrainConfig.from_yaml("run.yaml", overrides=["lr=1e-3", "max_steps=100"])
         """
         path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
         values = read_yaml(path)
-        if not isinstance(values, dict):
-            raise ConfigError(f"{path}: expected a mapping of TrainConfig keys, got {type(values).__name__}")
         values.update(parse_overrides(overrides))
         return cls.from_dict(values, source=str(path))
 
@@ -183,8 +182,12 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def read_yaml(path: Path) -> Any:
-    """A YAML config file's contents; an empty file, a repeated key or bad YAML is a ConfigError naming it."""
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """A YAML config file's mapping; a missing or empty file, a repeated key, bad YAML or anything but a mapping
+    is a ConfigError naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
     text = path.read_text()
     try:
         values = yaml.load(text, Loader=_StrictLoader)
@@ -195,6 +198,8 @@ def read_yaml(path: Path) -> Any:
     if values is None:
         raise ConfigError(f"{path} is empty: list the TrainConfig keys that differ from the defaults, or do not "
                           "pass a config file")  # fmt: skip
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: expected a mapping of TrainConfig keys, got {type(values).__name__}")
     return values
 
 

@@ -122,6 +122,8 @@ def build_eval_loader(
     if isinstance(data, DataLoader):
         loader = _accept_user_loader(data, accelerator, "eval_data")
     else:
+        if len(data) == 0:  # refused now, not after all of training when evaluate() would divide by zero
+            raise DataError("eval_data has no examples: pass a data set with at least one, or none", job_wide=True)
         sampler = ShardSampler(len(data), accelerator.num_processes, accelerator.process_index)
         loader = _loader(data, sampler, config, accelerator, collate_fn)
     return _wrap(loader, accelerator)
@@ -186,5 +188,6 @@ def _check_size(data: Dataset, accelerator: Accelerator, name: str) -> None:
     if size < accelerator.num_processes:
         raise DataError(
             f"{name} has {size} examples, fewer than the {accelerator.num_processes} processes: "
-            "every process needs at least one example"
+            "every process needs at least one example",
+            job_wide=True,
         )

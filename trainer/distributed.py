@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.logging import get_logger
-from accelerate.utils import DataLoaderConfiguration, parse_flag_from_env
+from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, parse_flag_from_env
 
 from trainer.config import TrainConfig
 from trainer.console import quiet_library_logs
@@ -105,6 +105,7 @@ def build_accelerator(config: TrainConfig) -> Accelerator:
         step_scheduler_with_optimizer=False,
         # Copies to the GPU overlap the step (the trainer's loaders pin memory on CUDA); a no-op on CPU.
         dataloader_config=DataLoaderConfiguration(non_blocking=True),
+        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=config.find_unused_parameters)],
         **({"dynamo_backend": "inductor"} if config.compile else {}),  # else the accelerate config's choice
     )
     check_world_size(accelerator)

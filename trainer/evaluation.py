@@ -16,6 +16,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list, find_batch_size
 
+from trainer.losses import checked
+
 MetricsFn = Callable[[torch.nn.Module, Any], dict[str, torch.Tensor]]
 PredictFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 
@@ -35,7 +37,7 @@ def evaluate(model: torch.nn.Module, loader, loss_fn, metrics_fn: Optional[Metri
     for batch in loader:
         size = find_batch_size(batch)
         with autocast():
-            loss = loss_fn(model, batch)
+            loss = checked(loss_fn(model, batch), loss_fn)
             values = metrics_fn(model, batch) if metrics_fn is not None else {}
         loss_sum += loss.double() * size
         for name, value in values.items():

@@ -15,9 +15,15 @@ import sys
 
 
 class Refusal(Exception):
-    """Bad input, fully explained by the message."""
+    """Bad input, fully explained by the message. ``job_wide``: every rank meets it the same way, so one line from
+    the first process is enough (the class's default unless given)."""
 
-    job_wide = True  # every rank meets it the same way: one line from the first process is enough
+    job_wide = True
+
+    def __init__(self, *args, job_wide: bool | None = None):
+        super().__init__(*args)
+        if job_wide is not None:
+            self.job_wide = job_wide
 
 
 def _rank() -> int:

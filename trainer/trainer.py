@@ -22,7 +22,6 @@ import math
 import signal
 import sys
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
@@ -43,24 +42,12 @@ from trainer.evaluation import MetricsFn, PredictFn, model_logits, perplexity
 from trainer.evaluation import evaluate as evaluate_shares
 from trainer.evaluation import predict as predict_shares
 from trainer.fastpath import Stepper, keep_own_forward
+from trainer.losses import LossFn, checked, model_loss, unused_parameters
 from trainer.nonfinite import NonFiniteGuard
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.preemption import PREEMPTED_EXIT, Preempted, PreemptionWatch, requeue_slurm_job
 from trainer.stall import watch_stalls
 from trainer.tracking import WINDOW_FIELDS, StepWindow, Tracker, memory_gb, new_run_id, summarize
-
-LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
-
-
-def model_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
-    """The default loss: ``model(**batch).loss``, as transformers models compute it when given labels."""
-    if not isinstance(batch, Mapping):  # a dict, or transformers' BatchEncoding from its collators
-        raise TypeError(
-            f"the default loss calls model(**batch).loss, but the batch is a {type(batch).__name__}; "
-            "pass loss_fn=lambda model, batch: ... to the Trainer"
-        )
-    return model(**batch).loss
-
 
 STEP_FIGURES = ("step", "epoch", "train_loss", "lr", "examples_per_s", "tokens_per_s")  # the rest: a callback's
 
@@ -262,8 +249,14 @@ class Trainer:
         with self.accelerator.accumulate(self.model) if self._accumulating else contextlib.nullcontext():
             self.stall.at(step, "forward")
             started = time.perf_counter()
-            with self.autocast():
-                loss = self.loss_fn(self.model, batch)
+            try:
+                with self.autocast():
+                    loss = checked(self.loss_fn(self.model, batch), self.loss_fn)
+            except RuntimeError as err:  # free when nothing is raised
+                refusal = unused_parameters(err)
+                if refusal is None:
+                    raise
+                raise refusal from err
             window.forward += time.perf_counter() - started  # host time: this rank's own work before the all-reduce
             self.stall.at(step, "backward")
             self.stepper.backward(loss)

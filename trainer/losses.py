@@ -1,0 +1,67 @@
+"""What a loss is here: ``loss_fn(model, batch)`` returns one scalar tensor; the default asks the model for it.
+
+A ``loss_fn`` that returns something else (a float, None, a per-example vector) fails far from it in torch
+(``'float' object has no attribute 'backward'``, ``grad can be implicitly created only for scalar outputs``); it is
+named here instead, at the first batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import torch
+
+from trainer.refusal import Refusal
+
+LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+
+
+class LossFnError(Refusal, TypeError):
+    """``loss_fn`` returned something other than a scalar tensor."""
+
+
+def model_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    """The default loss: ``model(**batch).loss``, as transformers models compute it when given labels."""
+    if not isinstance(batch, Mapping):  # a dict, or transformers' BatchEncoding from its collators
+        raise LossFnError(
+            f"the default loss calls model(**batch).loss, but the batch is a {type(batch).__name__}; "
+            "pass loss_fn=lambda model, batch: ... to the Trainer"
+        )
+    loss = getattr(model(**batch), "loss", None)
+    if loss is None:
+        raise LossFnError("the default loss calls model(**batch).loss, but the model returned no loss (no labels in "
+                          "the batch?); pass loss_fn=lambda model, batch: ... to the Trainer")  # fmt: skip
+    return loss
+
+
+def checked(loss: Any, loss_fn: LossFn) -> torch.Tensor:
+    """``loss`` if it is a scalar tensor; else a LossFnError naming ``loss_fn`` and what it returned."""
+    if isinstance(loss, torch.Tensor) and loss.ndim == 0:
+        return loss
+    name = "the default loss (model(**batch).loss)" if loss_fn is model_loss else f"loss_fn {_name(loss_fn)}"
+    got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else repr(loss)[:80]
+    hint = " (reduce it: .mean())" if isinstance(loss, torch.Tensor) else " (a float has no gradient)"
+    raise LossFnError(f"{name} must return a scalar tensor, got {got}{hint}")
+
+
+class UnusedParameters(Refusal, RuntimeError):
+    """DDP found parameters that took no part in the previous step's loss."""
+
+
+def unused_parameters(err: RuntimeError) -> UnusedParameters | None:
+    """DDP's error for a model some of whose parameters got no gradient (raised at the next forward), as a refusal
+    naming the fix; None for any other error."""
+    text = str(err)
+    if "Expected to have finished reduction in the prior iteration" not in text:
+        return None
+    which = [line.strip() for line in text.splitlines() if line.strip().startswith("Parameter")]
+    return UnusedParameters(
+        "some parameters of the model took no part in the previous step's loss, which DDP cannot reduce by default"
+        f"{': ' + ' '.join(which) if which else ''}. Set find_unused_parameters: true in the TrainConfig (DDP then "
+        "looks for them after every forward, at some cost), or make every parameter take part in the loss."
+    )
+
+
+def _name(fn: Callable) -> str:
+    return getattr(fn, "__qualname__", type(fn).__name__)
