@@ -123,9 +123,9 @@ def accelerate_launch(script: Path, *args: str, config: str = "multi_gpu.yaml", 
     return run([*cmd, str(script), *map(str, args)], **kw)
 
 
-def torchrun(script: Path, *args: str, nproc: int = 2, **kw):
+def torchrun(script: Path, *args: str, nproc: int = 2, run_args: tuple[str, ...] | list[str] = (), **kw):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]  # fmt: skip
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", *run_args]  # fmt: skip
     return run([*cmd, str(script), *map(str, args)], **kw)
 
 

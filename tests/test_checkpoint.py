@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from scenarios import DropoutClassifier
 
-from conftest import SCENARIOS, accelerate_launch, clean_env, python
+from conftest import SCENARIOS, accelerate_launch, clean_env, python, torchrun
 
 
 def launch_resume(output_dir, *args, **kw):
@@ -58,12 +58,21 @@ def test_hard_crash_then_restart_ends_bit_identical(tmp_path, reference, crash_a
     assert_bit_identical(final_weights(reference), final_weights(tmp_path))
 
 
-def test_elastic_restart_finishes_by_itself_bit_identical(tmp_path, reference):
-    # The README's recipe for restarts: c10d rendezvous, and no rendezvous store shared with the workers.
-    elastic = ["--rdzv_backend", "c10d", "--max_restarts", "1", "--monitor_interval", "0.5"]
-    env = clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    result = launch_resume(tmp_path, "--crash_at", 9, run_args=elastic, env=env)
-    assert "CRASH rank 1 after step 9" in result.stdout and "step 8, epoch 1, batch 2" in result.stdout
+@pytest.mark.parametrize("launcher", ["accelerate-shipped-config", "torchrun-c10d", "accelerate-c10d-own-store"])
+def test_elastic_restart_finishes_by_itself_bit_identical(tmp_path, reference, launcher):
+    """A worker dies; the launcher restarts the job (--max_restarts 1), which resumes from its checkpoint. With the
+    shipped config as it is (static rendezvous: one store for every attempt, pytorch/pytorch#135712) the restarted
+    workers used to read the dead attempt's addresses and hang or fail; each attempt's keys are kept apart now."""
+    if launcher == "torchrun-c10d":  # torchrun shares its c10d store with the workers as well
+        result = torchrun(SCENARIOS, "resume", "--output_dir", tmp_path, "--crash_at", 13, "--crash_rank", 0,
+                          run_args=["--max-restarts", "1", "--monitor-interval", "0.5"])  # fmt: skip
+    else:
+        elastic, env = ["--max_restarts", "1", "--monitor_interval", "0.5"], clean_env()
+        if launcher == "accelerate-c10d-own-store":  # the recipe that worked before: a store per attempt
+            elastic += ["--rdzv_backend", "c10d"]
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        result = launch_resume(tmp_path, "--crash_at", 13, "--crash_rank", 0, run_args=elastic, env=env, timeout=120)
+    assert "CRASH rank 0 after step 13" in result.stdout and "step 12, epoch 2, batch 0" in result.stdout
     assert_bit_identical(final_weights(reference), final_weights(tmp_path))
 
 

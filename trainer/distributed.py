@@ -7,7 +7,7 @@ announced (WORLD_SIZE) is the world the Accelerator joined. Before any of that, 
 stops with one message saying what to run instead: more processes on a machine than it has GPUs (each would
 claim a GPU that does not exist), or several CPU processes asked of accelerate's CPU launcher, which starts one
 unless it runs mpirun. Here too: each CPU process's share of the cores, the process group's teardown at exit, and
-what an elastic restart needs from its launcher.
+each restart attempt's keys kept apart in the launcher's store.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ logger = get_logger(__name__)
 
 
 ELASTIC_RECIPE = (
-    "Restarted workers reconnect reliably only when the job is launched with --rdzv_backend c10d and "
-    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the launcher's environment; otherwise they can read the failed "
-    "attempt's addresses from the reused rendezvous store (pytorch/pytorch#135712)."
+    "The trainer keeps each attempt's keys apart in the launcher's store (pytorch/pytorch#135712); if restarts "
+    "still fail to reconnect, launch with --rdzv_backend c10d and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which "
+    "gives each attempt a store of its own."
 )
 
 
@@ -77,6 +77,7 @@ def distributed_state(collective_timeout_s: Optional[float] = None) -> PartialSt
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     timeout = {} if collective_timeout_s is None else {"timeout": timedelta(seconds=collective_timeout_s)}
     try:
+        _join_in_this_attempts_namespace(attempt, **timeout)
         # The same cpu flag the Accelerator will derive (accelerate's PartialState ignores ACCELERATE_USE_CPU, its
         # AcceleratorState does not): on a GPU host a CPU launch would otherwise put the state on the GPU first.
         state = PartialState(cpu=_use_cpu(), **timeout)
@@ -90,6 +91,29 @@ def distributed_state(collective_timeout_s: Optional[float] = None) -> PartialSt
     _end_with_the_launcher()
     quiet_library_logs(state.process_index)
     return state
+
+
+def _join_in_this_attempts_namespace(attempt: int, timeout: timedelta = timedelta(minutes=30)) -> None:
+    """Join the process group with its keys under ``trainer/attempt-<n>/`` in the launcher's store, before
+    accelerate would join it plainly (it then finds the group made and keeps it).
+
+    Why: torch's elastic agent with static rendezvous (the shipped configs; ``accelerate launch --max_restarts``)
+    keeps one store for every restart attempt, and torch assumes a new store per attempt, so a restarted worker
+    can read the dead attempt's addresses and wait for peers that no longer exist (pytorch/pytorch#135712): the
+    restart hangs or fails. Keys of this attempt's own cannot be confused. The backend is the one accelerate would
+    pick (NCCL on CUDA, else gloo); on other accelerators accelerate joins as usual."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or launched_world_size() <= 1 or torch.distributed.is_initialized():
+        return
+    if _use_cpu():
+        backend = "gloo"
+    elif torch.cuda.is_available():
+        backend = "nccl"
+    else:
+        return
+    rank, world = int(os.environ["RANK"]), launched_world_size()
+    store, _, _ = next(torch.distributed.rendezvous("env://", rank, world, timeout=timeout))
+    namespaced = torch.distributed.PrefixStore(f"trainer/attempt-{attempt}", store)
+    torch.distributed.init_process_group(backend, store=namespaced, rank=rank, world_size=world, timeout=timeout)
 
 
 def build_accelerator(config: TrainConfig) -> Accelerator:
@@ -118,9 +142,6 @@ def build_accelerator(config: TrainConfig) -> Accelerator:
                 f"DDP on CPU over gloo (accelerate would otherwise start {world} independent trainings).",
                 main_process_only=True,
             )
-        restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
-        if restarts > 0 and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":
-            logger.warning(f"--max_restarts {restarts}: {ELASTIC_RECIPE}", main_process_only=True)
     return accelerator
 
 
