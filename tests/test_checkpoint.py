@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -156,17 +160,100 @@ def test_missing_resume_path_is_named(one_process_run, tmp_path):
     assert "step-00000099 does not exist. Other checkpoints there:" in message
 
 
-def test_torn_or_deleted_checkpoint_is_named_and_the_others_still_load(one_process_run, tmp_path):
+def copy_of(run: Path, tmp_path: Path) -> Path:
     copy = tmp_path / "run"
-    shutil.copytree(one_process_run, copy)
+    shutil.copytree(run, copy)
+    return copy
+
+
+def test_a_torn_checkpoint_asked_for_by_path_is_named_with_the_others(one_process_run, tmp_path):
+    copy = copy_of(one_process_run, tmp_path)
     (copy / "checkpoints" / "step-00000036" / "optimizer.bin").unlink()
-    message = resume_fails(copy)
+    message = resume_fails(copy, "--resume", copy / "checkpoints" / "step-00000036")
     assert "step-00000036 is torn: optimizer.bin is missing or truncated" in message
     assert "Other checkpoints there:" in message and "step-00000032" in message
-    shutil.rmtree(copy / "checkpoints" / "step-00000036")
-    assert "step-00000036 does not exist" in resume_fails(copy)
     result = python(SCENARIOS, "resume", "--output_dir", copy, "--resume", copy / "checkpoints" / "step-00000032")
     assert "resumed from" in result.stdout and result_line(result.stdout)["global_step"] == 36
+
+
+def zero_a_kilobyte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 1024] = bytes(1024)
+    path.write_bytes(bytes(data))  # the same size: only the contents tell
+
+
+@pytest.mark.parametrize("damage", ["truncated", "zeroed model", "zeroed rng", "0xff optimizer", "deleted",
+                                    "state a list", "state without files"])  # fmt: skip
+def test_resume_auto_continues_from_the_newest_whole_checkpoint_past_a_damaged_latest(one_process_run, tmp_path,
+                                                                                      damage):  # fmt: skip
+    copy = copy_of(one_process_run, tmp_path)
+    latest = copy / "checkpoints" / "step-00000036"
+    if damage == "truncated":
+        (latest / "model.safetensors").write_bytes((latest / "model.safetensors").read_bytes()[:-100])
+    elif damage == "zeroed model":
+        zero_a_kilobyte(latest / "model.safetensors")
+    elif damage == "zeroed rng":
+        zero_a_kilobyte(next(latest.glob("random_states_*.pkl")))
+    elif damage == "0xff optimizer":
+        data = bytearray((latest / "optimizer.bin").read_bytes())
+        data[-64:] = b"\xff" * 64
+        (latest / "optimizer.bin").write_bytes(bytes(data))
+    elif damage == "deleted":
+        shutil.rmtree(latest)
+    else:
+        state = json.loads((latest / "trainer_state.json").read_text())
+        state.pop("files")
+        (latest / "trainer_state.json").write_text(json.dumps([] if damage == "state a list" else state))
+    result = python(SCENARIOS, "resume", "--output_dir", copy)
+    assert "continuing from the newest whole checkpoint" in result.stderr and "step-00000032" in result.stderr
+    assert "resumed from" in result.stdout and "step 32" in result.stdout
+    if damage != "deleted":
+        assert (copy / "checkpoints" / "damaged-step-00000036").is_dir(), "set aside, not deleted"
+    # the run re-trained steps 33-36 from a whole checkpoint: the same weights as before the damage
+    assert_bit_identical(final_weights(one_process_run), final_weights(copy))
+
+
+def test_a_kill_while_an_existing_step_is_saved_again_leaves_a_whole_latest(one_process_run, tmp_path):
+    """Saving step 36 again (a run resumed from an older checkpoint) first moves the old step-36 aside; a kill
+    before the new one is in place leaves `latest` naming a folder that is not there: the old one comes back."""
+    copy = copy_of(one_process_run, tmp_path)
+    checkpoints = copy / "checkpoints"
+    (checkpoints / "step-00000036").rename(checkpoints / ".old-step-00000036")
+    (checkpoints / ".tmp-step-00000036").mkdir()  # the new one's unfinished folder
+    result = python(SCENARIOS, "resume", "--output_dir", copy, "--max_steps", 40)
+    assert "resumed from" in result.stdout and "step 36" in result.stdout
+
+
+def test_two_jobs_on_one_output_dir_the_second_is_refused(tmp_path):
+    command = [sys.executable, str(SCENARIOS), "resume", "--output_dir", str(tmp_path), "--step_sleep", "0.2"]
+    first = subprocess.Popen(command, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while not (tmp_path / "metrics" / "rank0.jsonl").is_file():
+        assert first.poll() is None, first.communicate()
+        time.sleep(0.05)
+    second = launch_resume(tmp_path, expect_ok=False)
+    assert second.stderr.count(f"output_dir {tmp_path} is in use by another job (pid {first.pid} on ") == 1
+    out, err = first.communicate(timeout=120)
+    assert first.returncode == 0, err
+    assert result_line(out)["global_step"] == 36
+
+
+def test_a_full_disk_during_a_checkpoint_is_named_and_loses_nothing(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=700k", "tmpfs", str(disk)]).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        # ~270 KB a checkpoint (hidden 2048): step 4 and step 8 fit, step 12's write fills the disk
+        failed = python(SCENARIOS, "resume", "--output_dir", disk / "run", "--hidden", 2048, expect_ok=False)
+        checkpoints = disk / "run" / "checkpoints"
+        assert "could not write checkpoint step-00000012: the disk is full" in failed.stderr, failed.stderr[-2000:]
+        assert f"{checkpoints / 'step-00000008'} is still the latest" in failed.stderr
+        assert not list(checkpoints.glob(".tmp-*")), "the unfinished folder is removed, its space given back"
+        subprocess.run(["mount", "-o", "remount,size=3m", str(disk)], check=True)
+        again = python(SCENARIOS, "resume", "--output_dir", disk / "run", "--hidden", 2048)
+        assert "step 8" in again.stdout and result_line(again.stdout)["global_step"] == 36
+    finally:
+        subprocess.run(["umount", "-l", str(disk)])
 
 
 def test_unwritable_output_dir_is_named(one_process_run):

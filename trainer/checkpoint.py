@@ -9,7 +9,13 @@ Layout under ``<output_dir>/checkpoints/``::
 
 A checkpoint is written into ``.tmp-step-N/`` by every rank, and only after all ranks are done does the main
 process rename it and then move the ``latest`` pointer; a crash at any moment leaves the previous checkpoint as the
-latest. Older checkpoints beyond ``keep_last`` are deleted only after that. Everything loads without arbitrary
+latest. Older checkpoints beyond ``keep_last`` are deleted only after that. The manifest in trainer_state.json
+lists every file with its size and CRC-32, checked before a resume: a truncated or damaged file is named, and
+``resume: auto`` then continues from the newest whole checkpoint, moving the damaged one aside (``damaged-step-N``,
+kept for inspection, out of keep_last's count). Re-saving a step that exists (a run resumed from an older
+checkpoint) moves the old folder aside first, so a kill at any moment still leaves a whole checkpoint named by
+``latest``. One job at a time: the main process holds a lock on ``output_dir`` for the job's life. A failed write
+(a full disk) removes its unfinished folder and names the disk. Everything loads without arbitrary
 pickles: accelerate loads its files with ``weights_only=True``, and the trainer's own state (the next step, the
 position in the epoch, the config) is JSON rather than an object given to ``register_for_checkpointing``, which
 accelerate unpickles with ``weights_only=False``.
@@ -17,9 +23,14 @@ accelerate unpickles with ``weights_only=False``.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import shutil
+import socket
+import sys
+import zlib
 from pathlib import Path
 from typing import Any, Optional
 
@@ -31,6 +42,9 @@ STATE_FILE = "trainer_state.json"
 POINTER_FILE = "latest"
 BEST_FILE = "best"  # with keep_best: the checkpoint of the best evaluation, spared by keep_last
 PREFIX = "step-"
+LOCK_FILE = ".lock"
+DAMAGED = "damaged-"
+_HELD: dict[str, Any] = {}  # output_dir locks this process holds, by path
 
 
 class CheckpointError(Refusal, RuntimeError):
@@ -67,8 +81,35 @@ def find_resume_point(config) -> Optional[Path]:
             )
         return None
     if config.resume == "auto":
-        return latest_checkpoint(root)
+        return newest_whole_checkpoint(root)
     return verify(Path(config.resume))
+
+
+def newest_whole_checkpoint(root: Path) -> Optional[Path]:
+    """``latest``, checked whole; if it is not (truncated, damaged, half-replaced), the newest checkpoint that is,
+    with a warning, after moving each damaged one aside as ``damaged-step-N`` (kept, but no longer a candidate
+    nor counted by keep_last). None when there is no checkpoint at all."""
+    try:
+        return latest_checkpoint(root)
+    except CheckpointError as err:
+        problem = _without_alternatives(err)
+    set_aside = []
+    for candidate in reversed(complete_checkpoints(root)):
+        try:
+            found = verify(candidate)
+        except CheckpointError:
+            aside = candidate.with_name(DAMAGED + candidate.name)
+            os.replace(candidate, aside)  # out of the way of keep_last, which would otherwise prune the good ones
+            set_aside.append(aside.name)
+            continue
+        moved = f" ({', '.join(set_aside)} moved aside, kept)" if set_aside else ""
+        _warn(f"{problem}; continuing from the newest whole checkpoint, {found}{moved}")
+        return found
+    raise CheckpointError(f"{problem}, and no other checkpoint under {root} is whole")
+
+
+def _without_alternatives(err: CheckpointError) -> str:
+    return str(err).split(". Other checkpoints there")[0]
 
 
 def step_of(path: Path) -> int:
@@ -97,7 +138,10 @@ def latest_checkpoint(root: Path) -> Optional[Path]:
         if found:  # the pointer went missing: the newest committed folder is still a complete checkpoint
             return verify(found[-1])
         return None
-    return verify(root / pointer.read_text().strip())
+    named = root / pointer.read_text().strip()
+    if not named.exists() and (root / f".old-{named.name}").is_dir():  # killed while re-saving this step
+        os.replace(root / f".old-{named.name}", named)
+    return verify(named)
 
 
 def verify(path: Path) -> Path:
@@ -107,19 +151,30 @@ def verify(path: Path) -> Path:
         raise CheckpointError(f"checkpoint {path} does not exist{_others(path)}")
     if not state_file.is_file():
         raise CheckpointError(f"checkpoint {path} is torn: it has no {STATE_FILE}{_others(path)}")
-    manifest = read_state(path)["files"]
-    for name, size in manifest.items():
+    state = read_state(path)
+    for name, size in state["files"].items():
         file = path / name
         if not file.is_file() or file.stat().st_size != size:
             raise CheckpointError(f"checkpoint {path} is torn: {name} is missing or truncated{_others(path)}")
+    for name, crc in state.get("crc32", {}).items():  # checkpoints from before checksums have none
+        if _crc32(path / name) != crc:
+            raise CheckpointError(f"checkpoint {path} is damaged: {name} does not hold what was written (its "
+                                  f"CRC-32 differs){_others(path)}")  # fmt: skip
     return path
 
 
 def read_state(path: Path) -> dict[str, Any]:
     try:
-        return json.loads((path / STATE_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"checkpoint {path}: cannot read {STATE_FILE}: {err}") from None
+        state = json.loads((path / STATE_FILE).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"checkpoint {path}: cannot read {STATE_FILE}: {err}{_others(path)}") from None
+    required = {"files": dict, "global_step": int, "epoch": int, "batches_into_epoch": int}
+    wrong = [key for key, kind in required.items()
+             if not isinstance(state, dict) or not isinstance(state.get(key), kind)]  # fmt: skip
+    if wrong:
+        raise CheckpointError(f"checkpoint {path}: {STATE_FILE} is not a trainer state (no valid "
+                              f"{', '.join(wrong)}){_others(path)}")  # fmt: skip
+    return state
 
 
 def save(accelerator: Accelerator, root: Path, step: int, trainer_state: dict[str, Any], keep_last: int,
@@ -131,15 +186,24 @@ def save(accelerator: Accelerator, root: Path, step: int, trainer_state: dict[st
     if accelerator.is_main_process and staging.exists():
         shutil.rmtree(staging)  # left by a crash during an earlier save
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(staging), safe_serialization=True)  # accelerate decides who writes what
+    try:
+        accelerator.save_state(str(staging), safe_serialization=True)  # accelerate decides who writes what
+    except Exception as err:
+        raise _write_failed(staging, root, err) from err
     accelerator.wait_for_everyone()  # every rank's files are on disk
     if accelerator.is_main_process:
-        files = {p.name: p.stat().st_size for p in sorted(staging.iterdir()) if p.is_file()}
-        _write_atomically(staging / STATE_FILE, json.dumps({**trainer_state, "files": files}, indent=1))
-        if final.exists():
-            shutil.rmtree(final)  # the same step saved again (a resumed run ending where the last one did)
+        written = [p for p in sorted(staging.iterdir()) if p.is_file()]
+        manifest = {"files": {p.name: p.stat().st_size for p in written}, "crc32": {p.name: _crc32(p) for p in written}}
+        try:
+            _write_atomically(staging / STATE_FILE, json.dumps({**trainer_state, **manifest}, indent=1))
+        except OSError as err:
+            raise _write_failed(staging, root, err) from err
+        old = root / f".old-{final.name}"
+        if final.exists():  # the same step saved again (a run resumed from an older checkpoint): set the old aside
+            os.replace(final, old)  # atomic; `latest` finds it there if a kill comes before the new one is in place
         os.replace(staging, final)
         _write_atomically(root / POINTER_FILE, final.name)
+        shutil.rmtree(old, ignore_errors=True)
         if best:
             _write_atomically(root / BEST_FILE, final.name)
         spared = {final, best_checkpoint(root)}  # a run resumed from an older checkpoint keeps what it just wrote
@@ -148,6 +212,58 @@ def save(accelerator: Accelerator, root: Path, step: int, trainer_state: dict[st
                 shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def lock_output_dir(output_dir: str | Path):
+    """Hold ``<output_dir>/.lock`` for this process's life (the main process's: one job per output_dir). A second
+    job is refused, naming the first; the lock goes with the process, however it ends (flock), so none is stale."""
+    path = (Path(output_dir) / LOCK_FILE).resolve()
+    if str(path) in _HELD:  # this process holds it already (a second Trainer on the same output_dir)
+        return _HELD[str(path)]
+    handle = open(path, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise CheckpointError(f"output_dir {output_dir} is in use by another job ({holder}): two jobs would "
+                              "overwrite each other's checkpoints. Wait for it, stop it, or choose another "
+                              "output_dir.") from None  # fmt: skip
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()}")
+    handle.flush()
+    _HELD[str(path)] = handle
+    return handle
+
+
+def _crc32(path: Path) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def _write_failed(staging: Path, root: Path, err: BaseException) -> CheckpointError:
+    """A checkpoint that could not be written: its unfinished folder removed (a full disk gets its space back),
+    the disk named when it is full, and the checkpoint still latest said."""
+    shutil.rmtree(staging, ignore_errors=True)
+    free = shutil.disk_usage(root).free
+    full = isinstance(err, OSError) and err.errno == errno.ENOSPC or free < (1 << 20) or "iostream error" in str(err)
+    why = f"the disk is full ({free / 2**20:.1f} MB free at {root})" if full else f"{type(err).__name__}: {err}"
+    pointer = root / POINTER_FILE
+    kept = "none was written before"
+    if pointer.is_file():
+        kept = f"{root / pointer.read_text().strip()} is still the latest"
+    return CheckpointError(f"could not write checkpoint {staging.name.removeprefix('.tmp-')}: {why}. The unfinished "
+                           f"folder was removed; {kept}.")  # fmt: skip
+
+
+def _warn(text: str) -> None:
+    sys.stderr.write(f"trainer: {text}\n")
+    sys.stderr.flush()
 
 
 def _write_atomically(path: Path, text: str) -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 import torch
-from accelerate.utils import find_batch_size, set_seed
+from accelerate.utils import broadcast_object_list, find_batch_size, set_seed
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
@@ -162,7 +162,7 @@ class Trainer:
         self.log_history: list[dict[str, float]] = []
         self.last_eval: Optional[tuple[int, dict[str, float]]] = None  # (step, metrics) of the latest evaluate()
         self.run_id = new_run_id(self.accelerator)  # names every rank's wandb run; a resume reads it back
-        self.last_checkpoint: Optional[Path] = find_resume_point(config)
+        self.last_checkpoint: Optional[Path] = self._agreed_resume_point()
         if self.last_checkpoint is not None:
             self.load_checkpoint(self.last_checkpoint)
         self.tracker = Tracker(config, self.accelerator, self.run_id)
@@ -376,6 +376,18 @@ class Trainer:
         self.last_checkpoint = checkpoint.save(self.accelerator, root, self.global_step, state, self.config.keep_last,
                                                best=best)  # fmt: skip
         return self.last_checkpoint
+
+    def _agreed_resume_point(self) -> Optional[Path]:
+        """The checkpoint to continue from, chosen by the main process (which also takes the output_dir's lock, and
+        sets a damaged checkpoint aside when resume is 'auto') and shared with every rank."""
+        chosen = [None]
+        if self.accelerator.is_main_process:
+            self._lock = checkpoint.lock_output_dir(self.config.output_dir)  # held while this process lives
+            found = find_resume_point(self.config)
+            chosen = [str(found) if found is not None else None]
+        if self.accelerator.num_processes > 1:
+            broadcast_object_list(chosen, from_process=0)
+        return Path(chosen[0]) if chosen[0] is not None else None
 
     @property
     def best_checkpoint(self) -> Optional[Path]:
