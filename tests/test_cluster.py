@@ -74,7 +74,9 @@ def test_two_nodes_through_torchrun_c10d_match_one_process(tmp_path, one_process
 def test_slurm_scripts_under_the_environment_slurm_sets(tmp_path, one_process, script, nodes, gpus):
     """Environment-driven, not a real Slurm: the variables sbatch sets, and an srun that starts one task per node
     on this host (tests/fake_slurm). The scripts' own launch logic runs: the head node, the free port, the
-    per-node --machine_rank, and a real 2-process job comes out of it."""
+    per-node --machine_rank, and a real 2-process job comes out of it. Kept beside tests/test_slurm.py (a real
+    Slurm) for what that one cannot give here: processes counted from the GPUs Slurm allots (SLURM_GPUS_ON_NODE),
+    and the head taken from the node list (the real cluster's node names do not resolve on this host)."""
     env = clean_env(
         PATH=f"{ROOT / 'tests' / 'fake_slurm'}{os.pathsep}{os.path.dirname(sys.executable)}{os.pathsep}"
         + os.environ["PATH"],
