@@ -53,8 +53,10 @@ def test_two_nodes_through_accelerate_launch_match_one_process_each_file_written
     two = read_summary(nodes[0] / "out")
     assert two["world_size"] == 2
     assert_same_run(one_process, two)
-    # The global main process alone writes the results and the model; every rank only its own metrics.
-    assert files_under(nodes[0] / "out") == ["final/model.safetensors", "metrics/rank0.jsonl", "same_updates.json"]
+    # The global main process alone writes the results and the model (and holds the output_dir's lock); every rank
+    # only its own metrics.
+    assert files_under(nodes[0] / "out") == [".lock", "final/model.safetensors", "metrics/rank0.jsonl",
+                                             "same_updates.json"]  # fmt: skip
     assert files_under(nodes[1] / "out") == ["metrics/rank1.jsonl"]
 
 
