@@ -78,6 +78,7 @@ def test_sigterm_to_the_job_saves_exits_in_seconds_and_the_rerun_is_bit_identica
     step = preempted_at(log.read(), "SIGTERM")
     assert step >= 6 and latest(tmp_path) == f"step-{step:08d}"
     assert seconds < 15, f"{seconds:.1f} s from the signal to the exit"
+    print(f"SIGTERM to the job: preempted at step {step}, {seconds:.1f} s from the signal to the launcher's exit")
     again = launch_resume(tmp_path)
     assert f"step {step}" in again.stdout
     assert_bit_identical(final_weights(reference), final_weights(tmp_path))
@@ -91,6 +92,7 @@ def test_a_killed_launcher_takes_its_workers_with_it_after_their_checkpoint(tmp_
     while workers_alive(tmp_path) and time.monotonic() - killed < 30:
         time.sleep(0.1)
     assert not workers_alive(tmp_path), "the workers outlived their launcher"
+    print(f"SIGKILL to the launcher: its workers gone {time.monotonic() - killed:.1f} s later")
     log.seek(0)
     step = preempted_at(log.read(), "SIGTERM")  # their death signal, set at start (PR_SET_PDEATHSIG)
     assert latest(tmp_path) == f"step-{step:08d}"
