@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -67,13 +68,19 @@ class PreemptionWatch:
             self._group = dist.new_group(backend="gloo")
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, error, traceback) -> None:
         for number, handler in self._previous.items():
             signal.signal(number, handler)
         self._previous.clear()
-        if self._pending is not None:
-            self._pending.wait()  # every rank issued the same reductions; let the last one land before teardown
-            self._pending = None
+        pending, self._pending = self._pending, None
+        if pending is not None:  # every rank issued the same reductions; let the last one land before teardown
+            if kind is None:
+                pending.wait()
+            else:  # leaving on an error: a peer may be gone, so wait a little, and never raise over the error
+                try:
+                    pending.wait(timedelta(seconds=10))
+                except Exception:
+                    pass
 
     def _on_signal(self, number: int, frame) -> None:
         if self.received and time.monotonic() - self._first_at < SAME_EVENT_S:

@@ -159,6 +159,7 @@ class Trainer:
         self.stopped: Optional[str] = None
         self.best: Optional[dict[str, Any]] = None  # keep_best: {"figure", "value", "step"} of the best evaluation
         self.nonfinite = NonFiniteGuard(self.accelerator, config.nan_policy)
+        self.preemption: Optional[PreemptionWatch] = None  # while fit() runs: the signals it watches
         self.log_history: list[dict[str, float]] = []
         self.last_eval: Optional[tuple[int, dict[str, float]]] = None  # (step, metrics) of the latest evaluate()
         self.run_id = new_run_id(self.accelerator)  # names every rank's wandb run; a resume reads it back
@@ -331,7 +332,8 @@ class Trainer:
         window.restart()
         asked = [rank for rank, row in enumerate(rows) if row[WINDOW_FIELDS.index("stop")]]
         own, global_view = summarize(rows, self.accelerator.process_index)
-        self.preemption.pace(global_view["global/step_time_max_s"])  # the same gathered figure on every rank
+        if self.preemption is not None:
+            self.preemption.pace(global_view["global/step_time_max_s"])  # the same gathered figure on every rank
         metrics = {
             "step": self.global_step,
             "epoch": round(self.epoch_progress, 4),
@@ -409,7 +411,8 @@ class Trainer:
 
     def load_checkpoint(self, path: str | Path) -> None:
         """Continue from checkpoint ``path``: weights, optimizer, schedule, RNG and the position in the data."""
-        path = checkpoint.verify(Path(path))
+        # Sizes on every rank, contents (CRC-32) on the main process: reading every byte once is enough.
+        path = checkpoint.verify(Path(path), contents=self.accelerator.is_main_process)
         state = checkpoint.read_state(path)
         this_run = {"world_size": self.accelerator.num_processes, "batch_size": self.config.batch_size,
                     "gradient_accumulation_steps": self.config.gradient_accumulation_steps}  # fmt: skip
