@@ -73,6 +73,21 @@ def test_a_resumed_job_continues_the_same_runs(tmp_path):
     assert steps == [6, 9, 12, 15, 18]
 
 
+def test_a_preempted_job_ends_its_runs_preempting_and_the_rerun_continues_them(tmp_path):
+    out, env = tmp_path / "run", wandb_env(tmp_path)
+    preempted = accelerate_launch(SCENARIOS, "resume", "--output_dir", out, *PROJECT, "--signal_at", "2",
+                                  "--signal_rank", "1", env=env, expect_ok=False)  # fmt: skip
+    assert "trainer: preempted (SIGUSR1) at step 3 of 18" in preempted.stdout
+    first = offline_runs(out)
+    assert len(first) == 2 and all(r.preempting and r.exit_code == 75 for r in first), first
+    accelerate_launch(SCENARIOS, "resume", "--output_dir", out, *PROJECT, env=env)
+    second = offline_runs(out)[len(first) :]
+    assert sorted(r.run_id for r in first) == sorted(r.run_id for r in second), "the same 2 runs, continued"
+    assert all(r.exit_code == 0 and not r.preempting for r in second)
+    steps = [h["_step"] for h in by_name(second)["exp-rank0"].history if "rank/loss" in h]
+    assert steps[0] > 3 and steps[-1] == 18
+
+
 def test_an_exception_on_one_rank_marks_its_run_failed_with_the_error(tmp_path):
     out = tmp_path / "run"
     failed = accelerate_launch(SCENARIOS, "resume", "--output_dir", out, *PROJECT, "--raise_at", "5",

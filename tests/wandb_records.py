@@ -52,6 +52,7 @@ class OfflineRun:
     history: list[dict] = field(default_factory=list)  # each wandb.log call, user keys and _step
     summary: dict = field(default_factory=dict)
     exit_code: int | None = None  # None: the process died before finishing the run
+    preempting: bool = False  # the run was marked preempting (wandb.run.mark_preempting())
 
 
 def read_run(path: Path) -> OfflineRun:
@@ -70,6 +71,8 @@ def read_run(path: Path) -> OfflineRun:
             run.summary.update({_key(item): json.loads(item.value_json) for item in record.summary.update})
         elif kind == "exit":
             run.exit_code = record.exit.exit_code
+        elif kind == "preempting":
+            run.preempting = True
     return run
 
 

@@ -58,6 +58,7 @@ class PreemptionWatch:
         self._pending: Optional[dist.Work] = None
         self._world_size = world_size
         self.every = 1  # steps between checks
+        self._next_every = 1  # from the next check on (a check issued at the old pace is read at it)
 
     def __enter__(self) -> "PreemptionWatch":
         if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
@@ -100,8 +101,8 @@ class PreemptionWatch:
         os._exit(PREEMPTED_EXIT)
 
     def pace(self, seconds_per_step: float) -> None:
-        """Check every CHECK_EVERY_S from now on; pass a figure every rank has alike (from the log's gather)."""
-        self.every = max(1, int(CHECK_EVERY_S / max(seconds_per_step, 1e-9)))
+        """Check every CHECK_EVERY_S after the next check; pass a figure every rank has alike (the log's gather)."""
+        self._next_every = max(1, int(CHECK_EVERY_S / max(seconds_per_step, 1e-9)))
 
     def agreed(self, step: int) -> int:
         """The signal any rank had received by the previous check (0: none); the same answer on every rank."""
@@ -109,6 +110,7 @@ class PreemptionWatch:
             return self.received
         if step % self.every:
             return 0
+        self.every = self._next_every
         seen = 0
         if self._pending is not None:
             self._pending.wait()
