@@ -14,13 +14,14 @@ from trainer.config import ConfigError, TrainConfig
 from trainer.data import DataError
 from trainer.distributed import WorldSizeMismatch, distributed_state
 from trainer.nonfinite import NonFiniteLoss
+from trainer.preemption import PREEMPTED_EXIT, Preempted
 from trainer.refusal import Refusal, install_hook
 from trainer.trainer import Trainer
 
 install_hook()  # an uncaught Refusal ends the process with its one-line message, not a traceback
 
 __all__ = [
-    "CheckpointError", "ConfigError", "DataError", "EarlyStopping", "NonFiniteLoss", "Refusal", "TrainConfig",
-    "Trainer", "WorldSizeMismatch", "distributed_state",
+    "CheckpointError", "ConfigError", "DataError", "EarlyStopping", "NonFiniteLoss", "PREEMPTED_EXIT", "Preempted",
+    "Refusal", "TrainConfig", "Trainer", "WorldSizeMismatch", "distributed_state",
 ]  # fmt: skip
 __version__ = "0.1.0"

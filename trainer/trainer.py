@@ -191,6 +191,9 @@ class Trainer:
         (None, or why it stopped early) and, with eval data, the final ``evaluate()`` figures.
 
         An exception on this rank ends its wandb run marked as failed, with the error in it, before it propagates.
+        A preemption signal (``preemption_signals``, any rank) ends it differently: every rank stops after the same
+        step, commits a checkpoint there and raises :class:`trainer.Preempted`, a ``SystemExit`` with status 75, so
+        an uncaught one ends the script; start it again with ``resume="auto"`` to continue.
         """
         self._print_banner()
         self.should_stop, self.stop_reason, self.stopped = False, None, None  # a second fit() trains on
