@@ -6,8 +6,8 @@ with ``cpu=True`` instead gives real DDP over gloo. We do that, say so once, and
 announced (WORLD_SIZE) is the world the Accelerator joined. Before any of that, a launch this host cannot honour
 stops with one message saying what to run instead: more processes on a machine than it has GPUs (each would
 claim a GPU that does not exist), or several CPU processes asked of accelerate's CPU launcher, which starts one
-unless it runs mpirun. Here too: each CPU process's share of the cores, the process group's teardown at exit, and
-each restart attempt's keys kept apart in the launcher's store.
+unless it runs mpirun. Here too: each CPU process's share of the cores, the process group's teardown at exit,
+each restart attempt's keys kept apart in the launcher's store, and workers that end with their launcher.
 """
 
 from __future__ import annotations
