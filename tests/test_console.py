@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 from conftest import ROOT, accelerate_launch, clean_env, free_port
 
 SCENARIOS = ROOT / "tests" / "scenarios.py"
@@ -18,7 +20,7 @@ def test_library_warnings_come_once_per_job_not_once_per_rank_or_per_step(tmp_pa
 
 
 def test_lines_written_while_the_progress_bar_is_drawn_stay_whole(tmp_path):
-    import pexpect
+    pexpect = pytest.importorskip("pexpect")  # in the test extra; a host without it skips, as test_hosts does
 
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                str(ROOT / "accelerate_configs" / "multi_gpu.yaml"), "--main_process_port", str(free_port()),

@@ -125,9 +125,7 @@ class PreemptionWatch:
 
 def requeue_slurm_job() -> str:
     """Ask Slurm to requeue this job (the first process, after the checkpoint is committed); what happened."""
-    job = os.environ.get("SLURM_ARRAY_JOB_ID") and (
-        f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ.get('SLURM_ARRAY_TASK_ID', '')}"
-    ) or os.environ.get("SLURM_JOB_ID")
+    job = os.environ.get("SLURM_JOB_ID")  # an array task's own id too: requeue takes it as is
     if not job:
         return "not under Slurm: no requeue"
     started = time.monotonic()
