@@ -73,7 +73,7 @@ def test_two_node_script_under_sbatch_matches_one_process(cluster, tmp_path, one
 
 def test_a_preempted_job_checkpoints_requeues_itself_and_finishes_bit_identical(cluster, tmp_path, reference):  # noqa: F811
     log, out = tmp_path / "job.out", tmp_path / "out"
-    job = sbatch(cluster, "single_node.sbatch", "resume", "--output_dir", out, "--step_sleep", "0.3",
+    job = sbatch(cluster, "single_node.sbatch", "resume", "--output_dir", out, "--step_sleep", "0.5",
                  "--slurm_requeue", env={"SCRIPT": str(SCENARIOS), "PROCESSES_PER_NODE": "2"},
                  sbatch_args=["--gpus=0", "-o", str(log)], wait=False)  # fmt: skip
     metrics = out / "metrics" / "rank0.jsonl"
