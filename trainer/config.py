@@ -52,7 +52,8 @@ class TrainConfig:
 
     optimizer: str = "adamw"
     lr: float = 3e-4
-    weight_decay: float = 0.0
+    weight_decay: float = 0.0  # decays weight matrices and embeddings, not biases or normalisation weights
+    decay_biases_and_norms: bool = False  # true: weight_decay on every parameter
     momentum: float = 0.0  # sgd only
     betas: tuple[float, float] = (0.9, 0.999)  # adam / adamw
     eps: float = 1e-8  # adam / adamw

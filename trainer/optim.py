@@ -2,24 +2,60 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from trainer.config import TrainConfig
 
 
+NORM_NAMES = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")  # transformers' own patterns
+
+
 def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
-    """sgd / adam / adamw over the model's trainable parameters; weight decay applies to all of them.
+    """sgd / adam / adamw over the model's trainable parameters, ``weight_decay`` on those :func:`decayed` names.
 
     Adam and AdamW use torch's fused kernel when every parameter is already on a CUDA device (one kernel per
     step instead of several per parameter); the Trainer moves the model to its device first for that reason.
     """
     params = [p for p in model.parameters() if p.requires_grad]
+    groups = parameter_groups(model, config)
     if config.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
+        return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
     optimizer_class = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[config.optimizer]
     fused = bool(params) and all(p.device.type == "cuda" for p in params)
-    return optimizer_class(params, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay,
+    return optimizer_class(groups, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay,
                            fused=fused or None)  # fmt: skip
+
+
+def parameter_groups(model: torch.nn.Module, config: TrainConfig) -> list[dict]:
+    """The trainable parameters as the optimizer's groups: with ``weight_decay`` > 0, one group that decays and one
+    that does not (unless ``decay_biases_and_norms``); else one."""
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if config.weight_decay == 0 or config.decay_biases_and_norms:
+        return [{"params": [p for _, p in named]}]
+    decay = decayed(model)
+    return [{"params": [p for name, p in named if name in decay]},
+            {"params": [p for name, p in named if name not in decay], "weight_decay": 0.0}]  # fmt: skip
+
+
+def decayed(model: torch.nn.Module) -> set[str]:
+    """Names of the parameters weight decay applies to, by transformers' Trainer's rule: all but biases and the
+    weights of normalisation layers (torch's LayerNorm, GroupNorm, BatchNorm..., or a module whose class or name
+    says norm, such as LlamaRMSNorm). Shrinking a norm's gain or a bias toward 0 is not the regularisation decay
+    is for; nanoGPT and most LM recipes leave them alone too."""
+    names = set()
+    for module_name, module in model.named_modules():
+        is_norm = isinstance(module, NORM_TYPES) or "Norm" in type(module).__name__
+        for param_name, _ in module.named_parameters(recurse=False):
+            name = f"{module_name}.{param_name}" if module_name else param_name
+            if not is_norm and not NORM_NAMES.search(name.lower()):
+                names.add(name)
+    return names
+
+
+NORM_TYPES = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.modules.batchnorm._NormBase, torch.nn.RMSNorm,
+              torch.nn.LocalResponseNorm)  # fmt: skip
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, total_steps: int):
