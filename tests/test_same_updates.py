@@ -110,3 +110,24 @@ def test_gradient_accumulation_matches_the_large_batch(tmp_path):
     none = tmp_path / "none"
     python(SAME_UPDATES, *args, "--batch_size", "2", "--output_dir", none)
     assert_different_run(big, read_summary(none))
+
+
+def test_a_short_last_window_weighs_what_it_holds(tmp_path):
+    """250 examples, 1 epoch, in order: batch 8 ends on a batch of 2, batch 2 x 4 accumulation on a window of one
+    micro-batch. That window is averaged over what it holds (accelerate would divide it by 4)."""
+    args = ["--opt", "sgd", "--loss", "mean", "--lr", "0.5", "--num_examples", "250", "--epochs", "1"]
+    big = run_one_process(tmp_path, "big", *args, "--batch_size", "8")
+    small = run_one_process(tmp_path, "small", *args, "--batch_size", "2", "--gradient_accumulation_steps", "4")
+    assert len(big["losses"]) == len(small["losses"]) == 32
+    assert_same_run(big, small)
+    two, _ = run_two_processes(tmp_path, "two", *args, "--batch_size", "2", "--gradient_accumulation_steps", "2")
+    assert two["seen"][0][-1] == [248] and two["seen"][1][-1] == [249], "DistributedSampler's tail, unpadded"
+    assert_same_run(big, two)
+
+
+def test_accumulation_longer_than_an_epoch_averages_the_epoch(tmp_path):
+    """12 examples, batch 2, accumulation 8: each epoch is one window of 6 micro-batches, the update of batch 12."""
+    args = ["--opt", "sgd", "--loss", "mean", "--lr", "0.5", "--num_examples", "12"]
+    whole = run_one_process(tmp_path, "whole", *args, "--batch_size", "12")
+    accumulated = run_one_process(tmp_path, "acc", *args, "--batch_size", "2", "--gradient_accumulation_steps", "8")
+    assert_same_run(whole, accumulated)

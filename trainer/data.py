@@ -7,7 +7,10 @@ permutation from ``seed + epoch``, so one process at batch K*B sees the same glo
 Why not let ``Accelerator.prepare`` shard: it splits whole batches between processes instead of examples, and a
 loader that already has a DistributedSampler gets sharded a second time and loses examples. So each rank's loader
 is built here with its own sampler, wrapped by accelerate's ``prepare_data_loader`` as a one-process loader (device
-placement, end-of-data tracking for gradient accumulation), and only then handed to ``Accelerator.prepare``.
+placement), and only then handed to ``Accelerator.prepare``.
+
+An IterableDataset (a stream) is split per process instead (``trainer.streams``); a user's DataLoader is used as is,
+its data already this process's part.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 
 from trainer.config import TrainConfig
 from trainer.refusal import Refusal
+from trainer.streams import StreamShard
 
 
 class DataError(Refusal, ValueError):
@@ -72,6 +76,16 @@ def build_train_loader(
     """This process's training loader, ready for ``Accelerator.prepare``."""
     if isinstance(data, DataLoader):
         loader = _accept_user_loader(data, accelerator, "train_data")
+        if isinstance(loader.dataset, IterableDataset):  # its stream's position noted for checkpoints
+            stream = StreamShard(loader.dataset, accelerator.process_index, accelerator.num_processes,
+                                 loader.batch_size or 1, split=False)  # fmt: skip
+            loader = DataLoader(stream, batch_size=loader.batch_size, collate_fn=loader.collate_fn,
+                                num_workers=loader.num_workers, pin_memory=loader.pin_memory,
+                                drop_last=loader.drop_last, worker_init_fn=loader.worker_init_fn,
+                                persistent_workers=loader.persistent_workers, generator=loader.generator)  # fmt: skip
+    elif isinstance(data, IterableDataset):
+        stream = StreamShard(data, accelerator.process_index, accelerator.num_processes, config.batch_size)
+        loader = _loader(stream, None, config, accelerator, collate_fn)
     else:
         _check_size(data, accelerator, "train_data")
         sampler = ResumableSampler(
@@ -83,7 +97,7 @@ def build_train_loader(
             drop_last=config.drop_last,
         )
         loader = _loader(data, sampler, config, accelerator, collate_fn)
-    if batches_per_epoch(loader) == 0:
+    if batches_per_epoch(loader) == 0:  # None for a stream: its length is unknown
         raise DataError(
             f"train_data gives process {accelerator.process_index} no batch per epoch "
             f"({len(loader.dataset)} examples, {accelerator.num_processes} processes, drop_last={config.drop_last})"
@@ -99,6 +113,8 @@ def start_epoch(loader: DataLoader, epoch: int, skip_batches: int, seed: int) ->
     accelerate's ``skip_first_batches``, which walks the batch sampler's indices without loading data.
     """
     loader.set_epoch(epoch)  # a new shuffle, the same on every rank
+    if isinstance(loader.dataset, StreamShard):
+        return loader  # a stream continues from the position it was given (StreamShard.resume_at)
     sampler = get_sampler(loader)
     if not isinstance(sampler, ResumableSampler):
         return skip_first_batches(loader, skip_batches) if skip_batches else loader
@@ -121,6 +137,9 @@ def build_eval_loader(
     """This process's evaluation loader: its share of the examples, each example on exactly one process."""
     if isinstance(data, DataLoader):
         loader = _accept_user_loader(data, accelerator, "eval_data")
+    elif isinstance(data, IterableDataset):  # each process its own part of the stream, read to its end
+        stream = StreamShard(data, accelerator.process_index, accelerator.num_processes, config.batch_size)
+        loader = _loader(stream, None, config, accelerator, collate_fn)
     else:
         if len(data) == 0:  # refused now, not after all of training when evaluate() would divide by zero
             raise DataError("eval_data has no examples: pass a data set with at least one, or none", job_wide=True)
@@ -146,7 +165,8 @@ def _loader(data, sampler, config: TrainConfig, accelerator: Accelerator, collat
 
 def _wrap(loader: DataLoader, accelerator: Accelerator) -> DataLoader:
     """Wrap as a one-process accelerate loader and mark it prepared, so ``Accelerator.prepare`` registers it
-    without sharding it again (accelerate skips objects it marked ``_is_accelerate_prepared`` itself)."""
+    without sharding it again (accelerate skips objects it marked ``_is_accelerate_prepared`` itself). Never a
+    dispatcher, which accelerate picks for an IterableDataset: process 0 would read for all, from its own part."""
     wrapped = prepare_data_loader(
         loader,
         device=accelerator.device,
@@ -154,6 +174,7 @@ def _wrap(loader: DataLoader, accelerator: Accelerator) -> DataLoader:
         process_index=0,
         put_on_device=accelerator.device_placement,
         non_blocking=accelerator.dataloader_config.non_blocking,
+        dispatch_batches=False,
     )
     wrapped._is_accelerate_prepared = True
     return wrapped
@@ -164,7 +185,7 @@ def _accept_user_loader(loader: DataLoader, accelerator: Accelerator, name: str)
     the same data."""
     world, rank = accelerator.num_processes, accelerator.process_index
     if world == 1 or isinstance(loader.dataset, IterableDataset):
-        return loader  # an IterableDataset must yield each process its own part (datasets' split_dataset_by_node)
+        return loader  # its IterableDataset yields this process its own part (say datasets' split_dataset_by_node)
     sampler = get_sampler(loader)
     if isinstance(sampler, DistributedSampler):
         if (sampler.num_replicas, sampler.rank) != (world, rank):
@@ -184,7 +205,8 @@ def _check_size(data: Dataset, accelerator: Accelerator, name: str) -> None:
     try:
         size = len(data)
     except TypeError:
-        raise DataError(f"{name} has no len(): pass a map-style Dataset or a DataLoader") from None
+        raise DataError(f"{name} has no len(): pass a map-style Dataset, an IterableDataset or a DataLoader",
+                        job_wide=True) from None
     if size < accelerator.num_processes:
         raise DataError(
             f"{name} has {size} examples, fewer than the {accelerator.num_processes} processes: "

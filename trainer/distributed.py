@@ -120,12 +120,13 @@ def build_accelerator(config: TrainConfig) -> Accelerator:
     """The Accelerator for this process: hardware and mixed precision from the accelerate config at launch.
 
     Steps the scheduler ourselves (``step_scheduler_with_optimizer=False``): accelerate would otherwise step it
-    once per *process* per optimizer step, so a schedule would run K times faster on K processes.
+    once per *process* per optimizer step, so a schedule would run K times faster on K processes. Accumulates
+    gradients itself too (accelerate's steps stay 1): accelerate divides every micro-batch's loss by the full
+    window, the last short window of an epoch included, where the trainer weighs each by what the window holds.
     """
     distributed_state(config.collective_timeout_s)
     accelerator = Accelerator(
         cpu=_use_cpu(),
-        gradient_accumulation_steps=config.gradient_accumulation_steps,
         step_scheduler_with_optimizer=False,
         # Copies to the GPU overlap the step (the trainer's loaders pin memory on CUDA); a no-op on CPU.
         dataloader_config=DataLoaderConfiguration(non_blocking=True),

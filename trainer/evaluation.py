@@ -24,22 +24,33 @@ PredictFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loader, loss_fn, metrics_fn: Optional[MetricsFn], accelerator: Accelerator,
-             autocast: Callable[[], ContextManager]) -> dict[str, float]:  # fmt: skip
+             autocast: Callable[[], ContextManager], tokens: Callable[[Any], Optional[torch.Tensor]],
+             ) -> dict[str, float]:  # fmt: skip
     """``eval_loss``, ``eval_examples`` and ``eval_<name>`` for each metric: means over the whole set.
 
-    ``metrics_fn(model, batch)`` returns ``{name: tensor}`` with one number per example of the batch (shape
-    ``[batch]``); each metric's mean counts every example once.
+    ``eval_loss`` weighs what the training loss weighs (trainer.accumulation): every counted token once for the
+    default loss of a transformers model (``tokens(batch)``), the count of a ``(loss_sum, count)`` loss, else every
+    example once. ``metrics_fn(model, batch)`` returns ``{name: tensor}`` with one number per example of the batch
+    (shape ``[batch]``); each metric's mean counts every example once.
     """
     device = accelerator.device
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    loss_weight = torch.zeros((), dtype=torch.float64, device=device)
     metric_sums: dict[str, torch.Tensor] = {}
     count = 0
     for batch in loader:
         size = find_batch_size(batch)
         with autocast():
-            loss = checked(loss_fn(model, batch), loss_fn)
+            loss, summed_over = checked(loss_fn(model, batch), loss_fn)
             values = metrics_fn(model, batch) if metrics_fn is not None else {}
-        loss_sum += loss.double() * size
+        if summed_over is not None:  # (loss_sum, count)
+            loss_sum += loss.double()
+            loss_weight += summed_over
+        else:
+            weight = tokens(batch)
+            weight = weight if weight is not None else size
+            loss_sum += loss.double() * weight
+            loss_weight += weight
         for name, value in values.items():
             value = torch.as_tensor(value).reshape(-1)
             if value.numel() != size:
@@ -54,11 +65,11 @@ def evaluate(model: torch.nn.Module, loader, loss_fn, metrics_fn: Optional[Metri
         broadcast_object_list(shared)
         names = shared[0]
     sums = [metric_sums.get(name, torch.zeros((), dtype=torch.float64, device=device)) for name in names]
-    totals = torch.stack([loss_sum, torch.tensor(count, dtype=torch.float64, device=device), *sums])
-    loss_total, examples, *metric_totals = accelerator.reduce(totals, reduction="sum").tolist()
+    totals = torch.stack([loss_sum, loss_weight, torch.tensor(count, dtype=torch.float64, device=device), *sums])
+    loss_total, weight_total, examples, *metric_totals = accelerator.reduce(totals, reduction="sum").tolist()
     if examples == 0:
         raise ValueError("eval_data has no examples: evaluate() has nothing to average")
-    metrics = {"eval_loss": loss_total / examples, "eval_examples": int(examples)}
+    metrics = {"eval_loss": loss_total / weight_total if weight_total else math.nan, "eval_examples": int(examples)}
     metrics.update({f"eval_{name}": total / examples for name, total in zip(names, metric_totals, strict=True)})
     return metrics
 

@@ -9,8 +9,9 @@ Measured, and the way around each that keeps the behaviour:
 - **optimizer.step()**: without a grad scaler accelerate's wrapper only forwards the call, after asking importlib
   twice whether the LOMO package is installed (uncached: about 0.2 ms a step, a quarter of a tiny model's step
   here); **zero_grad()** inspects the optimizer's signature every time. With a scaler (fp16) its step is needed.
-- **backward()**: divides the loss by the accumulation steps, one more kernel and autograd node even when that is
-  1; plain ``loss.backward()`` is what it then calls.
+- **backward()**: divides the loss by accelerate's accumulation steps, one more kernel and autograd node even when
+  that is 1 (the trainer weighs each micro-batch's loss itself and keeps accelerate's at 1: trainer.accumulation);
+  plain ``loss.backward()`` is what it then calls.
 
 What is prepared stays prepared: checkpoints, ``accelerator.optimizer``, DDP, the scaler and accumulation are
 accelerate's, untouched.
@@ -51,12 +52,12 @@ def keep_own_forward(accelerator: Accelerator, model: torch.nn.Module) -> Callab
 class Stepper:
     """backward, step and zero_grad of one prepared optimizer, through accelerate only where it does work."""
 
-    def __init__(self, accelerator: Accelerator, optimizer, accumulation_steps: int):
+    def __init__(self, accelerator: Accelerator, optimizer):
         self.prepared = optimizer  # accelerate's AcceleratedOptimizer
         plain = accelerator.scaler is None and accelerator.distributed_type in PLAIN_TYPES
         self._step = optimizer.optimizer.step if plain else optimizer.step
         self._zero_grad = optimizer.optimizer.zero_grad if plain else optimizer.zero_grad
-        self._backward = (lambda loss: loss.backward()) if plain and accumulation_steps == 1 else accelerator.backward
+        self._backward = (lambda loss: loss.backward()) if plain else accelerator.backward
 
     def backward(self, loss: torch.Tensor) -> None:
         self._backward(loss)

@@ -34,8 +34,10 @@ from trainer.nonfinite import FOLD_EVERY
 from trainer.preemption import PREEMPTED_EXIT
 
 # One row of a rank's window, in this order, gathered from every rank at each log.
+# loss_sum / loss_weight is the window's mean loss: weights are a micro-batch's counted tokens (or its loss_fn's
+# count), else 1 (trainer.accumulation).
 WINDOW_FIELDS = ("loss_sum", "micro_batches", "examples", "tokens", "steps", "seconds", "data_wait", "forward",
-                 "stop")  # stop: this rank's trainer.should_stop, riding on the same gather (trainer.py)
+                 "stop", "loss_weight")  # stop: this rank's trainer.should_stop, riding on the same gather (trainer.py)
 
 
 class StepWindow:
@@ -47,12 +49,18 @@ class StepWindow:
         self._device = device
         self.restart()
 
-    def add(self, loss: torch.Tensor, batch: Any, examples: int) -> None:
-        """Count one micro-batch: its loss, examples, and tokens when it carries ``input_ids``."""
+    def add(self, loss: torch.Tensor, batch: Any, examples: int, weight: int | torch.Tensor = 1) -> None:
+        """Count one micro-batch: its loss (weighed: ``weight`` x its mean), examples, and tokens when it carries
+        ``input_ids``."""
         self._losses.append(loss)
+        if isinstance(weight, torch.Tensor):
+            self._weights.append(weight)
+        else:
+            self._host_weight += weight
         if len(self._losses) >= FOLD_EVERY:  # a long window: one sum per FOLD_EVERY steps keeps memory flat
-            self._folded = self._folded + self._sum_losses()
-            self._losses = []
+            self._folded = self._folded + self._sum(self._losses)
+            self._folded_weight = self._folded_weight + self._sum(self._weights)
+            self._losses, self._weights = [], []
         self.micro_batches += 1
         self.examples += examples
         if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), torch.Tensor):  # dict, BatchEncoding
@@ -76,17 +84,21 @@ class StepWindow:
         host = [self.micro_batches, self.examples, self.tokens, self.steps, seconds, self.data_wait, self.forward,
                 float(stop)]  # fmt: skip
         host_part = torch.tensor(host, dtype=torch.float64, device=self._device)
-        loss_sum = (self._folded + self._sum_losses()).view(1)
-        return torch.cat([loss_sum, host_part]).view(1, -1)
+        loss_sum = (self._folded + self._sum(self._losses)).view(1)
+        weight = (self._folded_weight + self._sum(self._weights)).view(1) + self._host_weight
+        return torch.cat([loss_sum, host_part, weight]).view(1, -1)
 
-    def _sum_losses(self) -> torch.Tensor:
-        if not self._losses:
+    def _sum(self, values: list[torch.Tensor]) -> torch.Tensor:
+        if not values:
             return torch.zeros((), dtype=torch.float64, device=self._device)
-        return torch.stack([loss.reshape(()) for loss in self._losses]).double().sum()
+        return torch.stack([value.reshape(()) for value in values]).double().sum()
 
     def restart(self) -> None:
         self._losses: list[torch.Tensor] = []
+        self._weights: list[torch.Tensor] = []  # device counts (tokens); weights of 1 are counted on the host
+        self._host_weight = 0
         self._folded = torch.zeros((), dtype=torch.float64, device=self._device)
+        self._folded_weight = torch.zeros((), dtype=torch.float64, device=self._device)
         self.micro_batches = self.examples = self.tokens = self.steps = 0
         self.data_wait = self.forward = 0.0
         self._since = time.perf_counter()
@@ -103,9 +115,9 @@ def summarize(rows: list[list[float]], rank: int) -> tuple[dict[str, float], dic
     per_rank = [_rank_figures(w) for w in windows]
     alone = [f["rank/data_wait_s"] + f["rank/forward_s"] for f in per_rank]
     seconds = max(w["seconds"] for w in windows)
-    total = {key: sum(w[key] for w in windows) for key in ("loss_sum", "micro_batches", "examples", "tokens")}
+    total = {key: sum(w[key] for w in windows) for key in ("loss_sum", "loss_weight", "examples", "tokens")}
     global_view = {
-        "global/train_loss": total["loss_sum"] / max(total["micro_batches"], 1),
+        "global/train_loss": total["loss_sum"] / total["loss_weight"] if total["loss_weight"] else 0.0,
         "global/examples_per_s": total["examples"] / seconds,
         "global/step_time_min_s": min(f["rank/step_time_s"] for f in per_rank),
         "global/step_time_max_s": max(f["rank/step_time_s"] for f in per_rank),
@@ -123,7 +135,7 @@ def summarize(rows: list[list[float]], rank: int) -> tuple[dict[str, float], dic
 def _rank_figures(window: dict[str, float]) -> dict[str, float]:
     steps, seconds = max(window["steps"], 1), max(window["seconds"], 1e-9)
     figures = {
-        "rank/loss": window["loss_sum"] / max(window["micro_batches"], 1),
+        "rank/loss": window["loss_sum"] / window["loss_weight"] if window["loss_weight"] else 0.0,
         "rank/step_time_s": seconds / steps,
         "rank/data_wait_s": window["data_wait"] / steps,
         "rank/forward_s": window["forward"] / steps,

@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import signal
 import sys
@@ -26,11 +27,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 import torch
-from accelerate.utils import broadcast_object_list, find_batch_size, set_seed
+from accelerate.utils import broadcast_object_list, find_batch_size, gather_object, set_seed
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from trainer import checkpoint
+from trainer.accumulation import StreamAgreement, Weighing, generates, windows
 from trainer.callbacks import improves
 from trainer.checkpoint import CheckpointError, check_writable, checkpoint_root, find_resume_point
 from trainer.columns import ready_columns
@@ -42,11 +44,12 @@ from trainer.evaluation import MetricsFn, PredictFn, model_logits, perplexity
 from trainer.evaluation import evaluate as evaluate_shares
 from trainer.evaluation import predict as predict_shares
 from trainer.fastpath import Stepper, keep_own_forward
-from trainer.losses import LossFn, checked, model_loss, unused_parameters
+from trainer.losses import LossFn, model_loss, unused_parameters
 from trainer.nonfinite import NonFiniteGuard
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.preemption import PREEMPTED_EXIT, Preempted, PreemptionWatch, requeue_slurm_job
 from trainer.stall import watch_stalls
+from trainer.streams import StreamShard
 from trainer.tracking import WINDOW_FIELDS, StepWindow, Tracker, memory_gb, new_run_id, summarize
 
 STEP_FIGURES = ("step", "epoch", "train_loss", "lr", "examples_per_s", "tokens_per_s")  # the rest: a callback's
@@ -63,12 +66,6 @@ def step_line(metrics: dict[str, Any], total_steps: int) -> str:
         if key not in STEP_FIGURES:
             line += f" | {key} {value:.4g}" if isinstance(value, float) else f" | {key} {value}"
     return line
-
-
-def _generates(model: torch.nn.Module) -> bool:
-    """A transformers language model (causal or sequence-to-sequence), whose loss is a per-token cross-entropy."""
-    can_generate = getattr(model, "can_generate", None)
-    return bool(can_generate and can_generate())
 
 
 class Trainer:
@@ -139,20 +136,25 @@ class Trainer:
             model.to(self.accelerator.device)  # prepare() would move it anyway; on the device first, AdamW fuses
             optimizer = build_optimizer(model, config)
         # Per-step work that changes nothing is skipped (each costs tens of microseconds, which a small model's
-        # step notices): the scheduler of a constant lr without warm-up, built here, and accelerate's accumulate()
-        # when every micro-batch is an optimizer step. A user's scheduler is always stepped.
+        # step notices): the scheduler of a constant lr without warm-up, built here. A user's is always stepped.
         self._schedule_moves = lr_scheduler is not None or config.lr_scheduler != "constant" or config.warmup_steps > 0
-        self._accumulating = config.gradient_accumulation_steps > 1
         lr_scheduler = lr_scheduler or build_scheduler(optimizer, config, self.total_steps)
         self.model, self.optimizer, self.train_loader, self.lr_scheduler = self.accelerator.prepare(
             model, optimizer, train_loader, lr_scheduler
         )
         self.autocast = keep_own_forward(self.accelerator, self.model)  # forward and loss run under it
-        self.stepper = Stepper(self.accelerator, self.optimizer, config.gradient_accumulation_steps)
+        self.stepper = Stepper(self.accelerator, self.optimizer)
+        self.weighing = Weighing(self.accelerator, model, self.loss_fn)  # what each micro-batch's loss counts for
+        self.stream = self.train_loader.dataset if isinstance(self.train_loader.dataset, StreamShard) else None
+        # Processes may reach a stream's end at different batches: they agree on each window (a map-style data set
+        # gives every process as many batches).
+        many = self.accelerator.num_processes > 1
+        self._agree = StreamAgreement(self.accelerator.num_processes) if many and self.stream is not None else None
         self.eval_loader = self.accelerator.prepare(eval_loader) if eval_loader is not None else None
 
         # Where training stands: optimizer steps taken, the epoch being read, micro-batches read of it.
         self.global_step = self.epoch = self.batches_into_epoch = 0
+        self.step_lr: Any = None  # the lr the last optimizer step used (the scheduler has moved on since)
         # Any callback on any rank may set should_stop (and say why in stop_reason): the ranks compare flags when
         # they next log, and all stop after that same step, checkpointed when save_every is set.
         self.should_stop, self.stop_reason = False, None
@@ -227,16 +229,16 @@ class Trainer:
         return self._finish(started)
 
     def _train_epochs(self, window: StepWindow, progress: tqdm, watch: PreemptionWatch) -> None:
+        accumulation = self.config.gradient_accumulation_steps
         while self.global_step < self.total_steps and self.stopped is None:
             loader = start_epoch(self.train_loader, self.epoch, self.batches_into_epoch, self.config.seed)
+            fresh, stepped = self.batches_into_epoch == 0, False
             self._call("on_epoch_begin")
-            for batch in window.timed(loader):
-                self.batches_into_epoch += 1
-                self._micro_step(batch, window)
-                if not self.accelerator.sync_gradients:
-                    continue  # mid-accumulation: no optimizer step yet
+            for micro_batches, total in windows(window.timed(loader), accumulation, self._agree):
+                self._optimizer_step(micro_batches, total, window)
                 self.global_step += 1
                 window.steps += 1
+                stepped = True
                 progress.update()
                 self._after_step(window, progress)
                 signal_number = watch.agreed(self.global_step)  # the same answer on every rank, at this same step
@@ -245,36 +247,44 @@ class Trainer:
                 if self.global_step >= self.total_steps or self.stopped is not None:
                     break
             else:
+                if fresh and not stepped:  # a stream that ended before its first batch on some process
+                    raise DataError(f"train_data gave some process no batch in epoch {self.epoch}: the stream is "
+                                    "empty, or too short for every process to get a batch", job_wide=True)  # fmt: skip
                 self.epoch, self.batches_into_epoch = self.epoch + 1, 0
 
-    def _micro_step(self, batch: Any, window: StepWindow) -> None:
-        """Forward and backward on one batch; an optimizer step when the accumulation window closes."""
-        step = self.global_step + 1
-        with self.accelerator.accumulate(self.model) if self._accumulating else contextlib.nullcontext():
-            self.stall.at(step, "forward")
-            started = time.perf_counter()
-            try:
-                with self.autocast():
-                    loss = checked(self.loss_fn(self.model, batch), self.loss_fn)
-            except RuntimeError as err:  # free when nothing is raised
-                refusal = unused_parameters(err)
-                if refusal is None:
-                    raise
-                raise refusal from err
-            window.forward += time.perf_counter() - started  # host time: this rank's own work before the all-reduce
-            self.stall.at(step, "backward")
-            self.stepper.backward(loss)
-            loss = self.nonfinite.observe(loss.detach(), step=step)
-            if self.accelerator.sync_gradients:  # else mid-accumulation: the gradients add up
-                if not self.nonfinite.skip_this_step():
-                    self.stall.at(step, "optimizer")
-                    if self.config.max_grad_norm is not None:
-                        self.accelerator.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
-                    self.stepper.step()
-                    if self._schedule_moves and not self.stepper.step_was_skipped:
-                        self.lr_scheduler.step()  # fp16 overflow skips the step, so the schedule waits too
-                self.stepper.zero_grad()
-        window.add(loss, batch, find_batch_size(batch))
+    def _optimizer_step(self, micro_batches: list, total: Optional[int], window: StepWindow) -> None:
+        """Forward and backward on each micro-batch of one accumulation window, then the optimizer step. Each loss
+        is weighed as its share of the global batch's mean (trainer.accumulation); only the last backward
+        all-reduces the gradients."""
+        step, last = self.global_step + 1, len(micro_batches) - 1
+        self.weighing.start(micro_batches, total)
+        for index, batch in enumerate(micro_batches):
+            self.batches_into_epoch += 1
+            with self.accelerator.no_sync(self.model) if index < last else contextlib.nullcontext():
+                self.stall.at(step, "forward")
+                started = time.perf_counter()
+                try:
+                    with self.autocast():
+                        objective, loss, weight = self.weighing.loss(self.model, batch)
+                except RuntimeError as err:  # free when nothing is raised
+                    refusal = unused_parameters(err)
+                    if refusal is None:
+                        raise
+                    raise refusal from err
+                window.forward += time.perf_counter() - started  # host time: this rank's own work before all-reduce
+                self.stall.at(step, "backward")
+                self.stepper.backward(objective)
+            window.add(self.nonfinite.observe(loss, step=step), batch, find_batch_size(batch), weight)
+        if not self.nonfinite.skip_this_step():
+            self.stall.at(step, "optimizer")
+            self.weighing.finish(self.model.parameters())
+            if self.config.max_grad_norm is not None:
+                self.accelerator.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+            self.stepper.step()
+            self.step_lr = self.optimizer.param_groups[0]["lr"]  # before the scheduler moves it on
+            if self._schedule_moves and not self.stepper.step_was_skipped:
+                self.lr_scheduler.step()  # fp16 overflow skips the step, so the schedule waits too
+        self.stepper.zero_grad()
         self.stall.at(step, "data")
 
     def _after_step(self, window: StepWindow, progress: tqdm) -> None:
@@ -341,7 +351,7 @@ class Trainer:
             "step": self.global_step,
             "epoch": round(self.epoch_progress, 4),
             "train_loss": global_view["global/train_loss"],
-            "lr": self.lr_scheduler.get_last_lr()[0],
+            "lr": float(self.step_lr if self.step_lr is not None else self.optimizer.param_groups[0]["lr"]),
             "examples_per_s": global_view["global/examples_per_s"],
         }
         if "global/tokens_per_s" in global_view:
@@ -375,12 +385,25 @@ class Trainer:
             "gradient_accumulation_steps": self.config.gradient_accumulation_steps, "config": self.config.to_dict(),
             "run_id": self.run_id,  # rank k's wandb run is <run_id>-rank<k>: a resume continues it
         }  # fmt: skip
+        if self.stream is not None:  # where each process's part of the stream stands, as JSON
+            state["streams"] = self._stream_positions(batches)
         best = self._best_so_far()
         state["best"] = self.best
         root = checkpoint_root(self.config.output_dir)
         self.last_checkpoint = checkpoint.save(self.accelerator, root, self.global_step, state, self.config.keep_last,
                                                best=best)  # fmt: skip
         return self.last_checkpoint
+
+    def _stream_positions(self, batches: int) -> list[Any]:
+        """Every process's stream position after ``batches`` batches of this epoch, on every process."""
+        position = self.stream.position(batches) if batches else None
+        positions = gather_object([position]) if self.accelerator.num_processes > 1 else [position]
+        try:
+            json.dumps(positions)
+        except (TypeError, ValueError) as err:
+            raise CheckpointError(f"train_data ({self.stream.name})'s state_dict() cannot be saved as JSON ({err}): "
+                                  "return plain numbers, strings, lists and dicts from it") from None  # fmt: skip
+        return positions
 
     def _agreed_resume_point(self) -> Optional[Path]:
         """The checkpoint to continue from, chosen by the main process (which also takes the output_dir's lock, and
@@ -432,6 +455,9 @@ class Trainer:
             raise CheckpointError(f"checkpoint {path} does not fit this run: {detail}") from err
         self.global_step, self.epoch = state["global_step"], state["epoch"]
         self.batches_into_epoch = state["batches_into_epoch"]
+        if self.stream is not None:
+            positions = state.get("streams") or [None] * self.accelerator.num_processes
+            self.stream.resume_at(positions[self.accelerator.process_index], self.batches_into_epoch)
         self.run_id = state.get("run_id", self.run_id)
         self.best = state.get("best")
         self._say(f"resumed from {path}: step {self.global_step}, epoch {self.epoch}, batch {self.batches_into_epoch}")
@@ -463,8 +489,8 @@ class Trainer:
             raise ValueError("evaluate() needs eval_data: pass eval_data=... to the Trainer")
         with self._plain_model_in_eval_mode() as model:
             metrics = evaluate_shares(model, self.eval_loader, self.loss_fn, self.metrics_fn, self.accelerator,
-                                      self.autocast)  # fmt: skip
-        if self.loss_fn is model_loss and _generates(model):
+                                      self.autocast, self.weighing.count)  # fmt: skip
+        if self.loss_fn is model_loss and generates(model):
             metrics["eval_perplexity"] = perplexity(metrics["eval_loss"])
         self._say(f"eval at step {self.global_step}: " + ", ".join(f"{k} {v:.6g}" for k, v in metrics.items()))
         self.last_eval = (self.global_step, metrics)

@@ -1,0 +1,209 @@
+"""Same updates on a language model's real data: a tiny GPT-2 (2 layers, no dropout) on 48 sequences of 3-32 tokens
+padded to 32 (labels -100 on the padding), trained by our Trainer or, as the outside oracle, transformers' own.
+
+    python tests/ragged_lm.py --out runs/a --batch_size 8                       # ours, 1 process
+    accelerate launch --config_file accelerate_configs/multi_gpu.yaml tests/ragged_lm.py --out runs/b \\
+        --batch_size 2 --accumulation 2                                       # ours, 2 processes
+    python tests/ragged_lm.py --trainer hf --out runs/c --batch_size 2 --accumulation 4   # transformers' Trainer
+
+Data in order (no shuffle), so every split reads the same global batches. ``--data``: ``map`` (a list), ``stream``
+(a datasets IterableDataset, one shard), ``torch_stream`` (a torch IterableDataset; ``--stateless`` without
+state_dict). ``--loss pair``: a loss_fn returning (sum over tokens, tokens). The main process writes
+<out>/ragged.json: per-step losses and lrs, the final weights, and the example indices each process trained on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from trainer import TrainConfig, Trainer  # noqa: E402
+
+SEQ, VOCAB = 32, 64
+
+
+def ragged_rows(count: int) -> list[dict]:
+    """``count`` sequences of 3-32 random tokens, right-padded with 0 to 32; labels -100 on the padding."""
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for index in range(count):
+        length = int(torch.randint(3, SEQ + 1, (), generator=g))
+        ids = torch.zeros(SEQ, dtype=torch.long)
+        ids[:length] = torch.randint(1, VOCAB, (length,), generator=g)
+        mask = (torch.arange(SEQ) < length).long()
+        rows.append({"index": index, "input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+    return rows
+
+
+def tiny_gpt2(classifier: bool = False) -> torch.nn.Module:
+    """The language model, or (``classifier``) GPT-2 classifying each sequence into 3 classes: a transformers
+    model whose forward takes **kwargs but computes its loss inline, a mean over its examples."""
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                        num_labels=3)  # fmt: skip
+    return GPT2ForSequenceClassification(config) if classifier else GPT2LMHeadModel(config)
+
+
+class TorchStream(torch.utils.data.IterableDataset):
+    """The rows as a plain torch stream; with ``stateful``, it says where it is as datasets' streams do."""
+
+    def __init__(self, rows: list[dict], stateful: bool):
+        self.rows, self.next, self.resume_from = rows, 0, 0
+        if not stateful:
+            self.state_dict = self.load_state_dict = None
+
+    def __iter__(self):
+        start, self.resume_from = self.resume_from, 0
+        for i in range(start, len(self.rows)):
+            self.next = i + 1
+            yield self.rows[i]
+
+    def state_dict(self):
+        return {"next": self.next}
+
+    def load_state_dict(self, state):
+        self.resume_from = state["next"]
+
+
+class Seen:
+    """Records the example indices of each batch read (then drops them: the model takes no index)."""
+
+    def __init__(self):
+        self.indices: list[list[int]] = []
+
+    def __call__(self, rows):
+        batch = torch.utils.data.default_collate(rows)
+        self.indices.append(batch.pop("index").tolist())
+        return batch
+
+
+def pair_loss(model, batch):
+    """Sum of the token losses and the tokens counted: the trainer weighs each by its count."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    labels = batch["labels"][:, 1:]
+    total = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB).float(), labels.reshape(-1), reduction="sum")
+    return total, labels.ne(-100).sum()
+
+
+class CrashAfter:
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, trainer) -> None:
+        if trainer.global_step == self.step and trainer.accelerator.process_index == 1 % trainer.accelerator.num_processes:
+            print(f"CRASH after step {self.step}", flush=True)
+            os._exit(1)
+
+
+def ours(args) -> dict:
+    rows = ragged_rows(args.examples)
+    if args.model == "classifier":
+        rows = [{**row, "labels": torch.tensor(row["index"] % 3)} for row in rows]
+    if args.data == "stream":
+        from datasets import Dataset
+
+        data = Dataset.from_list([{k: v.tolist() if torch.is_tensor(v) else v for k, v in r.items()} for r in rows])
+        data = data.to_iterable_dataset(num_shards=1).with_format("torch")
+    elif args.data == "torch_stream":
+        data = TorchStream(rows, stateful=not args.stateless)
+    else:
+        data = rows
+    config = TrainConfig(output_dir=args.out, batch_size=args.batch_size, gradient_accumulation_steps=args.accumulation,
+                         optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
+                         lr_scheduler=args.schedule, warmup_steps=args.warmup, max_grad_norm=args.clip,
+                         epochs=args.epochs, max_steps=args.max_steps, shuffle=False, log_every=1,
+                         save_every=args.save_every, resume="auto" if args.save_every else None)  # fmt: skip
+    seen = Seen()
+    trainer = Trainer(tiny_gpt2(args.model == "classifier"), config, train_data=data, collate_fn=seen, eval_data=rows if args.eval else None,
+                      loss_fn=pair_loss if args.loss == "pair" else None,
+                      callbacks=[CrashAfter(args.crash_at)] if args.crash_at else [])  # fmt: skip
+    result = trainer.fit()
+    from accelerate.utils import gather_object
+
+    summary = {"losses": [row["train_loss"] for row in trainer.log_history],
+               "lrs": [row["lr"] for row in trainer.log_history], "weights": weights(trainer.unwrapped_model),
+               "seen": gather_object([seen.indices]), "world_size": trainer.accelerator.num_processes}  # fmt: skip
+    if args.eval:  # the eval loss over every counted token once, and the same figure computed here directly
+        summary["eval_loss"] = result["eval_loss"]
+        summary["eval_reference"] = token_mean_loss(trainer.unwrapped_model, rows)
+    return summary
+
+
+@torch.no_grad()
+def token_mean_loss(model: torch.nn.Module, rows: list[dict]) -> float:
+    """The mean cross-entropy over every counted (shifted) token of ``rows``: each token once."""
+    batch = torch.utils.data.default_collate([{k: v for k, v in r.items() if k != "index"} for r in rows])
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].double()
+    labels = batch["labels"][:, 1:]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1)).item()
+
+
+def hf(args) -> dict:
+    """transformers' Trainer on the same model and data, in order, its tokens counted after the causal shift."""
+    from transformers import Trainer as HFTrainer
+    from transformers import TrainingArguments
+
+    class InOrder(HFTrainer):
+        def _get_train_sampler(self, *a, **kw):
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+
+    model = tiny_gpt2()
+    model.loss_type = "ForCausalLM"  # GPT-2's class name maps to no loss type: without it, unshifted counting
+    rows = [{k: v for k, v in r.items() if k != "index"} for r in ragged_rows(args.examples)]
+    training = TrainingArguments(
+        output_dir=args.out, per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=args.accumulation,
+        optim="adamw_torch" if args.optimizer == "adamw" else "sgd", learning_rate=args.lr,
+        weight_decay=args.weight_decay, lr_scheduler_type=args.schedule, warmup_steps=args.warmup,
+        max_grad_norm=args.clip or 0.0, num_train_epochs=args.epochs, max_steps=args.max_steps or -1,
+        logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    trainer = InOrder(model=model, args=training, train_dataset=rows)
+    trainer.train()
+    logged = [row for row in trainer.state.log_history if "loss" in row]
+    return {"losses": [row["loss"] for row in logged], "lrs": [row["learning_rate"] for row in logged],
+            "weights": weights(model), "world_size": 1}  # fmt: skip
+
+
+def weights(model: torch.nn.Module) -> dict[str, list]:
+    return {name: p.detach().cpu().flatten().tolist() for name, p in model.named_parameters()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--trainer", choices=["ours", "hf"], default="ours")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--data", choices=["map", "stream", "torch_stream"], default="map")
+    parser.add_argument("--stateless", action="store_true")
+    parser.add_argument("--loss", choices=["default", "pair"], default="default")
+    parser.add_argument("--model", choices=["lm", "classifier"], default="lm")
+    parser.add_argument("--examples", type=int, default=48)
+    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--accumulation", type=int, default=1)
+    parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
+    parser.add_argument("--lr", type=float, default=0.5)
+    parser.add_argument("--weight_decay", type=float, default=0.0)
+    parser.add_argument("--schedule", default="constant")
+    parser.add_argument("--warmup", type=int, default=0)
+    parser.add_argument("--clip", type=float, default=None)
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--max_steps", type=int, default=None)
+    parser.add_argument("--save_every", type=int, default=None)
+    parser.add_argument("--crash_at", type=int, default=0)
+    parser.add_argument("--eval", action="store_true", help="evaluate on the training rows after training")
+    args = parser.parse_args()
+    summary = ours(args) if args.trainer == "ours" else hf(args)
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        Path(args.out, "ragged.json").write_text(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

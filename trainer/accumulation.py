@@ -1,0 +1,202 @@
+"""One optimizer step from a window of micro-batches, each loss weighed so that the step does not depend on how the
+global batch was split into processes and accumulation micro-batches.
+
+The gradient of every optimizer step is that of the mean loss over the whole global batch:
+
+- **The default loss of a transformers model, with labels**: every counted token weighs the same (a label other
+  than -100; for a causal language model the labels after each row's first, which the model shifts away). The
+  window's tokens are counted before its first forward and summed over the processes in one all-reduce (on the
+  device: no host sync), then handed to the model as ``num_items_in_batch``, so that its loss is sum / count, as
+  transformers' Trainer (``average_tokens_across_devices``) and torchtitan do. A model whose forward does not pass
+  that count on to its ``loss_function`` (a sequence classifier computing its loss inline, say) returns a mean,
+  which is then weighed by its micro-batch's share of the count instead. Seen per forward, never assumed.
+- **A ``loss_fn`` returning ``(loss_sum, count)``**: the same weighting by ``count`` (tokens, examples, whatever it
+  sums over). The count is known only after each forward, so the window's gradients are divided by the total count
+  at the step (one multiply over the gradients).
+- **Any other scalar loss**: the mean over the window's micro-batches, as before. The last window of an epoch, when
+  ``gradient_accumulation_steps`` does not divide its batches, is divided by what it holds, not by the full window.
+
+DDP averages gradients over the K processes; each of these is a share of one global mean, so each is multiplied by
+K before backward. Only the window's last backward all-reduces (DDP's ``no_sync`` before it).
+
+Every process has the same number of batches per epoch of a map-style data set (DistributedSampler's padding), so
+windows line up by themselves. Streams (``trainer.streams``) can end at different batches on different processes:
+there the processes agree on each window's size first (one small all-gather on a gloo group, on the host), and an
+epoch of a stream ends for every process when any one of them has no batch left.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+
+from trainer.losses import LossFn, checked, model_loss
+
+IGNORE_INDEX = -100  # the label of a token that is not counted (padding, a prompt), as in torch's cross-entropy
+
+
+def windows(batches: Iterable, size: int, agree: Optional[Callable[[int], tuple[int, int]]] = None) -> Iterator:
+    """``(micro_batches, total)``: lists of up to ``size`` consecutive batches, one per optimizer step, and the number
+    of micro-batches the window holds on all processes together. With ``agree`` (streams on several processes),
+    ``agree(k)`` -> (fewest, total) over the processes; the windows end when any process has none left."""
+    iterator = iter(batches)
+    while True:
+        window = []
+        for batch in iterator:
+            window.append(batch)
+            if len(window) == size:
+                break
+        fewest, total = agree(len(window)) if agree is not None else (len(window), None)
+        if fewest == 0:
+            return
+        yield window, total
+
+
+class StreamAgreement:
+    """How many micro-batches each process holds in a stream's window, agreed on the host over a gloo group of
+    its own (CPU tensors: no GPU sync, and nothing queued behind the device's work)."""
+
+    def __init__(self, world_size: int):
+        self.group = dist.new_group(backend="gloo")
+        self.counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
+
+    def __call__(self, held: int) -> tuple[int, int]:
+        dist.all_gather(self.counts, torch.tensor([held], dtype=torch.int64), group=self.group)
+        counts = [int(c) for c in self.counts]
+        return min(counts), sum(counts)
+
+
+class Weighing:
+    """What each micro-batch's loss counts for in its optimizer step (see the module docstring).
+
+    Per window: :meth:`start`; per micro-batch: :meth:`loss` -> (what to call backward on, the loss to log, its
+    weight in the logged mean); after the window's last backward: :meth:`finish` (before clipping)."""
+
+    def __init__(self, accelerator: Accelerator, model: torch.nn.Module, loss_fn: LossFn):
+        self.world = accelerator.num_processes
+        self.loss_fn = loss_fn
+        self.counts_tokens = loss_fn is model_loss and is_transformers_model(model)
+        self.shifted = self.counts_tokens and causal_lm(model)
+        self.passes_count = self.counts_tokens and accepts_loss_kwargs(model) and hasattr(model, "loss_function")
+        self.probe = LossFunctionProbe.install(model) if self.passes_count else None
+        self._tokens: Optional[torch.Tensor] = None  # this window's tokens on all processes
+        self._counts: Iterator[torch.Tensor] = iter(())  # each micro-batch's own, in order
+        self._divisor = 1.0  # plain losses: the window's micro-batches on all processes / K
+        self._summed: list[Any] = []  # (loss_sum, count) losses: the counts, for finish()
+
+    def count(self, batch: Any) -> Optional[torch.Tensor]:
+        """The tokens of ``batch`` the default loss averages over (a device tensor), or None when it does not
+        weigh by tokens."""
+        if not self.counts_tokens or not isinstance(batch, Mapping):
+            return None
+        labels = batch.get("shift_labels")  # already shifted by the collator (padding-free batches)
+        if labels is None:
+            labels = batch.get("labels")
+            if not isinstance(labels, torch.Tensor):
+                return None
+            if self.shifted:
+                labels = labels[..., 1:]
+        return labels.ne(IGNORE_INDEX).sum()
+
+    def start(self, micro_batches: list, total: Optional[int]) -> None:
+        """Ready the weights of a window: ``total`` micro-batches on all processes (None: as many on each)."""
+        total = total if total is not None else len(micro_batches) * self.world
+        self._divisor = total / self.world
+        self._summed = []
+        counts = [self.count(batch) for batch in micro_batches]
+        self._tokens, self._counts = None, iter(counts)
+        if counts and all(c is not None for c in counts):
+            tokens = torch.stack(counts).sum() if len(counts) > 1 else counts[0]
+            if self.world > 1:
+                dist.all_reduce(tokens)  # async on the device: the host goes on queueing the forward
+            self._tokens = tokens
+
+    def loss(self, model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """(objective to backward, loss to log, its weight) for one micro-batch of the current window."""
+        if self._tokens is not None:
+            return self._token_loss(model, batch)
+        loss, count = checked(self.loss_fn(model, batch), self.loss_fn)
+        if count is not None:  # (loss_sum, count): divided by the window's count in finish()
+            self._summed.append(count)
+            return loss, loss.detach(), count
+        objective = loss if self._divisor == 1 else loss / self._divisor
+        return objective, loss.detach(), 1
+
+    def _token_loss(self, model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        tokens, here = self._tokens, next(self._counts)
+        if self.passes_count:
+            self.probe.passed = False
+            loss = model_loss(model, batch, num_items_in_batch=tokens)
+            honoured = self.probe.passed
+        else:
+            loss, honoured = model_loss(model, batch), False
+        if honoured:  # sum / tokens: this micro-batch's share of the window's mean already
+            share, logged = loss, loss.detach() * tokens
+        else:  # a mean over its own tokens, weighed by its share of the window's
+            share, logged = loss * (here / tokens), loss.detach() * here
+        objective = share * self.world if self.world > 1 else share
+        return objective, logged, here
+
+    def finish(self, parameters: Iterable[torch.nn.Parameter]) -> None:
+        """After the window's last backward: gradients of (loss_sum, count) losses divided by the window's count on
+        all processes (times K: DDP averaged them)."""
+        if not self._summed:
+            return
+        grads = [p.grad for p in parameters if p.grad is not None]
+        device = grads[0].device
+        count = torch.stack([torch.as_tensor(c, dtype=torch.float32, device=device) for c in self._summed]).sum()
+        if self.world > 1:
+            dist.all_reduce(count)
+        torch._foreach_mul_(grads, self.world / count)  # as torch's clip_grad_norm_ scales gradients
+
+
+class LossFunctionProbe:
+    """Stands in for a transformers model's ``loss_function`` and notes whether forward passed it
+    ``num_items_in_batch``: only then is the returned loss sum / count rather than a mean. One attribute write per
+    forward, and it stays in place (removing it would make a compiled model compile again)."""
+
+    def __init__(self, loss_function: Callable):
+        self.loss_function = loss_function
+        self.passed = False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs.get("num_items_in_batch") is not None:
+            self.passed = True
+        return self.loss_function(*args, **kwargs)
+
+    @classmethod
+    def install(cls, model: torch.nn.Module) -> "LossFunctionProbe":
+        current = model.loss_function
+        if not isinstance(current, cls):
+            current = model.loss_function = cls(current)  # transformers' setter: the model's for the rest of its life
+        return current
+
+
+def is_transformers_model(model: torch.nn.Module) -> bool:
+    """A transformers ``PreTrainedModel`` (or a subclass of one), without importing transformers."""
+    return any(cls.__module__.split(".")[0] == "transformers" for cls in type(model).__mro__)
+
+
+def generates(model: torch.nn.Module) -> bool:
+    """A transformers language model (causal or sequence-to-sequence), whose loss is a per-token cross-entropy."""
+    can_generate = getattr(model, "can_generate", None)
+    return bool(can_generate and can_generate())
+
+
+def causal_lm(model: torch.nn.Module) -> bool:
+    """A decoder-only language model: its loss shifts the labels, so each row's first label is never a target."""
+    return generates(model) and not getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+
+
+def accepts_loss_kwargs(model: torch.nn.Module) -> bool:
+    """Whether forward takes ``num_items_in_batch`` (transformers' own rule: the class says, else ``**kwargs``)."""
+    said = getattr(model, "accepts_loss_kwargs", None)
+    if said is not None:
+        return bool(said)
+    parameters = inspect.signature(model.forward).parameters.values()
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
