@@ -70,3 +70,22 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, total
 
     name = "constant_with_warmup" if config.lr_scheduler == "constant" else config.lr_scheduler
     return get_scheduler(name, optimizer, num_warmup_steps=config.warmup_steps, num_training_steps=total_steps)
+
+
+def describe(optimizer: torch.optim.Optimizer, lr_scheduler, config: TrainConfig, built_optimizer: bool,
+             built_scheduler: bool) -> str:  # fmt: skip
+    """The start banner's words for the optimizer and the schedule: the config's, or the classes a user passed."""
+    if built_optimizer:
+        words = f"{config.optimizer} lr {config.lr:g}"
+        if config.weight_decay:
+            groups = optimizer.param_groups
+            tensors = sum(len(group["params"]) for group in groups)
+            where = (f"{len(groups[0]['params'])} of {tensors} tensors (not biases or norm weights)"
+                     if len(groups) > 1 else f"all {tensors} tensors")  # fmt: skip
+            words += f", weight decay {config.weight_decay:g} on {where}"
+    else:
+        words = f"your {type(optimizer).__name__} (lr {optimizer.param_groups[0]['lr']:g})"
+    if not built_scheduler:
+        return f"{words}, your {type(lr_scheduler).__name__}"
+    warmup = f" after {config.warmup_steps} warm-up steps" if config.warmup_steps else ""
+    return f"{words}, {config.lr_scheduler} schedule{warmup}"

@@ -46,7 +46,7 @@ from trainer.evaluation import predict as predict_shares
 from trainer.fastpath import Stepper, keep_own_forward
 from trainer.losses import LossFn, model_loss, unused_parameters
 from trainer.nonfinite import NonFiniteGuard
-from trainer.optim import build_optimizer, build_scheduler
+from trainer.optim import build_optimizer, build_scheduler, describe
 from trainer.preemption import PREEMPTED_EXIT, Preempted, PreemptionWatch, requeue_slurm_job
 from trainer.stall import watch_stalls
 from trainer.streams import StreamShard
@@ -132,6 +132,7 @@ class Trainer:
         self.steps_per_epoch = math.ceil(self.batches_per_epoch / accumulation) if self.batches_per_epoch else None
         self.total_steps = config.max_steps or config.epochs * self.steps_per_epoch
 
+        built = (optimizer is None, lr_scheduler is None)
         if optimizer is None:
             model.to(self.accelerator.device)  # prepare() would move it anyway; on the device first, AdamW fuses
             optimizer = build_optimizer(model, config)
@@ -139,6 +140,7 @@ class Trainer:
         # step notices): the scheduler of a constant lr without warm-up, built here. A user's is always stepped.
         self._schedule_moves = lr_scheduler is not None or config.lr_scheduler != "constant" or config.warmup_steps > 0
         lr_scheduler = lr_scheduler or build_scheduler(optimizer, config, self.total_steps)
+        self._optimization = describe(optimizer, lr_scheduler, config, *built)  # for the banner
         self.model, self.optimizer, self.train_loader, self.lr_scheduler = self.accelerator.prepare(
             model, optimizer, train_loader, lr_scheduler
         )
@@ -562,12 +564,17 @@ class Trainer:
         steps = f"max_steps={cfg.max_steps}" if cfg.max_steps else f"{cfg.epochs} epochs"
         threads = f", {torch.get_num_threads()} CPU threads per process" if acc.device.type == "cpu" else ""
         per_epoch = self.steps_per_epoch if self.steps_per_epoch else "unknown"
+        weighs = "; the loss weighs every counted token alike" if self.weighing.counts_tokens else ""
+        short = ""
+        if self.batches_per_epoch and self.batches_per_epoch < cfg.gradient_accumulation_steps:
+            short = (f"\n        | an epoch has {self.batches_per_epoch} batches per process, fewer than the "
+                     f"{cfg.gradient_accumulation_steps} accumulation steps: each step accumulates those "
+                     f"{self.batches_per_epoch}")  # fmt: skip
         self._say(
             f"trainer | {acc.num_processes} process(es) on {num_machines(acc)} machine(s), device {acc.device.type} "
             f"({acc.distributed_type.value}){threads}, mixed precision {acc.mixed_precision}\n"
             f"        | batch {cfg.batch_size} per process x {acc.num_processes} processes x "
-            f"{cfg.gradient_accumulation_steps} accumulation = {self.global_batch_size} global\n"
-            f"        | {per_epoch} optimizer steps per epoch, {self.total_steps} in all ({steps}); "
-            f"{cfg.optimizer} lr {cfg.lr:g}, {cfg.lr_scheduler} schedule"
+            f"{cfg.gradient_accumulation_steps} accumulation = {self.global_batch_size} global{weighs}{short}\n"
+            f"        | {per_epoch} optimizer steps per epoch, {self.total_steps} in all ({steps}); {self._optimization}"
         )
 

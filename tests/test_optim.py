@@ -1,0 +1,49 @@
+"""The optimizer the config builds: weight decay as transformers' Trainer applies it, and what the banner says.
+Plain logic: in-process."""
+
+from __future__ import annotations
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import Trainer as HFTrainer
+
+from trainer import TrainConfig
+from trainer.optim import build_optimizer, build_scheduler, decayed, describe
+
+
+class RMSNormLike(torch.nn.Module):  # a model's own norm class (LlamaRMSNorm, T5LayerNorm): known by its name
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(4))
+
+
+def gpt2() -> GPT2LMHeadModel:
+    return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2))
+
+
+def test_weight_decay_skips_biases_and_norm_weights_as_transformers_does():
+    model = gpt2()
+    assert decayed(model) == set(HFTrainer.get_decay_parameter_names(None, model))  # lm_head.weight (tied) too
+    assert "transformer.h.0.ln_1.weight" not in decayed(model) and "transformer.h.0.attn.c_attn.bias" not in decayed(model)
+    assert "transformer.wte.weight" in decayed(model)
+    mixed = torch.nn.Sequential(torch.nn.Linear(4, 4), RMSNormLike(), torch.nn.BatchNorm1d(4))
+    assert decayed(mixed) == {"0.weight"}
+
+
+def test_the_groups_and_the_banner():
+    model = gpt2()
+    groups = build_optimizer(model, TrainConfig(weight_decay=0.1)).param_groups
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
+    assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
+    every = build_optimizer(model, TrainConfig(weight_decay=0.1, decay_biases_and_norms=True)).param_groups
+    assert len(every) == 1 and every[0]["weight_decay"] == 0.1
+    assert len(build_optimizer(model, TrainConfig()).param_groups) == 1  # no decay: one group
+
+    config = TrainConfig(weight_decay=0.1, lr_scheduler="cosine", warmup_steps=3)
+    optimizer = build_optimizer(model, config)
+    words = describe(optimizer, build_scheduler(optimizer, config, 10), config, True, True)
+    assert words == ("adamw lr 0.0003, weight decay 0.1 on 10 of 28 tensors (not biases or norm weights), cosine "
+                     "schedule after 3 warm-up steps")  # fmt: skip
+    yours = torch.optim.RMSprop(model.parameters(), lr=0.01)
+    step = torch.optim.lr_scheduler.StepLR(yours, 5)
+    assert describe(yours, step, TrainConfig(), False, False) == "your RMSprop (lr 0.01), your StepLR"
