@@ -6,7 +6,8 @@
                   (--signal_at), or crash one rank
                   (os._exit) after a given step, or make one rank's loss NaN at a given step; with
                   --wandb_project it logs to wandb, and can raise on one rank or slow one rank down
-    user_loader   train_data is the user's own DataLoader (--sampler none|distributed)
+    user_loader   train_data is the user's own DataLoader (--sampler none|distributed|own_part: a stream that splits
+                  itself)
     predict       evaluate() with a metrics_fn and predict() on 9 examples, printed by every rank
     stop          rank 1 alone sets should_stop after --stop_at, or (--stop_at 0) EarlyStopping on a flat eval loss
     best          keep_best on a metric that peaks at step 4, keep_last=1
@@ -200,12 +201,23 @@ def hf_export(args) -> None:
         say(f"PERPLEXITY {result['eval_perplexity']:.4f}")
 
 
+class OwnPart(torch.utils.data.IterableDataset):
+    """A stream that yields its process its own part of 0..11 (every K-th, from the process index)."""
+
+    def __iter__(self):
+        state = distributed_state()
+        for i in range(state.process_index, 12, state.num_processes):
+            yield (torch.tensor([float(i)]),)
+
+
 def user_loader(args) -> None:
     data = TensorDataset(torch.arange(12, dtype=torch.float32).unsqueeze(1))
     sampler = None
     if args.sampler == "distributed":  # as a DDP user builds it: rank and world from the running job
         state = distributed_state()
         sampler = DistributedSampler(data, num_replicas=state.num_processes, rank=state.process_index, shuffle=False)
+    elif args.sampler == "own_part":  # an IterableDataset that splits itself
+        data = OwnPart()
     seen = []
 
     def loss_fn(model, batch):
@@ -213,7 +225,8 @@ def user_loader(args) -> None:
         seen.append(x.squeeze(1).long().tolist())
         return model(x).pow(2).mean()
 
-    config = TrainConfig(epochs=1, batch_size=3, optimizer="sgd", lr=0.1, shuffle=False)
+    config = TrainConfig(epochs=1, batch_size=3, optimizer="sgd", lr=0.1, shuffle=False,
+                         max_steps=2 if args.sampler == "own_part" else None)  # fmt: skip
     trainer = Trainer(torch.nn.Linear(1, 1), config, train_data=DataLoader(data, batch_size=3, sampler=sampler),
                       loss_fn=loss_fn)  # fmt: skip
     trainer.fit()
@@ -383,6 +396,6 @@ if __name__ == "__main__":
     parser.add_argument("--slurm_requeue", action="store_true")
     parser.add_argument("--fault", default="")
     parser.add_argument("--find_unused_parameters", action="store_true")
-    parser.add_argument("--sampler", choices=["none", "distributed"], default="none")
+    parser.add_argument("--sampler", choices=["none", "distributed", "own_part"], default="none")
     cli = parser.parse_args()
     globals()[cli.case](cli)

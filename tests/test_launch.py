@@ -73,6 +73,13 @@ def test_users_dataloader_with_distributed_sampler_is_not_sharded_twice():
     assert "SEEN rank1 [[1, 3, 5], [7, 9, 11]]" in result.stdout
 
 
+def test_users_dataloader_of_a_stream_that_splits_itself_is_read_on_every_process():
+    # accelerate alone would dispatch: only process 0's stream read, its batches split between the processes
+    result = accelerate_launch(SCENARIOS, "user_loader", "--sampler", "own_part")
+    assert "SEEN rank0 [[0, 2, 4], [6, 8, 10]]" in result.stdout
+    assert "SEEN rank1 [[1, 3, 5], [7, 9, 11]]" in result.stdout
+
+
 def test_users_dataloader_without_distributed_sampler_is_refused_with_what_to_pass():
     result = accelerate_launch(SCENARIOS, "user_loader", "--sampler", "none", expect_ok=False)
     assert "train_data is a DataLoader with a SequentialSampler" in result.stderr
