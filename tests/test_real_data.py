@@ -37,12 +37,15 @@ def one_process_batch_8(tmp_path_factory):
     return run(tmp_path_factory.mktemp("reference"), "one", "--batch_size", "8", "--eval")[0]
 
 
-@pytest.mark.parametrize("split", ["2 processes x 2 x accumulation 2", "1 process x 4 x accumulation 2",
-                                   "2 processes x 4, their loss_fn returns (sum, count)"])  # fmt: skip
+SPLITS = {"2 processes x 2 x accumulation 2": ["--batch_size", "2", "--accumulation", "2"],
+          "2 processes x 4": ["--batch_size", "4"],
+          "1 process x 4 x accumulation 2": ["--batch_size", "4", "--accumulation", "2"],
+          "2 processes x 4, their loss_fn returns (sum, count)": ["--batch_size", "4", "--loss", "pair"]}
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
 def test_every_counted_token_weighs_the_same_whatever_the_split(tmp_path, one_process_batch_8, split):
-    args = {"2 processes x 2 x accumulation 2": ["--batch_size", "2", "--accumulation", "2"],
-            "1 process x 4 x accumulation 2": ["--batch_size", "4", "--accumulation", "2"],
-            "2 processes x 4, their loss_fn returns (sum, count)": ["--batch_size", "4", "--loss", "pair"]}[split]
+    args = SPLITS[split]
     processes = 1 if split.startswith("1 process") else 2
     summary, _ = run(tmp_path, "split", *args, "--eval", processes=processes)
     assert summary["world_size"] == processes
@@ -55,14 +58,17 @@ def test_every_counted_token_weighs_the_same_whatever_the_split(tmp_path, one_pr
     assert summary["eval_loss"] == pytest.approx(summary["eval_reference"], rel=1e-5)
 
 
-def test_a_model_that_averages_its_own_loss_is_weighed_by_its_count(tmp_path):
+@pytest.mark.parametrize("processes,accumulation", [(1, 2), (2, 1)])
+def test_a_model_that_averages_its_own_loss_is_weighed_by_its_count(tmp_path, processes, accumulation):
     """GPT-2 as a sequence classifier takes **kwargs but computes its loss inline: its mean is weighed by its
-    examples. 46 examples: batch 4 x accumulation 2 ends on a window of 4 + 2 examples, where an average of the two
-    micro-batch means would give the 2 examples the weight of 4."""
+    examples. 46 examples, batch 4: 1 process x accumulation 2 ends on a window of 4 + 2 examples (an average of
+    the two micro-batch means would give the 2 examples the weight of 4); 2 processes end on 3 + 3."""
     args = ["--model", "classifier", "--examples", "46"]
     big, _ = run(tmp_path, "big", *args, "--batch_size", "8")
-    split, _ = run(tmp_path, "split", *args, "--batch_size", "4", "--accumulation", "2")
+    split, _ = run(tmp_path, "split", *args, "--batch_size", "4", "--accumulation", str(accumulation),
+                   processes=processes)  # fmt: skip
     assert largest_difference(split, big) < 1e-5
+    np.testing.assert_allclose(split["losses"], big["losses"], rtol=1e-5)
 
 
 ORACLE_CASES = {

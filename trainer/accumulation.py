@@ -78,7 +78,7 @@ class Weighing:
     weight in the logged mean); after the window's last backward: :meth:`finish` (before clipping)."""
 
     def __init__(self, accelerator: Accelerator, model: torch.nn.Module, loss_fn: LossFn):
-        self.world = accelerator.num_processes
+        self.accelerator, self.world = accelerator, accelerator.num_processes
         self.loss_fn = loss_fn
         self.counts_tokens = loss_fn is model_loss and is_transformers_model(model)
         self.shifted = self.counts_tokens and causal_lm(model)
@@ -112,9 +112,8 @@ class Weighing:
         self._tokens, self._counts = None, iter(counts)
         if counts and all(c is not None for c in counts):
             tokens = torch.stack(counts).sum() if len(counts) > 1 else counts[0]
-            if self.world > 1:
-                dist.all_reduce(tokens)  # async on the device: the host goes on queueing the forward
-            self._tokens = tokens
+            # Summed over the processes on the device (a copy: each micro-batch keeps its own count); no host sync.
+            self._tokens = self.accelerator.reduce(tokens, reduction="sum") if self.world > 1 else tokens
 
     def loss(self, model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """(objective to backward, loss to log, its weight) for one micro-batch of the current window."""
