@@ -20,6 +20,12 @@ Seed 004's run on a node of GPUs (needs the hub; bf16 from the accelerate config
 
 Every TrainConfig field is a flag too (``--lr``, ``--max-steps``, ``--save-every``; hyphens or underscores), and
 ``--config run.yaml`` reads TrainConfig keys from a file (flags win). Local text: ``--train-file a.txt b.jsonl``.
+
+``--streaming`` reads the text as a stream (datasets' IterableDataset: a hub corpus of millions of documents without
+downloading it first), tokenised as it is read, each process its own part; a resume continues the stream where the
+checkpoint left it. With no data flags it streams the built-in text::
+
+    accelerate launch --config_file accelerate_configs/multi_gpu.yaml examples/gpt2.py --streaming
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -39,6 +46,7 @@ from trainer import TrainConfig, Trainer, distributed_state  # noqa: E402
 from trainer.config import read_yaml  # noqa: E402
 
 EOS = "<|endoftext|>"
+TOKENIZER_TEXTS = 20_000  # documents of a stream a new tokenizer is trained on
 
 # This example's own TrainConfig defaults (a --config file and flags override them). Global batch: 8 sequences
 # x 128 tokens x processes on CPU (about 50 optimizer steps an epoch on the built-in text with 2 processes); on a
@@ -61,6 +69,8 @@ class GPT2Args:
     dataset_config: Optional[str] = None
     text_column: str = "text"
     train_file: Optional[list[str]] = field(default=None, metadata={"help": "local .txt or .jsonl files"})
+    streaming: bool = field(default=False, metadata={"help": "read the text as a stream, tokenised as it is read"})
+    eval_blocks: int = field(default=64, metadata={"help": "with --streaming: held-out sequences to evaluate on"})
     seq_len: int = 128
     eval_fraction: float = 0.05
     num_proc: int = 1  # processes for tokenising with datasets.map
@@ -92,27 +102,32 @@ def parse_args(argv=None) -> tuple[GPT2Args, TrainConfig]:
 
 
 def load_texts(args: GPT2Args):
-    """A datasets.Dataset with a "text" column: local files, a hub data set, or Python's own documentation."""
+    """A datasets.Dataset with a "text" column: local files, a hub data set, or Python's own documentation; with
+    ``--streaming`` a datasets.IterableDataset (the built-in text in 8 shards, so 1, 2, 4 or 8 processes each read
+    whole shards)."""
     from datasets import Dataset, disable_progress_bars, load_dataset
 
     disable_progress_bars()  # one bar per map per process, for seconds of work: noise in the log
 
     if args.train_file:
         kind = "json" if args.train_file[0].endswith((".json", ".jsonl")) else "text"
-        texts = load_dataset(kind, data_files=args.train_file, split="train")
+        texts = load_dataset(kind, data_files=args.train_file, split="train", streaming=args.streaming)
     elif args.dataset_name:
-        texts = load_dataset(args.dataset_name, args.dataset_config, split="train")
+        texts = load_dataset(args.dataset_name, args.dataset_config, split="train", streaming=args.streaming)
     else:
         from pydoc_data.topics import topics
 
         texts = Dataset.from_dict({"text": list(topics.values())})
+        if args.streaming:
+            texts = texts.to_iterable_dataset(num_shards=8)
     if args.text_column != "text":
         texts = texts.rename_column(args.text_column, "text")
     return texts.select_columns(["text"])
 
 
 def train_tokenizer(texts, vocab_size: int):
-    """Byte-level BPE (GPT-2's scheme) trained on ``texts``, as a transformers tokenizer."""
+    """Byte-level BPE (GPT-2's scheme) trained on ``texts`` (a stream's first TOKENIZER_TEXTS), as a transformers
+    tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -122,26 +137,53 @@ def train_tokenizer(texts, vocab_size: int):
     alphabet = pre_tokenizers.ByteLevel.alphabet()  # every byte, so no text is ever out of vocabulary
     bpe_trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS], show_progress=False,
                                       initial_alphabet=alphabet)  # fmt: skip
-    bpe.train_from_iterator(texts["text"], trainer=bpe_trainer)
+    sample = texts["text"] if hasattr(texts, "__len__") else (row["text"] for row in texts.take(TOKENIZER_TEXTS))
+    bpe.train_from_iterator(sample, trainer=bpe_trainer)
     return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=EOS, eos_token=EOS, pad_token=EOS)
 
 
 def tokenize_and_pack(texts, tokenizer, args: GPT2Args, seed: int):
     """Token ids of every document, each ended by EOS, concatenated and cut into ``seq_len`` blocks; a held-out
     eval split. Labels are the inputs: the model shifts them."""
+    tokenize, pack = packing(tokenizer, args.seq_len)
+    tokens = texts.map(tokenize, batched=True, remove_columns=["text"], num_proc=args.num_proc)
+    blocks = tokens.map(pack, batched=True, batch_size=1000, num_proc=args.num_proc)
+    split = blocks.train_test_split(test_size=args.eval_fraction, seed=seed)
+    return split["train"].with_format("torch"), split["test"].with_format("torch")
+
+
+def stream_and_pack(texts, tokenizer, args: GPT2Args):
+    """The same blocks from a stream, tokenised and packed as it is read (each process its own part: the Trainer
+    splits it). Documents whose hash falls in ``eval_fraction`` are held out; the first ``eval_blocks`` of theirs
+    are the eval set, read once."""
+    from datasets import Dataset
+
+    tokenize, pack = packing(tokenizer, args.seq_len)
+    every = max(1, round(1 / args.eval_fraction))
+
+    def held_out(row) -> bool:
+        return zlib.crc32(row["text"].encode()) % every == 0
+
+    def blocks(part):
+        return part.map(tokenize, batched=True, remove_columns=["text"]).map(pack, batched=True, batch_size=1000)
+
+    train = blocks(texts.filter(lambda row: not held_out(row))).with_format("torch")
+    evaluation = Dataset.from_list(list(blocks(texts.filter(held_out)).take(args.eval_blocks)))
+    return train, evaluation.with_format("torch")
+
+
+def packing(tokenizer, seq_len: int):
+    """(tokenize, pack) for batched datasets.map: documents to ids ended by EOS; ids to blocks of ``seq_len``."""
 
     def tokenize(batch):
         return {"input_ids": [ids + [tokenizer.eos_token_id] for ids in tokenizer(batch["text"])["input_ids"]]}
 
     def pack(batch):
         stream = [token for ids in batch["input_ids"] for token in ids]
-        blocks = [stream[i : i + args.seq_len] for i in range(0, len(stream) - args.seq_len + 1, args.seq_len)]
+        blocks = [stream[i : i + seq_len] for i in range(0, len(stream) - seq_len + 1, seq_len)]
         return {"input_ids": blocks, "labels": blocks}
 
-    tokens = texts.map(tokenize, batched=True, remove_columns=["text"], num_proc=args.num_proc)
-    blocks = tokens.map(pack, batched=True, batch_size=1000, num_proc=args.num_proc)
-    split = blocks.train_test_split(test_size=args.eval_fraction, seed=seed)
-    return split["train"].with_format("torch"), split["test"].with_format("torch")
+    return tokenize, pack
 
 
 class Throughput:
@@ -186,7 +228,10 @@ def main(argv=None) -> dict:
             tokenizer = train_tokenizer(texts, args.vocab_size)
             if state.is_main_process:
                 tokenizer.save_pretrained(tokenizer_dir)
-        train_data, eval_data = tokenize_and_pack(texts, tokenizer, args, config.seed)
+        if args.streaming:
+            train_data, eval_data = stream_and_pack(texts, tokenizer, args)
+        else:
+            train_data, eval_data = tokenize_and_pack(texts, tokenizer, args, config.seed)
 
     torch.manual_seed(config.seed)
     if args.model_name:
@@ -196,7 +241,8 @@ def main(argv=None) -> dict:
             vocab_size=len(tokenizer), n_positions=args.seq_len, n_embd=args.n_embd, n_layer=args.n_layer,
             n_head=args.n_head, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
         ))  # fmt: skip
-    state.print(f"gpt2 | {sum(p.numel() for p in model.parameters()):,} parameters, {len(train_data):,} train and "
+    train_size = "streamed" if args.streaming else f"{len(train_data):,}"
+    state.print(f"gpt2 | {sum(p.numel() for p in model.parameters()):,} parameters, {train_size} train and "
                 f"{len(eval_data):,} eval sequences of {args.seq_len} tokens")  # fmt: skip
     trainer = Trainer(model, config, train_data=train_data, eval_data=eval_data,
                       callbacks=[Throughput(model, args.seq_len, args.peak_flops)])  # fmt: skip

@@ -46,6 +46,19 @@ def test_two_processes_train_save_a_loadable_model_and_resume(tmp_path):
     assert "step 25/30" in again.stdout and "step 5/30" not in again.stdout
 
 
+def test_streaming_trains_from_a_stream_on_two_processes_and_resumes_mid_stream(tmp_path):
+    first = accelerate_launch(GPT2, *TINY, "--streaming", "--max-steps", "10", "--output-dir", tmp_path)
+    assert re.search(r"^gpt2 \| [\d,]+ parameters, streamed train and 64 eval sequences of 32 tokens$", first.stdout,
+                     re.M)  # fmt: skip
+    assert "unknown optimizer steps per epoch, 10 in all" in first.stdout
+    again = accelerate_launch(GPT2, *TINY, "--streaming", "--max-steps", "20", "--output-dir", tmp_path)
+    assert f"resumed from {tmp_path}/checkpoints/step-00000010: step 10, epoch 0, batch 10" in again.stdout
+    losses = logged_losses(first.stdout + again.stdout)
+    assert len(losses) == 4 and losses[-1] < losses[0], losses
+    eval_loss = float(re.search(r"^eval loss ([\d.]+)", again.stdout, re.M)[1])
+    assert abs(eval_loss - losses[-1]) < 1.5, "train and eval loss measure the same thing (every token once)"
+
+
 @pytest.mark.parametrize("launch", ["single_gpu.yaml", "bf16.yaml", "cpu.yaml", "torchrun", "python"])
 def test_every_launch_path_runs(tmp_path, launch):
     args = [*TINY, "--max-steps", "4", "--output-dir", tmp_path]
