@@ -17,7 +17,9 @@ The gradient of every optimizer step is that of the mean loss over the whole glo
   ``gradient_accumulation_steps`` does not divide its batches, is divided by what it holds, not by the full window.
 
 DDP averages gradients over the K processes; each of these is a share of one global mean, so each is multiplied by
-K before backward. Only the window's last backward all-reduces (DDP's ``no_sync`` before it).
+K before backward. Only the window's last backward all-reduces (DDP's ``no_sync`` before it). On several processes
+the token counts' all-reduce is issued a window ahead (the next window is read before this one trains), so no step
+waits for it.
 
 Every process has the same number of batches per epoch of a map-style data set (DistributedSampler's padding), so
 windows line up by themselves. Streams (``trainer.streams``) can end at different batches on different processes:
@@ -71,23 +73,37 @@ class StreamAgreement:
         return min(counts), sum(counts)
 
 
+class StepBatches:
+    """One optimizer step's micro-batches (an accumulation window) and what their losses weigh."""
+
+    def __init__(self, micro_batches: list, divisor: float):
+        self.micro_batches = micro_batches
+        self.divisor = divisor  # plain losses: the window's micro-batches on all processes / K
+        self.counts: Iterator[torch.Tensor] = iter(())  # token-weighted: each micro-batch's own count, in order
+        self.tokens: Optional[torch.Tensor] = None  # token-weighted: the window's count on all processes
+        self.pending: Optional[dist.Work] = None  # the all-reduce summing that count, until it is needed
+        self.summed: list[Any] = []  # (loss_sum, count) losses: the counts, for Weighing.finish()
+
+    def total_tokens(self) -> torch.Tensor:
+        if self.pending is not None:
+            self.pending.wait()  # issued a window ahead: done by now (on a GPU, the stream waits, not the host)
+            self.pending = None
+        return self.tokens
+
+
 class Weighing:
     """What each micro-batch's loss counts for in its optimizer step (see the module docstring).
 
-    Per window: :meth:`start`; per micro-batch: :meth:`loss` -> (what to call backward on, the loss to log, its
-    weight in the logged mean); after the window's last backward: :meth:`finish` (before clipping)."""
+    :meth:`windows` readies each window; per micro-batch, :meth:`loss` -> (what to call backward on, the loss to log,
+    its weight in the logged mean); after the window's last backward, :meth:`finish` (before clipping)."""
 
     def __init__(self, accelerator: Accelerator, model: torch.nn.Module, loss_fn: LossFn):
-        self.accelerator, self.world = accelerator, accelerator.num_processes
+        self.world = accelerator.num_processes
         self.loss_fn = loss_fn
         self.counts_tokens = loss_fn is model_loss and is_transformers_model(model)
         self.shifted = self.counts_tokens and causal_lm(model)
         self.passes_count = self.counts_tokens and accepts_loss_kwargs(model) and hasattr(model, "loss_function")
         self.probe = LossFunctionProbe.install(model) if self.passes_count else None
-        self._tokens: Optional[torch.Tensor] = None  # this window's tokens on all processes
-        self._counts: Iterator[torch.Tensor] = iter(())  # each micro-batch's own, in order
-        self._divisor = 1.0  # plain losses: the window's micro-batches on all processes / K
-        self._summed: list[Any] = []  # (loss_sum, count) losses: the counts, for finish()
 
     def count(self, batch: Any) -> Optional[torch.Tensor]:
         """The tokens of ``batch`` the default loss averages over (a device tensor), or None when it does not
@@ -103,31 +119,45 @@ class Weighing:
                 labels = labels[..., 1:]
         return labels.ne(IGNORE_INDEX).sum()
 
-    def start(self, micro_batches: list, total: Optional[int]) -> None:
-        """Ready the weights of a window: ``total`` micro-batches on all processes (None: as many on each)."""
-        total = total if total is not None else len(micro_batches) * self.world
-        self._divisor = total / self.world
-        self._summed = []
-        counts = [self.count(batch) for batch in micro_batches]
-        self._tokens, self._counts = None, iter(counts)
-        if counts and all(c is not None for c in counts):
-            tokens = torch.stack(counts).sum() if len(counts) > 1 else counts[0]
-            # Summed over the processes on the device (a copy: each micro-batch keeps its own count); no host sync.
-            self._tokens = self.accelerator.reduce(tokens, reduction="sum") if self.world > 1 else tokens
+    def windows(self, batches: Iterable[tuple[list, Optional[int]]]) -> Iterator[StepBatches]:
+        """Each ``(micro_batches, total)`` of :func:`windows` as :class:`StepBatches`. Token counts are summed over
+        the processes by an all-reduce issued one window ahead, so that no step waits for it."""
+        if self.world == 1 or not self.counts_tokens:
+            yield from (self._ready(micro_batches, total) for micro_batches, total in batches)
+            return
+        ahead = None
+        for micro_batches, total in batches:
+            window = self._ready(micro_batches, total)
+            if ahead is not None:
+                yield ahead
+            ahead = window
+        if ahead is not None:
+            yield ahead
 
-    def loss(self, model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """(objective to backward, loss to log, its weight) for one micro-batch of the current window."""
-        if self._tokens is not None:
-            return self._token_loss(model, batch)
+    def _ready(self, micro_batches: list, total: Optional[int]) -> StepBatches:
+        total = total if total is not None else len(micro_batches) * self.world
+        window = StepBatches(micro_batches, total / self.world)
+        counts = [self.count(batch) for batch in micro_batches]
+        if counts and all(c is not None for c in counts):
+            tokens = torch.stack(counts).sum() if len(counts) > 1 else counts[0].clone()  # each keeps its own
+            if self.world > 1:
+                window.pending = dist.all_reduce(tokens, async_op=True)
+            window.tokens, window.counts = tokens, iter(counts)
+        return window
+
+    def loss(self, window: StepBatches, model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """(objective to backward, loss to log, its weight) for one micro-batch of ``window``."""
+        if window.tokens is not None:
+            return self._token_loss(window, model, batch)
         loss, count = checked(self.loss_fn(model, batch), self.loss_fn)
         if count is not None:  # (loss_sum, count): divided by the window's count in finish()
-            self._summed.append(count)
+            window.summed.append(count)
             return loss, loss.detach(), count
-        objective = loss if self._divisor == 1 else loss / self._divisor
+        objective = loss if window.divisor == 1 else loss / window.divisor
         return objective, loss.detach(), 1
 
-    def _token_loss(self, model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        tokens, here = self._tokens, next(self._counts)
+    def _token_loss(self, window: StepBatches, model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        tokens, here = window.total_tokens(), next(window.counts)
         if self.passes_count:
             self.probe.passed = False
             loss = model_loss(model, batch, num_items_in_batch=tokens)
@@ -141,14 +171,14 @@ class Weighing:
         objective = share * self.world if self.world > 1 else share
         return objective, logged, here
 
-    def finish(self, parameters: Iterable[torch.nn.Parameter]) -> None:
+    def finish(self, window: StepBatches, parameters: Iterable[torch.nn.Parameter]) -> None:
         """After the window's last backward: gradients of (loss_sum, count) losses divided by the window's count on
         all processes (times K: DDP averaged them)."""
-        if not self._summed:
+        if not window.summed:
             return
         grads = [p.grad for p in parameters if p.grad is not None]
         device = grads[0].device
-        count = torch.stack([torch.as_tensor(c, dtype=torch.float32, device=device) for c in self._summed]).sum()
+        count = torch.stack([torch.as_tensor(c, dtype=torch.float32, device=device) for c in window.summed]).sum()
         if self.world > 1:
             dist.all_reduce(count)
         torch._foreach_mul_(grads, self.world / count)  # as torch's clip_grad_norm_ scales gradients

@@ -78,13 +78,14 @@ def build_train_loader(
         loader = _accept_user_loader(data, accelerator, "train_data")
         if isinstance(loader.dataset, IterableDataset):  # its stream's position noted for checkpoints
             stream = StreamShard(loader.dataset, accelerator.process_index, accelerator.num_processes,
-                                 loader.batch_size or 1, split=False)  # fmt: skip
+                                 loader.batch_size or 1, read_ahead(config), split=False)  # fmt: skip
             loader = DataLoader(stream, batch_size=loader.batch_size, collate_fn=loader.collate_fn,
                                 num_workers=loader.num_workers, pin_memory=loader.pin_memory,
                                 drop_last=loader.drop_last, worker_init_fn=loader.worker_init_fn,
                                 persistent_workers=loader.persistent_workers, generator=loader.generator)  # fmt: skip
     elif isinstance(data, IterableDataset):
-        stream = StreamShard(data, accelerator.process_index, accelerator.num_processes, config.batch_size)
+        stream = StreamShard(data, accelerator.process_index, accelerator.num_processes, config.batch_size,
+                             read_ahead(config))  # fmt: skip
         loader = _loader(stream, None, config, accelerator, collate_fn)
     else:
         _check_size(data, accelerator, "train_data")
@@ -103,6 +104,12 @@ def build_train_loader(
             f"({len(loader.dataset)} examples, {accelerator.num_processes} processes, drop_last={config.drop_last})"
         )
     return _wrap(loader, accelerator)
+
+
+def read_ahead(config: TrainConfig) -> int:
+    """Batches a process reads before training them: accelerate's loader reads one ahead, and the trainer the next
+    accumulation window (trainer.accumulation)."""
+    return 2 * config.gradient_accumulation_steps + 1
 
 
 def start_epoch(loader: DataLoader, epoch: int, skip_batches: int, seed: int) -> DataLoader:

@@ -29,8 +29,6 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from trainer.checkpoint import CheckpointError
 
-KEPT = 16  # batch boundaries remembered: the loader's read-ahead plus an accumulation window or two
-
 
 def is_datasets_stream(data: Any) -> bool:
     return type(data).__module__.startswith("datasets.") and type(data).__name__ == "IterableDataset"
@@ -44,10 +42,12 @@ class StreamShard(IterableDataset):
         stream: the user's IterableDataset.
         rank, world_size: this process and how many read the stream.
         batch_size: examples per batch (the positions are noted between batches).
+        read_ahead: how many batches the trainer may read before it trains them (the last ones are kept).
         split: False when ``stream`` already is this process's part (from a user's DataLoader).
     """
 
-    def __init__(self, stream: IterableDataset, rank: int, world_size: int, batch_size: int, split: bool = True):
+    def __init__(self, stream: IterableDataset, rank: int, world_size: int, batch_size: int, read_ahead: int = 2,
+                 split: bool = True):  # fmt: skip
         self.keep_every, self.offset = 1, 0
         if split and world_size > 1:
             if is_datasets_stream(stream):
@@ -58,6 +58,7 @@ class StreamShard(IterableDataset):
                 self.keep_every, self.offset = world_size, rank
         self.stream = stream
         self.batch_size = batch_size
+        self.kept = read_ahead + 2  # positions remembered
         self.resumable = callable(getattr(stream, "state_dict", None)) and callable(
             getattr(stream, "load_state_dict", None)
         )
@@ -95,7 +96,7 @@ class StreamShard(IterableDataset):
 
     def _note(self, batches: int, read: int) -> None:
         self._positions[batches] = {"batches": batches, "read": read, "stream": self.stream.state_dict()}
-        if len(self._positions) > KEPT:
+        if len(self._positions) > self.kept:
             del self._positions[min(self._positions)]
 
     def position(self, batches: int) -> Optional[dict[str, Any]]:

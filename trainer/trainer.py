@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from trainer import checkpoint
-from trainer.accumulation import StreamAgreement, Weighing, generates, windows
+from trainer.accumulation import StreamAgreement, Weighing, StepBatches, generates, windows
 from trainer.callbacks import improves
 from trainer.checkpoint import CheckpointError, check_writable, checkpoint_root, find_resume_point
 from trainer.columns import ready_columns
@@ -236,8 +236,8 @@ class Trainer:
             loader = start_epoch(self.train_loader, self.epoch, self.batches_into_epoch, self.config.seed)
             fresh, stepped = self.batches_into_epoch == 0, False
             self._call("on_epoch_begin")
-            for micro_batches, total in windows(window.timed(loader), accumulation, self._agree):
-                self._optimizer_step(micro_batches, total, window)
+            for step_batches in self.weighing.windows(windows(window.timed(loader), accumulation, self._agree)):
+                self._optimizer_step(step_batches, window)
                 self.global_step += 1
                 window.steps += 1
                 stepped = True
@@ -254,20 +254,19 @@ class Trainer:
                                     "empty, or too short for every process to get a batch", job_wide=True)  # fmt: skip
                 self.epoch, self.batches_into_epoch = self.epoch + 1, 0
 
-    def _optimizer_step(self, micro_batches: list, total: Optional[int], window: StepWindow) -> None:
+    def _optimizer_step(self, step_batches: StepBatches, window: StepWindow) -> None:
         """Forward and backward on each micro-batch of one accumulation window, then the optimizer step. Each loss
         is weighed as its share of the global batch's mean (trainer.accumulation); only the last backward
         all-reduces the gradients."""
-        step, last = self.global_step + 1, len(micro_batches) - 1
-        self.weighing.start(micro_batches, total)
-        for index, batch in enumerate(micro_batches):
+        step, last = self.global_step + 1, len(step_batches.micro_batches) - 1
+        for index, batch in enumerate(step_batches.micro_batches):
             self.batches_into_epoch += 1
             with self.accelerator.no_sync(self.model) if index < last else contextlib.nullcontext():
                 self.stall.at(step, "forward")
                 started = time.perf_counter()
                 try:
                     with self.autocast():
-                        objective, loss, weight = self.weighing.loss(self.model, batch)
+                        objective, loss, weight = self.weighing.loss(step_batches, self.model, batch)
                 except RuntimeError as err:  # free when nothing is raised
                     refusal = unused_parameters(err)
                     if refusal is None:
@@ -279,7 +278,7 @@ class Trainer:
             window.add(self.nonfinite.observe(loss, step=step), batch, find_batch_size(batch), weight)
         if not self.nonfinite.skip_this_step():
             self.stall.at(step, "optimizer")
-            self.weighing.finish(self.model.parameters())
+            self.weighing.finish(step_batches, self.model.parameters())
             if self.config.max_grad_norm is not None:
                 self.accelerator.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
             self.stepper.step()
