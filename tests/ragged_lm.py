@@ -38,7 +38,8 @@ def ragged_rows(count: int) -> list[dict]:
         ids = torch.zeros(SEQ, dtype=torch.long)
         ids[:length] = torch.randint(1, VOCAB, (length,), generator=g)
         mask = (torch.arange(SEQ) < length).long()
-        rows.append({"index": index, "input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+        labels = ids.masked_fill(mask == 0, -100)
+        rows.append({"index": index, "input_ids": ids, "attention_mask": mask, "labels": labels})
     return rows
 
 
@@ -98,7 +99,8 @@ class CrashAfter:
         self.step = step
 
     def on_step_end(self, trainer) -> None:
-        if trainer.global_step == self.step and trainer.accelerator.process_index == 1 % trainer.accelerator.num_processes:
+        last_rank = trainer.accelerator.num_processes - 1
+        if trainer.global_step == self.step and trainer.accelerator.process_index == last_rank:
             print(f"CRASH after step {self.step}", flush=True)
             os._exit(1)
 
@@ -122,7 +124,8 @@ def ours(args) -> dict:
                          epochs=args.epochs, max_steps=args.max_steps, shuffle=False, log_every=1,
                          save_every=args.save_every, resume="auto" if args.save_every else None)  # fmt: skip
     seen = Seen()
-    trainer = Trainer(tiny_gpt2(args.model == "classifier"), config, train_data=data, collate_fn=seen, eval_data=rows if args.eval else None,
+    trainer = Trainer(tiny_gpt2(args.model == "classifier"), config, train_data=data, collate_fn=seen,
+                      eval_data=rows if args.eval else None,
                       loss_fn=pair_loss if args.loss == "pair" else None,
                       callbacks=[CrashAfter(args.crash_at)] if args.crash_at else [])  # fmt: skip
     result = trainer.fit()

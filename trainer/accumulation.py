@@ -156,7 +156,7 @@ class Weighing:
         objective = loss if window.divisor == 1 else loss / window.divisor
         return objective, loss.detach(), 1
 
-    def _token_loss(self, window: StepBatches, model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    def _token_loss(self, window: StepBatches, model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, ...]:
         tokens, here = window.total_tokens(), next(window.counts)
         if self.passes_count:
             self.probe.passed = False

@@ -8,7 +8,6 @@ import torch
 
 from trainer.config import TrainConfig
 
-
 NORM_NAMES = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")  # transformers' own patterns
 
 

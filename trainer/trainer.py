@@ -18,7 +18,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import signal
 import sys
@@ -27,19 +26,18 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 import torch
-from accelerate.utils import broadcast_object_list, find_batch_size, gather_object, set_seed
+from accelerate.utils import find_batch_size, set_seed
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from trainer import checkpoint
-from trainer.accumulation import StreamAgreement, Weighing, StepBatches, generates, windows
-from trainer.callbacks import improves
-from trainer.checkpoint import CheckpointError, check_writable, checkpoint_root, find_resume_point
+from trainer.accumulation import StepBatches, StreamAgreement, Weighing, generates, windows
+from trainer.checkpoint import check_writable
 from trainer.columns import ready_columns
 from trainer.config import TrainConfig
-from trainer.console import no_library_progress_bars_off_a_terminal, progress_bar
+from trainer.console import progress_bar
 from trainer.data import DataError, batches_per_epoch, build_eval_loader, build_train_loader, start_epoch
-from trainer.distributed import build_accelerator, num_machines
+from trainer.distributed import build_accelerator
 from trainer.evaluation import MetricsFn, PredictFn, model_logits, perplexity
 from trainer.evaluation import evaluate as evaluate_shares
 from trainer.evaluation import predict as predict_shares
@@ -48,27 +46,14 @@ from trainer.losses import LossFn, model_loss, unused_parameters
 from trainer.nonfinite import NonFiniteGuard
 from trainer.optim import build_optimizer, build_scheduler, describe
 from trainer.preemption import PREEMPTED_EXIT, Preempted, PreemptionWatch, requeue_slurm_job
+from trainer.report import banner, step_line
+from trainer.resume import Checkpoints
 from trainer.stall import watch_stalls
 from trainer.streams import StreamShard
 from trainer.tracking import WINDOW_FIELDS, StepWindow, Tracker, memory_gb, new_run_id, summarize
 
-STEP_FIGURES = ("step", "epoch", "train_loss", "lr", "examples_per_s", "tokens_per_s")  # the rest: a callback's
 
-
-def step_line(metrics: dict[str, Any], total_steps: int) -> str:
-    """``step 300/300 | loss 4.746 | lr 0.0002 | 53.4 examples/s | 6,834 tokens/s``, then any figure a callback
-    added to ``metrics`` in ``on_log`` (``| MFU 41.5%``)."""
-    line = (f"step {metrics['step']}/{total_steps} | loss {metrics['train_loss']:.6g} | lr {metrics['lr']:.4g} | "
-            f"{metrics['examples_per_s']:.1f} examples/s")  # fmt: skip
-    if "tokens_per_s" in metrics:
-        line += f" | {metrics['tokens_per_s']:,.0f} tokens/s"
-    for key, value in metrics.items():
-        if key not in STEP_FIGURES:
-            line += f" | {key} {value:.4g}" if isinstance(value, float) else f" | {key} {value}"
-    return line
-
-
-class Trainer:
+class Trainer(Checkpoints):
     """Trains ``model`` on ``train_data`` with DDP across however many processes were launched.
 
     Args:
@@ -140,7 +125,7 @@ class Trainer:
         # step notices): the scheduler of a constant lr without warm-up, built here. A user's is always stepped.
         self._schedule_moves = lr_scheduler is not None or config.lr_scheduler != "constant" or config.warmup_steps > 0
         lr_scheduler = lr_scheduler or build_scheduler(optimizer, config, self.total_steps)
-        self._optimization = describe(optimizer, lr_scheduler, config, *built)  # for the banner
+        self.optimization = describe(optimizer, lr_scheduler, config, *built)  # for the banner
         self.model, self.optimizer, self.train_loader, self.lr_scheduler = self.accelerator.prepare(
             model, optimizer, train_loader, lr_scheduler
         )
@@ -199,7 +184,7 @@ class Trainer:
         step, commits a checkpoint there and raises :class:`trainer.Preempted`, a ``SystemExit`` with status 75, so
         an uncaught one ends the script; start it again with ``resume="auto"`` to continue.
         """
-        self._print_banner()
+        self._say(banner(self))
         self.should_stop, self.stop_reason, self.stopped = False, None, None  # a second fit() trains on
         if self.global_step >= self.total_steps:  # resumed from a checkpoint of a run that already ended
             self._say(f"already finished at step {self.global_step} of {self.total_steps}: nothing to train; raise "
@@ -371,114 +356,6 @@ class Trainer:
             self.stopped = f"should_stop set on rank(s) {', '.join(map(str, asked))}{why}"
             self._say(f"stopping at step {self.global_step} of {self.total_steps}: {self.stopped}")
 
-    # --------------------------------------------------------------- checkpoints
-
-    def save_checkpoint(self) -> Path:
-        """A full-state checkpoint (model, optimizer, scheduler, scaler, every rank's RNG, where training stands)
-        under ``<output_dir>/checkpoints/step-<N>``; call it on every rank. A non-finite loss stops it first."""
-        self.nonfinite.check(str(self.last_checkpoint or ""))
-        epoch, batches = self.epoch, self.batches_into_epoch
-        if self.batches_per_epoch and batches >= self.batches_per_epoch:
-            epoch, batches = epoch + 1, 0  # the epoch is finished: the next step starts the next one
-        state = {
-            "global_step": self.global_step, "epoch": epoch, "batches_into_epoch": batches,
-            "world_size": self.accelerator.num_processes, "batch_size": self.config.batch_size,
-            "gradient_accumulation_steps": self.config.gradient_accumulation_steps, "config": self.config.to_dict(),
-            "run_id": self.run_id,  # rank k's wandb run is <run_id>-rank<k>: a resume continues it
-        }  # fmt: skip
-        if self.stream is not None:  # where each process's part of the stream stands, as JSON
-            state["streams"] = self._stream_positions(batches)
-        best = self._best_so_far()
-        state["best"] = self.best
-        root = checkpoint_root(self.config.output_dir)
-        self.last_checkpoint = checkpoint.save(self.accelerator, root, self.global_step, state, self.config.keep_last,
-                                               best=best)  # fmt: skip
-        return self.last_checkpoint
-
-    def _stream_positions(self, batches: int) -> list[Any]:
-        """Every process's stream position after ``batches`` batches of this epoch, on every process."""
-        position = self.stream.position(batches) if batches else None
-        positions = gather_object([position]) if self.accelerator.num_processes > 1 else [position]
-        try:
-            json.dumps(positions)
-        except (TypeError, ValueError) as err:
-            raise CheckpointError(f"train_data ({self.stream.name})'s state_dict() cannot be saved as JSON ({err}): "
-                                  "return plain numbers, strings, lists and dicts from it") from None  # fmt: skip
-        return positions
-
-    def _agreed_resume_point(self) -> Optional[Path]:
-        """The checkpoint to continue from, chosen by the main process (which also takes the output_dir's lock, and
-        sets a damaged checkpoint aside when resume is 'auto') and shared with every rank."""
-        chosen = [None]
-        if self.accelerator.is_main_process:
-            self._lock = checkpoint.lock_output_dir(self.config.output_dir)  # held while this process lives
-            found = find_resume_point(self.config)
-            chosen = [str(found) if found is not None else None]
-        if self.accelerator.num_processes > 1:
-            broadcast_object_list(chosen, from_process=0)
-        return Path(chosen[0]) if chosen[0] is not None else None
-
-    @property
-    def best_checkpoint(self) -> Optional[Path]:
-        """With ``keep_best``: the checkpoint of the best evaluation so far (``load_checkpoint`` it), else None."""
-        return checkpoint.best_checkpoint(checkpoint_root(self.config.output_dir))
-
-    def _best_so_far(self) -> bool:
-        """Whether this step's evaluation is the best yet of ``keep_best`` (the same answer on every rank)."""
-        figure = self.config.keep_best
-        if figure is None or self.last_eval is None or self.last_eval[0] != self.global_step:
-            return False
-        if figure not in self.last_eval[1]:
-            raise KeyError(f"keep_best is {figure!r}, but evaluate() gives {', '.join(self.last_eval[1])}")
-        value = self.last_eval[1][figure]
-        if not improves(value, self.best and self.best["value"], self.config.keep_best_mode):
-            return False
-        self.best = {"figure": figure, "value": value, "step": self.global_step}
-        return True
-
-    def load_checkpoint(self, path: str | Path) -> None:
-        """Continue from checkpoint ``path``: weights, optimizer, schedule, RNG and the position in the data."""
-        # Sizes on every rank, contents (CRC-32) on the main process: reading every byte once is enough.
-        path = checkpoint.verify(Path(path), contents=self.accelerator.is_main_process)
-        state = checkpoint.read_state(path)
-        this_run = {"world_size": self.accelerator.num_processes, "batch_size": self.config.batch_size,
-                    "gradient_accumulation_steps": self.config.gradient_accumulation_steps}  # fmt: skip
-        differs = [f"{key} {state[key]} (now {value})" for key, value in this_run.items() if state[key] != value]
-        if differs:
-            raise CheckpointError(
-                f"checkpoint {path} was written with {', '.join(differs)}. The position in the data is kept per "
-                "process, so resume with the same number of processes, batch_size and gradient_accumulation_steps."
-            )
-        try:
-            self.accelerator.load_state(str(path))
-        except (RuntimeError, KeyError, ValueError, OSError) as err:
-            detail = " ".join(str(err).split())[:2000]  # torch's size-mismatch report spans many lines
-            raise CheckpointError(f"checkpoint {path} does not fit this run: {detail}") from err
-        self.global_step, self.epoch = state["global_step"], state["epoch"]
-        self.batches_into_epoch = state["batches_into_epoch"]
-        if self.stream is not None:
-            positions = state.get("streams") or [None] * self.accelerator.num_processes
-            self.stream.resume_at(positions[self.accelerator.process_index], self.batches_into_epoch)
-        self.run_id = state.get("run_id", self.run_id)
-        self.best = state.get("best")
-        self._say(f"resumed from {path}: step {self.global_step}, epoch {self.epoch}, batch {self.batches_into_epoch}")
-
-    def save_model(self, directory: str | Path | None = None) -> Path:
-        """Export the weights once, from the global main process, to ``<output_dir>/final`` by default:
-        ``save_pretrained`` (safetensors) for transformers models, ``model.safetensors`` otherwise."""
-        directory = Path(directory or Path(self.config.output_dir) / "final")
-        self.accelerator.wait_for_everyone()
-        model = self.unwrapped_model
-        if hasattr(model, "save_pretrained"):
-            state_dict = self.accelerator.get_state_dict(model)  # the plain module's: no "_orig_mod." prefixes
-            if self.accelerator.is_main_process:
-                with no_library_progress_bars_off_a_terminal():
-                    model.save_pretrained(directory, state_dict=state_dict)
-        else:
-            self.accelerator.save_model(model, directory, safe_serialization=True)
-        self.accelerator.wait_for_everyone()
-        return directory
-
     # ---------------------------------------------------------------- evaluation
 
     def evaluate(self) -> dict[str, float]:
@@ -557,23 +434,3 @@ class Trainer:
             method = getattr(callback, hook, None)
             if method is not None:
                 method(self, **kwargs)
-
-    def _print_banner(self) -> None:
-        acc, cfg = self.accelerator, self.config
-        steps = f"max_steps={cfg.max_steps}" if cfg.max_steps else f"{cfg.epochs} epochs"
-        threads = f", {torch.get_num_threads()} CPU threads per process" if acc.device.type == "cpu" else ""
-        per_epoch = self.steps_per_epoch if self.steps_per_epoch else "unknown"
-        weighs = "; the loss weighs every counted token alike" if self.weighing.counts_tokens else ""
-        short = ""
-        if self.batches_per_epoch and self.batches_per_epoch < cfg.gradient_accumulation_steps:
-            short = (f"\n        | an epoch has {self.batches_per_epoch} batches per process, fewer than the "
-                     f"{cfg.gradient_accumulation_steps} accumulation steps: each step accumulates those "
-                     f"{self.batches_per_epoch}")  # fmt: skip
-        self._say(
-            f"trainer | {acc.num_processes} process(es) on {num_machines(acc)} machine(s), device {acc.device.type} "
-            f"({acc.distributed_type.value}){threads}, mixed precision {acc.mixed_precision}\n"
-            f"        | batch {cfg.batch_size} per process x {acc.num_processes} processes x "
-            f"{cfg.gradient_accumulation_steps} accumulation = {self.global_batch_size} global{weighs}{short}\n"
-            f"        | {per_epoch} optimizer steps per epoch, {self.total_steps} in all ({steps}); {self._optimization}"
-        )
-

@@ -1,0 +1,46 @@
+"""What the main process says about a run: the start banner and the step line of each log."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from trainer.distributed import num_machines
+
+STEP_FIGURES = ("step", "epoch", "train_loss", "lr", "examples_per_s", "tokens_per_s")  # the rest: a callback's
+
+
+def step_line(metrics: dict[str, Any], total_steps: int) -> str:
+    """``step 300/300 | loss 4.746 | lr 0.0002 | 53.4 examples/s | 6,834 tokens/s``, then any figure a callback
+    added to ``metrics`` in ``on_log`` (``| MFU 41.5%``)."""
+    line = (f"step {metrics['step']}/{total_steps} | loss {metrics['train_loss']:.6g} | lr {metrics['lr']:.4g} | "
+            f"{metrics['examples_per_s']:.1f} examples/s")  # fmt: skip
+    if "tokens_per_s" in metrics:
+        line += f" | {metrics['tokens_per_s']:,.0f} tokens/s"
+    for key, value in metrics.items():
+        if key not in STEP_FIGURES:
+            line += f" | {key} {value:.4g}" if isinstance(value, float) else f" | {key} {value}"
+    return line
+
+
+def banner(trainer: Any) -> str:
+    """What a run is about to do, said once at the start of ``fit()``: processes, device, the global batch and how
+    its loss is weighed, steps, optimizer and schedule."""
+    acc, cfg = trainer.accelerator, trainer.config
+    steps = f"max_steps={cfg.max_steps}" if cfg.max_steps else f"{cfg.epochs} epochs"
+    threads = f", {torch.get_num_threads()} CPU threads per process" if acc.device.type == "cpu" else ""
+    per_epoch = trainer.steps_per_epoch if trainer.steps_per_epoch else "unknown"
+    weighs = "; the loss weighs every counted token alike" if trainer.weighing.counts_tokens else ""
+    short, batches = "", trainer.batches_per_epoch
+    if batches and batches < cfg.gradient_accumulation_steps:
+        short = (f"\n        | an epoch has {batches} batches per process, fewer than the "
+                 f"{cfg.gradient_accumulation_steps} accumulation steps: each step accumulates those {batches}")
+    return (
+        f"trainer | {acc.num_processes} process(es) on {num_machines(acc)} machine(s), device {acc.device.type} "
+        f"({acc.distributed_type.value}){threads}, mixed precision {acc.mixed_precision}\n"
+        f"        | batch {cfg.batch_size} per process x {acc.num_processes} processes x "
+        f"{cfg.gradient_accumulation_steps} accumulation = {trainer.global_batch_size} global{weighs}{short}\n"
+        f"        | {per_epoch} optimizer steps per epoch, {trainer.total_steps} in all ({steps}); "
+        f"{trainer.optimization}"
+    )

@@ -1,0 +1,129 @@
+"""The Trainer's checkpoints: what one holds of where training stands, writing it, continuing from it, and the
+exported model. Where checkpoints live and how they are committed and verified is ``trainer.checkpoint``'s.
+
+A mixin of :class:`trainer.Trainer`, which supplies the state it reads (``accelerator``, ``config``, the step and the
+position in the data, the stream, the best evaluation).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from accelerate.utils import broadcast_object_list, gather_object
+
+from trainer import checkpoint
+from trainer.callbacks import improves
+from trainer.checkpoint import CheckpointError, checkpoint_root, find_resume_point
+from trainer.console import no_library_progress_bars_off_a_terminal
+
+
+class Checkpoints:
+    """save_checkpoint / load_checkpoint / save_model and the resume point, for the Trainer."""
+
+    def save_checkpoint(self) -> Path:
+        """A full-state checkpoint (model, optimizer, scheduler, scaler, every rank's RNG, where training stands)
+        under ``<output_dir>/checkpoints/step-<N>``; call it on every rank. A non-finite loss stops it first."""
+        self.nonfinite.check(str(self.last_checkpoint or ""))
+        epoch, batches = self.epoch, self.batches_into_epoch
+        if self.batches_per_epoch and batches >= self.batches_per_epoch:
+            epoch, batches = epoch + 1, 0  # the epoch is finished: the next step starts the next one
+        state = {
+            "global_step": self.global_step, "epoch": epoch, "batches_into_epoch": batches,
+            "world_size": self.accelerator.num_processes, "batch_size": self.config.batch_size,
+            "gradient_accumulation_steps": self.config.gradient_accumulation_steps, "config": self.config.to_dict(),
+            "run_id": self.run_id,  # rank k's wandb run is <run_id>-rank<k>: a resume continues it
+        }  # fmt: skip
+        if self.stream is not None:  # where each process's part of the stream stands, as JSON
+            state["streams"] = self._stream_positions(batches)
+        best = self._best_so_far()
+        state["best"] = self.best
+        root = checkpoint_root(self.config.output_dir)
+        self.last_checkpoint = checkpoint.save(self.accelerator, root, self.global_step, state, self.config.keep_last,
+                                               best=best)  # fmt: skip
+        return self.last_checkpoint
+
+    def _stream_positions(self, batches: int) -> list[Any]:
+        """Every process's stream position after ``batches`` batches of this epoch, on every process."""
+        position = self.stream.position(batches) if batches else None
+        positions = gather_object([position]) if self.accelerator.num_processes > 1 else [position]
+        try:
+            json.dumps(positions)
+        except (TypeError, ValueError) as err:
+            raise CheckpointError(f"train_data ({self.stream.name})'s state_dict() cannot be saved as JSON ({err}): "
+                                  "return plain numbers, strings, lists and dicts from it") from None  # fmt: skip
+        return positions
+
+    def _agreed_resume_point(self) -> Optional[Path]:
+        """The checkpoint to continue from, chosen by the main process (which also takes the output_dir's lock, and
+        sets a damaged checkpoint aside when resume is 'auto') and shared with every rank."""
+        chosen = [None]
+        if self.accelerator.is_main_process:
+            self._lock = checkpoint.lock_output_dir(self.config.output_dir)  # held while this process lives
+            found = find_resume_point(self.config)
+            chosen = [str(found) if found is not None else None]
+        if self.accelerator.num_processes > 1:
+            broadcast_object_list(chosen, from_process=0)
+        return Path(chosen[0]) if chosen[0] is not None else None
+
+    @property
+    def best_checkpoint(self) -> Optional[Path]:
+        """With ``keep_best``: the checkpoint of the best evaluation so far (``load_checkpoint`` it), else None."""
+        return checkpoint.best_checkpoint(checkpoint_root(self.config.output_dir))
+
+    def _best_so_far(self) -> bool:
+        """Whether this step's evaluation is the best yet of ``keep_best`` (the same answer on every rank)."""
+        figure = self.config.keep_best
+        if figure is None or self.last_eval is None or self.last_eval[0] != self.global_step:
+            return False
+        if figure not in self.last_eval[1]:
+            raise KeyError(f"keep_best is {figure!r}, but evaluate() gives {', '.join(self.last_eval[1])}")
+        value = self.last_eval[1][figure]
+        if not improves(value, self.best and self.best["value"], self.config.keep_best_mode):
+            return False
+        self.best = {"figure": figure, "value": value, "step": self.global_step}
+        return True
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        """Continue from checkpoint ``path``: weights, optimizer, schedule, RNG and the position in the data."""
+        # Sizes on every rank, contents (CRC-32) on the main process: reading every byte once is enough.
+        path = checkpoint.verify(Path(path), contents=self.accelerator.is_main_process)
+        state = checkpoint.read_state(path)
+        this_run = {"world_size": self.accelerator.num_processes, "batch_size": self.config.batch_size,
+                    "gradient_accumulation_steps": self.config.gradient_accumulation_steps}  # fmt: skip
+        differs = [f"{key} {state[key]} (now {value})" for key, value in this_run.items() if state[key] != value]
+        if differs:
+            raise CheckpointError(
+                f"checkpoint {path} was written with {', '.join(differs)}. The position in the data is kept per "
+                "process, so resume with the same number of processes, batch_size and gradient_accumulation_steps."
+            )
+        try:
+            self.accelerator.load_state(str(path))
+        except (RuntimeError, KeyError, ValueError, OSError) as err:
+            detail = " ".join(str(err).split())[:2000]  # torch's size-mismatch report spans many lines
+            raise CheckpointError(f"checkpoint {path} does not fit this run: {detail}") from err
+        self.global_step, self.epoch = state["global_step"], state["epoch"]
+        self.batches_into_epoch = state["batches_into_epoch"]
+        if self.stream is not None:
+            positions = state.get("streams") or [None] * self.accelerator.num_processes
+            self.stream.resume_at(positions[self.accelerator.process_index], self.batches_into_epoch)
+        self.run_id = state.get("run_id", self.run_id)
+        self.best = state.get("best")
+        self._say(f"resumed from {path}: step {self.global_step}, epoch {self.epoch}, batch {self.batches_into_epoch}")
+
+    def save_model(self, directory: str | Path | None = None) -> Path:
+        """Export the weights once, from the global main process, to ``<output_dir>/final`` by default:
+        ``save_pretrained`` (safetensors) for transformers models, ``model.safetensors`` otherwise."""
+        directory = Path(directory or Path(self.config.output_dir) / "final")
+        self.accelerator.wait_for_everyone()
+        model = self.unwrapped_model
+        if hasattr(model, "save_pretrained"):
+            state_dict = self.accelerator.get_state_dict(model)  # the plain module's: no "_orig_mod." prefixes
+            if self.accelerator.is_main_process:
+                with no_library_progress_bars_off_a_terminal():
+                    model.save_pretrained(directory, state_dict=state_dict)
+        else:
+            self.accelerator.save_model(model, directory, safe_serialization=True)
+        self.accelerator.wait_for_everyone()
+        return directory
