@@ -9,7 +9,8 @@ padded to 32 (labels -100 on the padding), trained by our Trainer or, as the out
 Data in order (no shuffle), so every split reads the same global batches. ``--data``: ``map`` (a list), ``stream``
 (a datasets IterableDataset, one shard), ``torch_stream`` (a torch IterableDataset; ``--stateless`` without
 state_dict). ``--loss pair``: a loss_fn returning (sum over tokens, tokens). The main process writes
-<out>/ragged.json: per-step losses and lrs, the final weights, and the example indices each process trained on.
+<out>/ragged.json: per-step losses and lrs, the final weights, and the example indices each process read.
+``--variants '{"a": [flags], "b": [flags]}'`` runs one job per entry in the same processes, into <out>/a, <out>/b.
 """
 
 from __future__ import annotations
@@ -182,7 +183,7 @@ def weights(model: torch.nn.Module) -> dict[str, list]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--trainer", choices=["ours", "hf"], default="ours")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", default="runs/ragged")
     parser.add_argument("--data", choices=["map", "stream", "torch_stream"], default="map")
     parser.add_argument("--stateless", action="store_true")
     parser.add_argument("--loss", choices=["default", "pair"], default="default")
@@ -201,11 +202,16 @@ def main() -> None:
     parser.add_argument("--save_every", type=int, default=None)
     parser.add_argument("--crash_at", type=int, default=0)
     parser.add_argument("--eval", action="store_true", help="evaluate on the training rows after training")
-    args = parser.parse_args()
-    summary = ours(args) if args.trainer == "ours" else hf(args)
-    if int(os.environ.get("RANK", "0")) == 0:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        Path(args.out, "ragged.json").write_text(json.dumps(summary))
+    parser.add_argument("--variants", default="{}", help='JSON {"name": [flags]}: one job each, in <out>/<name>')
+    args, rest = parser.parse_known_args()
+    variants = json.loads(args.variants) or {"": []}  # several jobs in one launch: the start-up paid once
+    for name, flags in variants.items():
+        job = parser.parse_args(rest + flags, namespace=argparse.Namespace(**vars(args)))
+        job.out = str(Path(args.out, name))
+        summary = ours(job) if job.trainer == "ours" else hf(job)
+        if int(os.environ.get("RANK", "0")) == 0:
+            Path(job.out).mkdir(parents=True, exist_ok=True)
+            Path(job.out, "ragged.json").write_text(json.dumps(summary))
 
 
 if __name__ == "__main__":

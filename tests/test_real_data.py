@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import ROOT, accelerate_launch, python, torchrun
+from conftest import ROOT, accelerate_launch, python
 
 RAGGED = ROOT / "tests" / "ragged_lm.py"
 
@@ -31,44 +31,43 @@ def largest_difference(a: dict, b: dict) -> float:
                for k in b["weights"])  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def one_process_batch_8(tmp_path_factory):
-    """The reference: 1 process, batch 8, SGD, 6 steps (one epoch of the 48 sequences)."""
-    return run(tmp_path_factory.mktemp("reference"), "one", "--batch_size", "8", "--eval")[0]
+# One launch each for the 1-process and the 2-process jobs (tests/ragged_lm.py --variants): the start-up paid once.
+ONE_PROCESS = {"batch 8": ["--batch_size", "8"],
+               "1 process x 4 x accumulation 2": ["--batch_size", "4", "--accumulation", "2"]}
+TWO_PROCESSES = {"2 processes x 2 x accumulation 2": ["--batch_size", "2", "--accumulation", "2"],
+                 "2 processes x 4": ["--batch_size", "4"],
+                 "2 processes x 4, their loss_fn returns (sum, count)": ["--batch_size", "4", "--loss", "pair"],
+                 "2 processes x 2 x accumulation 2, a torch IterableDataset": [
+                     "--batch_size", "2", "--accumulation", "2", "--data", "torch_stream", "--max_steps", "6"]}
+# GPT-2 as a sequence classifier takes **kwargs but computes its loss inline, a mean over its examples: weighed by
+# its examples. 46 examples, batch 4: 1 process x accumulation 2 ends on a window of 4 + 2 examples (an average of
+# the two micro-batch means would give the 2 examples the weight of 4); 2 processes end on 3 + 3.
+CLASSIFIER = ["--model", "classifier", "--examples", "46"]
+ONE_PROCESS.update({"classifier, batch 8": [*CLASSIFIER, "--batch_size", "8"],
+                    "classifier, 1 process x 4 x accumulation 2": [*CLASSIFIER, "--batch_size", "4", "--accumulation",
+                                                                   "2"]})
+TWO_PROCESSES["classifier, 2 processes x 4"] = [*CLASSIFIER, "--batch_size", "4"]  # fmt: skip
 
 
-SPLITS = {"2 processes x 2 x accumulation 2": ["--batch_size", "2", "--accumulation", "2"],
-          "2 processes x 4": ["--batch_size", "4"],
-          "1 process x 4 x accumulation 2": ["--batch_size", "4", "--accumulation", "2"],
-          "2 processes x 4, their loss_fn returns (sum, count)": ["--batch_size", "4", "--loss", "pair"]}
-
-
-@pytest.mark.parametrize("split", list(SPLITS))
-def test_every_counted_token_weighs_the_same_whatever_the_split(tmp_path, one_process_batch_8, split):
-    args = SPLITS[split]
-    processes = 1 if split.startswith("1 process") else 2
-    summary, _ = run(tmp_path, "split", *args, "--eval", processes=processes)
-    assert summary["world_size"] == processes
-    # Before token weighting: 0.71 (2 x 2 x 2) and 0.26 (1 x 4 x 2) apart. Now float reduction order alone.
-    difference = largest_difference(summary, one_process_batch_8)
-    print(f"{split}: largest weight difference {difference:.2e} (relative)")
-    assert difference < 1e-5
-    np.testing.assert_allclose(summary["losses"], one_process_batch_8["losses"], rtol=1e-5)
-    # The eval loss counts each token once too, on any number of processes.
-    assert summary["eval_loss"] == pytest.approx(summary["eval_reference"], rel=1e-5)
-
-
-@pytest.mark.parametrize("processes,accumulation", [(1, 2), (2, 1)])
-def test_a_model_that_averages_its_own_loss_is_weighed_by_its_count(tmp_path, processes, accumulation):
-    """GPT-2 as a sequence classifier takes **kwargs but computes its loss inline: its mean is weighed by its
-    examples. 46 examples, batch 4: 1 process x accumulation 2 ends on a window of 4 + 2 examples (an average of
-    the two micro-batch means would give the 2 examples the weight of 4); 2 processes end on 3 + 3."""
-    args = ["--model", "classifier", "--examples", "46"]
-    big, _ = run(tmp_path, "big", *args, "--batch_size", "8")
-    split, _ = run(tmp_path, "split", *args, "--batch_size", "4", "--accumulation", str(accumulation),
-                   processes=processes)  # fmt: skip
-    assert largest_difference(split, big) < 1e-5
-    np.testing.assert_allclose(split["losses"], big["losses"], rtol=1e-5)
+def test_every_counted_token_weighs_the_same_whatever_the_split(tmp_path):
+    runs = {}
+    for processes, variants in ((1, ONE_PROCESS), (2, TWO_PROCESSES)):
+        names = {f"v{i}": name for i, name in enumerate(variants)}
+        flags = {key: variants[name] + ([] if "classifier" in name else ["--eval"]) for key, name in names.items()}
+        run(tmp_path, str(processes), "--variants", json.dumps(flags), processes=processes)
+        runs.update({name: json.loads((tmp_path / str(processes) / key / "ragged.json").read_text())
+                     for key, name in names.items()})  # fmt: skip
+    for split, summary in runs.items():
+        reference = runs["classifier, batch 8" if split.startswith("classifier") else "batch 8"]
+        assert summary["world_size"] == (2 if "2 processes" in split else 1)
+        # Before token weighting: 0.60 (2 x 2 x 2), 0.24 (2 x 4), 0.17 (1 x 4 x 2) apart. Now float order alone.
+        difference = largest_difference(summary, reference)
+        print(f"{split}: largest weight difference {difference:.2e} (relative)")
+        assert difference < 1e-5, split
+        np.testing.assert_allclose(summary["losses"], reference["losses"], rtol=1e-5, err_msg=split)
+        # The eval loss counts each token once too, on any number of processes.
+        if not split.startswith("classifier"):
+            assert summary["eval_loss"] == pytest.approx(summary["eval_reference"], rel=1e-5), split
 
 
 ORACLE_CASES = {
@@ -79,53 +78,59 @@ ORACLE_CASES = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("case", list(ORACLE_CASES))
-def test_transformers_trainer_reaches_the_same_weights_bit_for_bit(tmp_path, case):
-    ours, _ = run(tmp_path, "ours", *ORACLE_CASES[case])
-    theirs, _ = run(tmp_path, "hf", "--trainer", "hf", *ORACLE_CASES[case])
-    assert len(ours["losses"]) == len(theirs["losses"]) > 5
-    for name, values in theirs["weights"].items():
-        assert ours["weights"][name] == values, f"{name} differs from transformers' Trainer"
-    np.testing.assert_allclose(ours["losses"], theirs["losses"], rtol=1e-6)  # float32 sums vs ours in float64
-    assert ours["lrs"] == theirs["lrs"], "the logged lr is the one the step used, as transformers logs it"
-    if "warm-up" in case:
-        assert ours["lrs"][:3] == [0.0, 0.005, 0.01]
-
-
-def test_a_stream_is_read_by_every_process_its_own_part(tmp_path, one_process_batch_8):
-    stream, _ = run(tmp_path, "stream", "--data", "stream", "--batch_size", "2", "--accumulation", "2",
-                    "--max_steps", "6", processes=2)  # fmt: skip
-    rank0, rank1 = stream["seen"]
-    read = sorted(i for batch in rank0[:12] + rank1[:12] for i in batch)
-    assert read == list(range(48)), "each example once, by one process"
-    assert rank0[0] == [0, 2] and rank1[0] == [1, 3], "datasets' split_dataset_by_node: every 2nd example"
-    assert largest_difference(stream, one_process_batch_8) < 1e-5
-    plain, _ = run(tmp_path, "torch", "--data", "torch_stream", "--batch_size", "4", "--max_steps", "6",
-                   processes=2, launcher=torchrun)  # fmt: skip
-    assert plain["seen"][1][0] == [1, 3, 5, 7], "a torch IterableDataset: process k keeps examples k, k+K, ..."
-    assert largest_difference(plain, one_process_batch_8) < 1e-5
+def test_transformers_trainer_reaches_the_same_weights_bit_for_bit(tmp_path):
+    cases = {f"c{i}": flags for i, flags in enumerate(ORACLE_CASES.values())}
+    for trainer in ("ours", "hf"):
+        run(tmp_path, trainer, "--trainer", trainer, "--variants", json.dumps(cases))
+    for key, case in zip(cases, ORACLE_CASES, strict=True):
+        ours, theirs = (json.loads((tmp_path / t / key / "ragged.json").read_text()) for t in ("ours", "hf"))
+        assert len(ours["losses"]) == len(theirs["losses"]) > 5, case
+        for name, values in theirs["weights"].items():
+            assert ours["weights"][name] == values, f"{case}: {name} differs from transformers' Trainer"
+        np.testing.assert_allclose(ours["losses"], theirs["losses"], rtol=1e-6, err_msg=case)  # theirs: float32 sums
+        assert ours["lrs"] == theirs["lrs"], f"{case}: the logged lr is the one the step used, as transformers logs it"
+        if "warm-up" in case:
+            assert ours["lrs"][:3] == [0.0, 0.005, 0.01]
 
 
 RESUMED = ["--batch_size", "2", "--accumulation", "2", "--save_every", "2", "--optimizer", "adamw", "--lr", "0.01"]
 
+
+@pytest.fixture(scope="module")
+def in_order(tmp_path_factory):
+    """The uninterrupted job read from the list of sequences, by process count and steps: a stream split per
+    process reads the same examples in the same order (every K-th), so it must reach these very weights."""
+    runs = {}
+
+    def reference(processes: int, steps: int) -> dict:
+        if (processes, steps) not in runs:
+            out = tmp_path_factory.mktemp(f"in_order_{processes}")
+            runs[processes, steps] = run(out, "run", *RESUMED, "--max_steps", str(steps), processes=processes)[0]
+        return runs[processes, steps]
+
+    return reference
+
+
 # A pass over the stream is 12 steps on 1 process, 6 on 2. (data, processes, max_steps, crash after, checkpoint
-# resumed, the first batch the rerun reads): at the very end of a pass, and 2 steps into the second pass.
-STREAM_RESUMES = [("stream", 1, 14, 13, 12, [0, 1]), ("stream", 2, 10, 9, 8, [16, 18]),
-                  ("torch_stream", 2, 10, 9, 8, [16, 18])]  # fmt: skip
+# resumed, the first batch each process reads when it reruns): at the very end of a pass on 1 process, a datasets
+# stream and a torch IterableDataset with state_dict(); 2 steps into the second pass on 2 (datasets'
+# split_dataset_by_node: every 2nd example).
+STREAM_RESUMES = [("stream", 1, 14, 13, 12, [[0, 1]]), ("torch_stream", 1, 14, 13, 12, [[0, 1]]),
+                  ("stream", 2, 10, 9, 8, [[16, 18], [17, 19]])]  # fmt: skip
 
 
-@pytest.mark.parametrize("data,processes,steps,crash,resumed_at,first_read", STREAM_RESUMES)
-def test_a_stream_resumes_where_it_stopped_bit_identical(tmp_path, data, processes, steps, crash, resumed_at,
-                                                         first_read):  # fmt: skip
+@pytest.mark.parametrize("data,processes,steps,crash,resumed_at,first_reads", STREAM_RESUMES)
+def test_a_stream_is_read_in_parts_and_resumes_where_it_stopped_bit_identical(tmp_path, in_order, data, processes,
+                                                                              steps, crash, resumed_at, first_reads):
     args = [*RESUMED, "--data", data, "--max_steps", str(steps)]
-    full, _ = run(tmp_path, "full", *args, processes=processes)
     run(tmp_path, "crashed", *args, "--crash_at", str(crash), processes=processes, expect_ok=False)
     resumed, result = run(tmp_path, "crashed", *args, processes=processes)
     assert f"resumed from {tmp_path}/crashed/checkpoints/step-{resumed_at:08d}: step {resumed_at}," in result.stdout
-    for name, values in full["weights"].items():
-        assert resumed["weights"][name] == values, f"{name} differs after the resume"
-    # The checkpoint holds each process's position in the stream: the rerun reads on from there, nothing before.
-    assert resumed["seen"][0][0] == first_read
+    # Each process's position was in the checkpoint: the rerun reads on from there, its own part, nothing before.
+    assert [reads[0] for reads in resumed["seen"]] == first_reads
+    # The same weights, bit for bit, as the uninterrupted job read from the list of sequences.
+    for name, values in in_order(processes, steps)["weights"].items():
+        assert resumed["weights"][name] == values, f"{name} differs"
 
 
 def test_a_stream_that_cannot_say_where_it_is_is_refused_at_resume(tmp_path):
