@@ -82,7 +82,8 @@ def build_train_loader(
             loader = DataLoader(stream, batch_size=loader.batch_size, collate_fn=loader.collate_fn,
                                 num_workers=loader.num_workers, pin_memory=loader.pin_memory,
                                 drop_last=loader.drop_last, worker_init_fn=loader.worker_init_fn,
-                                persistent_workers=loader.persistent_workers, generator=loader.generator)  # fmt: skip
+                                persistent_workers=loader.persistent_workers, generator=loader.generator,
+                                prefetch_factor=loader.prefetch_factor, timeout=loader.timeout)  # fmt: skip
     elif isinstance(data, IterableDataset):
         stream = StreamShard(data, accelerator.process_index, accelerator.num_processes, config.batch_size,
                              read_ahead(config))  # fmt: skip

@@ -59,12 +59,17 @@ class Trainer(Checkpoints):
     Args:
         model: a plain ``torch.nn.Module``, built the same way on every process.
         config: a :class:`TrainConfig`; ``batch_size`` is per process.
-        train_data: a map-style Dataset (sharded here as DistributedSampler does, seed 000) or a DataLoader (used
-            as is: with several processes it needs a DistributedSampler, or an IterableDataset that shards itself).
-        eval_data: optional Dataset or DataLoader for :meth:`evaluate`, each example counted exactly once.
-        loss_fn: ``loss_fn(model, batch) -> scalar tensor``; default ``model(**batch).loss``. In training ``model``
-            is the prepared (DDP-wrapped) model, in evaluation the plain module. Under mixed precision it runs
-            inside the launch's autocast, as torch's AMP recipe does, and the model's outputs keep its dtype.
+        train_data: a map-style Dataset (sharded here as DistributedSampler does), a stream (an IterableDataset,
+            with ``max_steps``: each process reads its own part, resumable mid-stream; ``trainer.streams``) or a
+            DataLoader (used as is: with several processes it needs a DistributedSampler, or an IterableDataset
+            that yields each process its own part).
+        eval_data: optional Dataset, IterableDataset or DataLoader for :meth:`evaluate`, each example counted once.
+        loss_fn: ``loss_fn(model, batch) -> scalar tensor`` (a mean), or ``-> (loss_sum, count)`` to weigh every
+            item it counts alike across the global batch; default ``model(**batch).loss``, which for a transformers
+            model with labels weighs every counted token of the global batch alike (``trainer.accumulation``). In
+            training ``model`` is the prepared (DDP-wrapped) model, in evaluation the plain module. Under mixed
+            precision it runs inside the launch's autocast, as torch's AMP recipe does, and the model's outputs
+            keep its dtype.
         metrics_fn: ``metrics_fn(model, batch) -> {name: tensor of shape [batch]}``, one number per example (say
             ``(logits.argmax(-1) == labels).float()`` for accuracy); :meth:`evaluate` adds ``eval_<name>``, the mean
             over the eval set with every example counted once.
