@@ -9,6 +9,8 @@ import json
 
 import numpy as np
 import pytest
+import transformers
+from packaging.version import Version
 
 from conftest import ROOT, accelerate_launch, python
 
@@ -78,6 +80,8 @@ ORACLE_CASES = {
 }  # fmt: skip
 
 
+@pytest.mark.skipif(Version(transformers.__version__) < Version("5.17"),
+                    reason="transformers' Trainer counts a causal LM's tokens after the shift from 5.x (checked: 5.17)")
 def test_transformers_trainer_reaches_the_same_weights_bit_for_bit(tmp_path):
     cases = {f"c{i}": flags for i, flags in enumerate(ORACLE_CASES.values())}
     for trainer in ("ours", "hf"):
@@ -122,6 +126,8 @@ STREAM_RESUMES = [("stream", 1, 14, 13, 12, [[0, 1]]), ("torch_stream", 1, 14, 1
 @pytest.mark.parametrize("data,processes,steps,crash,resumed_at,first_reads", STREAM_RESUMES)
 def test_a_stream_is_read_in_parts_and_resumes_where_it_stopped_bit_identical(tmp_path, in_order, data, processes,
                                                                               steps, crash, resumed_at, first_reads):
+    if data == "stream":
+        pytest.importorskip("datasets")
     args = [*RESUMED, "--data", data, "--max_steps", str(steps)]
     run(tmp_path, "crashed", *args, "--crash_at", str(crash), processes=processes, expect_ok=False)
     resumed, result = run(tmp_path, "crashed", *args, processes=processes)
