@@ -139,8 +139,9 @@ class Weighing:
         window = StepBatches(micro_batches, total / self.world)
         counts = [self.count(batch) for batch in micro_batches]
         if counts and all(c is not None for c in counts):
-            tokens = torch.stack(counts).sum() if len(counts) > 1 else counts[0].clone()  # each keeps its own
+            tokens = torch.stack(counts).sum() if len(counts) > 1 else counts[0]
             if self.world > 1:
+                tokens = tokens.clone() if len(counts) == 1 else tokens  # summed in place: each keeps its own count
                 window.pending = dist.all_reduce(tokens, async_op=True)
             window.tokens, window.counts = tokens, iter(counts)
         return window
