@@ -34,8 +34,9 @@ def parameter_groups(model: torch.nn.Module, config: TrainConfig) -> list[dict]:
     if config.weight_decay == 0 or config.decay_biases_and_norms:
         return [{"params": [p for _, p in named]}]
     decay = decayed(model)
-    return [{"params": [p for name, p in named if name in decay]},
-            {"params": [p for name, p in named if name not in decay], "weight_decay": 0.0}]  # fmt: skip
+    groups = [{"params": [p for name, p in named if name in decay]},
+              {"params": [p for name, p in named if name not in decay], "weight_decay": 0.0}]  # fmt: skip
+    return [group for group in groups if group["params"]]  # a model of biases alone: one group
 
 
 def decayed(model: torch.nn.Module) -> set[str]:
@@ -80,8 +81,9 @@ def describe(optimizer: torch.optim.Optimizer, lr_scheduler, config: TrainConfig
         if config.weight_decay:
             groups = optimizer.param_groups
             tensors = sum(len(group["params"]) for group in groups)
-            where = (f"{len(groups[0]['params'])} of {tensors} tensors (not biases or norm weights)"
-                     if len(groups) > 1 else f"all {tensors} tensors")  # fmt: skip
+            decays = sum(len(group["params"]) for group in groups if group["weight_decay"])
+            where = (f"{decays} of {tensors} tensors (not biases or norm weights)"
+                     if decays < tensors else f"all {tensors} tensors")  # fmt: skip
             words += f", weight decay {config.weight_decay:g} on {where}"
     else:
         words = f"your {type(optimizer).__name__} (lr {optimizer.param_groups[0]['lr']:g})"
