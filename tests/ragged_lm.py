@@ -125,7 +125,10 @@ def ours(args) -> dict:
                          epochs=args.epochs, max_steps=args.max_steps, shuffle=False, log_every=1,
                          save_every=args.save_every, resume="auto" if args.save_every else None)  # fmt: skip
     seen = Seen()
-    trainer = Trainer(tiny_gpt2(args.model == "classifier"), config, train_data=data, collate_fn=seen,
+    model = tiny_gpt2(args.model == "classifier")
+    if args.bf16_model:
+        model.to(torch.bfloat16)
+    trainer = Trainer(model, config, train_data=data, collate_fn=seen,
                       eval_data=rows if args.eval else None,
                       loss_fn=pair_loss if args.loss == "pair" else None,
                       callbacks=[CrashAfter(args.crash_at)] if args.crash_at else [])  # fmt: skip
@@ -134,7 +137,11 @@ def ours(args) -> dict:
 
     summary = {"losses": [row["train_loss"] for row in trainer.log_history],
                "lrs": [row["lr"] for row in trainer.log_history], "weights": weights(trainer.unwrapped_model),
-               "seen": gather_object([seen.indices]), "world_size": trainer.accelerator.num_processes}  # fmt: skip
+               "seen": gather_object([seen.indices]), "world_size": trainer.accelerator.num_processes,
+               "held": sum(local(p).numel() for p in trainer.model.parameters()),
+               "dtypes": sorted({str(local(p).dtype) for p in trainer.model.parameters()}),
+               "optimizer_dtypes": sorted({str(local(v).dtype) for state in trainer.optimizer.state.values()
+                                           for v in state.values() if v.dim() > 0})}  # fmt: skip
     if args.eval:  # the eval loss over every counted token once, and the same figure computed here directly
         summary["eval_loss"] = result["eval_loss"]
         summary["eval_reference"] = token_mean_loss(trainer.unwrapped_model, rows)
@@ -176,8 +183,15 @@ def hf(args) -> dict:
             "weights": weights(model), "world_size": 1}  # fmt: skip
 
 
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """What this process holds of a tensor (its shard of a sharded one)."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 def weights(model: torch.nn.Module) -> dict[str, list]:
-    return {name: p.detach().cpu().flatten().tolist() for name, p in model.named_parameters()}
+    """Every weight, whole (a sharded model's gathered from its processes: call it on every process)."""
+    whole = {name: p.full_tensor() if hasattr(p, "full_tensor") else p for name, p in model.named_parameters()}
+    return {name: p.detach().cpu().flatten().tolist() for name, p in whole.items()}
 
 
 def main() -> None:
@@ -202,13 +216,18 @@ def main() -> None:
     parser.add_argument("--save_every", type=int, default=None)
     parser.add_argument("--crash_at", type=int, default=0)
     parser.add_argument("--eval", action="store_true", help="evaluate on the training rows after training")
+    parser.add_argument("--ddp", action="store_true", help="under an FSDP launch: this job as DDP (the reference)")
+    parser.add_argument("--bf16_model", action="store_true", help="build the model in bf16")
     parser.add_argument("--variants", default="{}", help='JSON {"name": [flags]}: one job each, in <out>/<name>')
     args, rest = parser.parse_known_args()
     variants = json.loads(args.variants) or {"": []}  # several jobs in one launch: the start-up paid once
     for name, flags in variants.items():
         job = parser.parse_args(rest + flags, namespace=argparse.Namespace(**vars(args)))
         job.out = str(Path(args.out, name))
+        sharding = os.environ.pop("ACCELERATE_USE_FSDP", None) if job.ddp else None
         summary = ours(job) if job.trainer == "ours" else hf(job)
+        if sharding is not None:
+            os.environ["ACCELERATE_USE_FSDP"] = sharding
         if int(os.environ.get("RANK", "0")) == 0:
             Path(job.out).mkdir(parents=True, exist_ok=True)
             Path(job.out, "ragged.json").write_text(json.dumps(summary))

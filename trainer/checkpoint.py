@@ -3,7 +3,8 @@
 Layout under ``<output_dir>/checkpoints/``::
 
     step-00000040/        accelerate's save_state (model.safetensors, optimizer.bin, scheduler.bin, scaler.pt,
-                          random_states_<rank>.pkl for every rank) + trainer_state.json, written last
+                          random_states_<rank>.pkl for every rank) + trainer_state.json, written last;
+                          a sharded model's weights and optimizer state are in shards/ instead (each rank its own)
     step-00000080/
     latest                the name of the newest complete checkpoint, replaced atomically
 
@@ -32,7 +33,7 @@ import socket
 import sys
 import zlib
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from accelerate import Accelerator
 
@@ -179,9 +180,10 @@ def read_state(path: Path) -> dict[str, Any]:
 
 
 def save(accelerator: Accelerator, root: Path, step: int, trainer_state: dict[str, Any], keep_last: int,
-         best: bool = False) -> Path:  # fmt: skip
+         best: bool = False, write_shards: Optional[Callable[[Path], None]] = None) -> Path:  # fmt: skip
     """Write a checkpoint from every rank, then commit it (rename, then move the pointer), then prune all but the
-    ``keep_last`` newest and the one the ``best`` pointer names (this one, when ``best``)."""
+    ``keep_last`` newest and the one the ``best`` pointer names (this one, when ``best``). ``write_shards(folder)``:
+    every rank writes its shards of a sharded model into the unfinished folder (trainer.sharded_state)."""
     final = root / f"{PREFIX}{step:08d}"
     staging = root / f".tmp-{final.name}"
     if accelerator.is_main_process and staging.exists():
@@ -189,12 +191,16 @@ def save(accelerator: Accelerator, root: Path, step: int, trainer_state: dict[st
     accelerator.wait_for_everyone()
     try:
         accelerator.save_state(str(staging), safe_serialization=True)  # accelerate decides who writes what
+        if write_shards is not None:
+            accelerator.wait_for_everyone()  # the folder exists
+            write_shards(staging)
     except Exception as err:
         raise _write_failed(staging, root, err) from err
     accelerator.wait_for_everyone()  # every rank's files are on disk
     if accelerator.is_main_process:
-        written = [p for p in sorted(staging.iterdir()) if p.is_file()]
-        manifest = {"files": {p.name: p.stat().st_size for p in written}, "crc32": {p.name: _crc32(p) for p in written}}
+        written = {p.relative_to(staging).as_posix(): p for p in sorted(staging.rglob("*")) if p.is_file()}
+        manifest = {"files": {name: p.stat().st_size for name, p in written.items()},
+                    "crc32": {name: _crc32(p) for name, p in written.items()}}  # fmt: skip
         try:
             _write_atomically(staging / STATE_FILE, json.dumps({**trainer_state, **manifest}, indent=1))
         except OSError as err:

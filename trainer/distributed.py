@@ -30,6 +30,7 @@ from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwa
 from trainer.config import TrainConfig
 from trainer.console import quiet_library_logs
 from trainer.refusal import Refusal
+from trainer.sharding import accelerate_without_fsdp
 
 logger = get_logger(__name__)
 
@@ -125,22 +126,23 @@ def build_accelerator(config: TrainConfig) -> Accelerator:
     window, the last short window of an epoch included, where the trainer weighs each by what the window holds.
     """
     distributed_state(config.collective_timeout_s)
-    accelerator = Accelerator(
-        cpu=_use_cpu(),
-        step_scheduler_with_optimizer=False,
-        # Copies to the GPU overlap the step (the trainer's loaders pin memory on CUDA); a no-op on CPU.
-        dataloader_config=DataLoaderConfiguration(non_blocking=True),
-        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=config.find_unused_parameters)],
-        **({"dynamo_backend": "inductor"} if config.compile else {}),  # else the accelerate config's choice
-    )
+    with accelerate_without_fsdp():  # a sharded model is the trainer's own (trainer.sharding), on every host alike
+        accelerator = Accelerator(
+            cpu=_use_cpu(),
+            step_scheduler_with_optimizer=False,
+            # Copies to the GPU overlap the step (the trainer's loaders pin memory on CUDA); a no-op on CPU.
+            dataloader_config=DataLoaderConfiguration(non_blocking=True),
+            kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=config.find_unused_parameters)],
+            **({"dynamo_backend": "inductor"} if config.compile else {}),  # else the accelerate config's choice
+        )
     check_world_size(accelerator)
     share_cpu_threads(accelerator.device)
     if accelerator.is_main_process:
         world = accelerator.num_processes
         if _needs_cpu_fallback():
             logger.warning(
-                f"No GPU on this host is visible to the processes: running the {world} launched processes as real "
-                f"DDP on CPU over gloo (accelerate would otherwise start {world} independent trainings).",
+                f"No GPU on this host is visible to the processes: running the {world} launched processes as one "
+                f"job on CPU over gloo (accelerate would otherwise start {world} independent trainings).",
                 main_process_only=True,
             )
     return accelerator

@@ -2,20 +2,22 @@
 
 Each process runs its own share, examples k, k+K, k+2K, ... (``trainer.data.ShardSampler``: no padded tail, so no
 example twice), on the plain module under the launch's autocast. Shares may differ in length, so nothing collective
-runs per batch: evaluation sums the loss and each metric per process and reduces the sums once at the end;
-prediction gathers each process's outputs once and interleaves them back into dataset order.
+runs per batch (except a sharded model's forward, which every process runs in lockstep: :func:`in_lockstep`):
+evaluation sums the loss and each metric per process and reduces the sums once at the end; prediction gathers each
+process's outputs once and interleaves them back into dataset order.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list, find_batch_size
 
+from trainer.data import DataError
 from trainer.losses import checked
 
 MetricsFn = Callable[[torch.nn.Module, Any], dict[str, torch.Tensor]]
@@ -25,24 +27,26 @@ PredictFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loader, loss_fn, metrics_fn: Optional[MetricsFn], accelerator: Accelerator,
              autocast: Callable[[], ContextManager], tokens: Callable[[Any], Optional[torch.Tensor]],
-             ) -> dict[str, float]:  # fmt: skip
+             lockstep: bool = False) -> dict[str, float]:  # fmt: skip
     """``eval_loss``, ``eval_examples`` and ``eval_<name>`` for each metric: means over the whole set.
 
     ``eval_loss`` weighs what the training loss weighs (trainer.accumulation): every counted token once for the
     default loss of a transformers model (``tokens(batch)``), the count of a ``(loss_sum, count)`` loss, else every
     example once. ``metrics_fn(model, batch)`` returns ``{name: tensor}`` with one number per example of the batch
-    (shape ``[batch]``); each metric's mean counts every example once.
+    (shape ``[batch]``); each metric's mean counts every example once. ``lockstep``: see :func:`in_lockstep`.
     """
     device = accelerator.device
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     loss_weight = torch.zeros((), dtype=torch.float64, device=device)
     metric_sums: dict[str, torch.Tensor] = {}
     count = 0
-    for batch in loader:
+    for batch, counted in in_lockstep(loader, device) if lockstep else ((batch, True) for batch in loader):
         size = find_batch_size(batch)
         with autocast():
             loss, summed_over = checked(loss_fn(model, batch), loss_fn)
             values = metrics_fn(model, batch) if metrics_fn is not None else {}
+        if not counted:
+            continue
         if summed_over is not None:  # (loss_sum, count)
             loss_sum += loss.double()
             loss_weight += summed_over
@@ -88,7 +92,8 @@ def model_logits(model: torch.nn.Module, batch: Any) -> torch.Tensor:
 
 @torch.no_grad()
 def predict(model: torch.nn.Module, loader, predict_fn: PredictFn, accelerator: Accelerator,
-            autocast: Callable[[], ContextManager], num_examples: int) -> torch.Tensor:  # fmt: skip
+            autocast: Callable[[], ContextManager], num_examples: int, lockstep: bool = False,
+            ) -> torch.Tensor:  # fmt: skip
     """Every example's prediction, in dataset order, on every process (on the CPU).
 
     Process k holds rows for examples k, k+K, ...: each pads its rows to ceil(n / K), one gather brings them all
@@ -96,9 +101,11 @@ def predict(model: torch.nn.Module, loader, predict_fn: PredictFn, accelerator: 
     the same trailing shape.
     """
     rows = []
-    for batch in loader:
+    for batch, counted in in_lockstep(loader, accelerator.device) if lockstep else ((b, True) for b in loader):
         with autocast():
-            rows.append(predict_fn(model, batch).detach())
+            prediction = predict_fn(model, batch).detach()
+        if counted:
+            rows.append(prediction)
     local = torch.cat(rows) if rows else None
     world = accelerator.num_processes
     if world == 1:
@@ -114,3 +121,26 @@ def predict(model: torch.nn.Module, loader, predict_fn: PredictFn, accelerator: 
     gathered = accelerator.gather(padded).view(world, per_process, *trailing)
     return gathered.transpose(0, 1).reshape(world * per_process, *trailing)[:num_examples].cpu()
 
+
+
+def in_lockstep(loader, device: torch.device) -> Iterator[tuple[Any, bool]]:
+    """``(batch, counted)`` until no process has a batch left: a process whose share ran out repeats its last batch,
+    not counted. Why: a sharded model's every forward gathers the weights from all processes, so every process runs
+    as many forwards (one small all-reduce a batch, evaluation only). A process with no example at all while others
+    have some is refused on every process at once."""
+    iterator, last = iter(loader), None
+    while True:
+        batch = next(iterator, None)
+        flags = torch.tensor([batch is not None, batch is None and last is None], dtype=torch.int64, device=device)
+        torch.distributed.all_reduce(flags)
+        have, never = flags.tolist()
+        if have == 0:
+            return
+        if never:
+            raise DataError("the evaluation data gives some process no example: with a sharded model (FSDP2) every "
+                            "process evaluates, so give it at least as many examples as processes", job_wide=True)
+        if batch is None:
+            yield last, False
+        else:
+            last = batch
+            yield batch, True

@@ -53,10 +53,11 @@ class Stepper:
     """backward, step and zero_grad of one prepared optimizer, through accelerate only where it does work."""
 
     def __init__(self, accelerator: Accelerator, optimizer):
-        self.prepared = optimizer  # accelerate's AcceleratedOptimizer
-        plain = accelerator.scaler is None and accelerator.distributed_type in PLAIN_TYPES
-        self._step = optimizer.optimizer.step if plain else optimizer.step
-        self._zero_grad = optimizer.optimizer.zero_grad if plain else optimizer.zero_grad
+        self.prepared = optimizer  # accelerate's AcceleratedOptimizer (a sharded model's: the optimizer itself)
+        inner = getattr(optimizer, "optimizer", optimizer)
+        plain = inner is optimizer or accelerator.scaler is None and accelerator.distributed_type in PLAIN_TYPES
+        self._step = inner.step if plain else optimizer.step
+        self._zero_grad = inner.zero_grad if plain else optimizer.zero_grad
         self._backward = (lambda loss: loss.backward()) if plain else accelerator.backward
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -72,4 +73,4 @@ class Stepper:
     @property
     def step_was_skipped(self) -> bool:
         """fp16's loss scaler skipped the step (an overflow)."""
-        return self.prepared.step_was_skipped
+        return getattr(self.prepared, "step_was_skipped", False)

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from trainer import sharding
 from trainer.distributed import num_machines
 
 STEP_FIGURES = ("step", "epoch", "train_loss", "lr", "examples_per_s", "tokens_per_s")  # the rest: a callback's
@@ -36,9 +37,11 @@ def banner(trainer: Any) -> str:
     if batches and batches < cfg.gradient_accumulation_steps:
         short = (f"\n        | an epoch has {batches} batches per process, fewer than the "
                  f"{cfg.gradient_accumulation_steps} accumulation steps: each step accumulates those {batches}")
+    kind = sharding.FULLY_SHARDED if trainer.sharded else acc.distributed_type.value
+    sharded = f"        | {trainer.sharded.describe()}\n" if trainer.sharded else ""
     return (
         f"trainer | {acc.num_processes} process(es) on {num_machines(acc)} machine(s), device {acc.device.type} "
-        f"({acc.distributed_type.value}){threads}, mixed precision {acc.mixed_precision}\n"
+        f"({kind}){threads}, mixed precision {acc.mixed_precision}\n{sharded}"
         f"        | batch {cfg.batch_size} per process x {acc.num_processes} processes x "
         f"{cfg.gradient_accumulation_steps} accumulation = {trainer.global_batch_size} global{weighs}{short}\n"
         f"        | {per_epoch} optimizer steps per epoch, {trainer.total_steps} in all ({steps}); "

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from accelerate.utils import broadcast_object_list, gather_object
 
-from trainer import checkpoint
+from trainer import checkpoint, sharded_state, sharding
 from trainer.callbacks import improves
 from trainer.checkpoint import CheckpointError, checkpoint_root, find_resume_point
 from trainer.console import no_library_progress_bars_off_a_terminal
@@ -34,14 +34,16 @@ class Checkpoints:
             "world_size": self.accelerator.num_processes, "batch_size": self.config.batch_size,
             "gradient_accumulation_steps": self.config.gradient_accumulation_steps, "config": self.config.to_dict(),
             "run_id": self.run_id,  # rank k's wandb run is <run_id>-rank<k>: a resume continues it
+            "sharding": self._sharding_name,
         }  # fmt: skip
         if self.stream is not None:  # where each process's part of the stream stands, as JSON
             state["streams"] = self._stream_positions(batches)
         best = self._best_so_far()
         state["best"] = self.best
         root = checkpoint_root(self.config.output_dir)
+        shards = (lambda folder: sharded_state.save(self.model, self.optimizer, folder)) if self.sharded else None
         self.last_checkpoint = checkpoint.save(self.accelerator, root, self.global_step, state, self.config.keep_last,
-                                               best=best)  # fmt: skip
+                                               best=best, write_shards=shards)  # fmt: skip
         return self.last_checkpoint
 
     def _stream_positions(self, batches: int) -> list[Any]:
@@ -66,6 +68,10 @@ class Checkpoints:
         if self.accelerator.num_processes > 1:
             broadcast_object_list(chosen, from_process=0)
         return Path(chosen[0]) if chosen[0] is not None else None
+
+    @property
+    def _sharding_name(self) -> str:
+        return sharding.FULLY_SHARDED if self.sharded else "DDP"
 
     @property
     def best_checkpoint(self) -> Optional[Path]:
@@ -93,6 +99,11 @@ class Checkpoints:
         this_run = {"world_size": self.accelerator.num_processes, "batch_size": self.config.batch_size,
                     "gradient_accumulation_steps": self.config.gradient_accumulation_steps}  # fmt: skip
         differs = [f"{key} {state[key]} (now {value})" for key, value in this_run.items() if state[key] != value]
+        written_by = state.get("sharding", "DDP")
+        if written_by != self._sharding_name:
+            raise CheckpointError(f"checkpoint {path} holds a {written_by} model, and this run is "
+                                  f"{self._sharding_name}: resume it with the accelerate config that wrote "
+                                  "it")  # fmt: skip
         if differs:
             raise CheckpointError(
                 f"checkpoint {path} was written with {', '.join(differs)}. The position in the data is kept per "
@@ -100,6 +111,8 @@ class Checkpoints:
             )
         try:
             self.accelerator.load_state(str(path))
+            if self.sharded:
+                sharded_state.load(self.model, self.optimizer, path)
         except (RuntimeError, KeyError, ValueError, OSError) as err:
             detail = " ".join(str(err).split())[:2000]  # torch's size-mismatch report spans many lines
             raise CheckpointError(f"checkpoint {path} does not fit this run: {detail}") from err
@@ -118,7 +131,11 @@ class Checkpoints:
         directory = Path(directory or Path(self.config.output_dir) / "final")
         self.accelerator.wait_for_everyone()
         model = self.unwrapped_model
-        if hasattr(model, "save_pretrained"):
+        if self.sharded:  # gathered one tensor at a time onto the main process's CPU
+            state_dict = sharded_state.full_model_state(model)
+            if self.accelerator.is_main_process:
+                _export(model, state_dict, directory)
+        elif hasattr(model, "save_pretrained"):
             state_dict = self.accelerator.get_state_dict(model)  # the plain module's: no "_orig_mod." prefixes
             if self.accelerator.is_main_process:
                 with no_library_progress_bars_off_a_terminal():
@@ -127,3 +144,20 @@ class Checkpoints:
             self.accelerator.save_model(model, directory, safe_serialization=True)
         self.accelerator.wait_for_everyone()
         return directory
+
+
+def _export(model: Any, state_dict: dict[str, Any], directory: Path) -> None:
+    """A sharded model's gathered weights as ``save_pretrained`` writes them, or ``model.safetensors``."""
+    if hasattr(model, "save_pretrained"):
+        with no_library_progress_bars_off_a_terminal():
+            model.save_pretrained(directory, state_dict=state_dict)
+        return
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    seen: set[int] = set()
+    tensors = {}
+    for name, tensor in state_dict.items():  # tied weights: safetensors stores each storage once
+        tensors[name] = tensor.clone() if tensor.untyped_storage().data_ptr() in seen else tensor.contiguous()
+        seen.add(tensor.untyped_storage().data_ptr())
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})

@@ -5,6 +5,7 @@ The hardware is chosen at launch, never here::
     python train.py                                                        # one process
     accelerate launch --config_file accelerate_configs/multi_gpu.yaml train.py   # K processes, DDP
     torchrun --standalone --nproc_per_node 2 train.py                      # the same, through torchrun
+    accelerate launch --config_file accelerate_configs/fsdp.yaml train.py        # K processes, model sharded
 
 Example::
 
@@ -17,7 +18,6 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import math
 import signal
 import sys
@@ -31,16 +31,15 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from trainer import checkpoint
-from trainer.accumulation import StepBatches, StreamAgreement, Weighing, generates, windows
+from trainer.accumulation import StepBatches, StreamAgreement, Weighing, windows
 from trainer.checkpoint import check_writable
 from trainer.columns import ready_columns
 from trainer.config import TrainConfig
 from trainer.console import progress_bar
 from trainer.data import DataError, batches_per_epoch, build_eval_loader, build_train_loader, start_epoch
 from trainer.distributed import build_accelerator
-from trainer.evaluation import MetricsFn, PredictFn, model_logits, perplexity
-from trainer.evaluation import evaluate as evaluate_shares
-from trainer.evaluation import predict as predict_shares
+from trainer.evaluating import Evaluating
+from trainer.evaluation import MetricsFn
 from trainer.fastpath import Stepper, keep_own_forward
 from trainer.losses import LossFn, model_loss, unused_parameters
 from trainer.nonfinite import NonFiniteGuard
@@ -48,13 +47,15 @@ from trainer.optim import build_optimizer, build_scheduler, describe
 from trainer.preemption import PREEMPTED_EXIT, Preempted, PreemptionWatch, requeue_slurm_job
 from trainer.report import banner, step_line
 from trainer.resume import Checkpoints
+from trainer.sharding import gradient_sync, requested_plugin, shard
 from trainer.stall import watch_stalls
 from trainer.streams import StreamShard
 from trainer.tracking import WINDOW_FIELDS, StepWindow, Tracker, memory_gb, new_run_id, summarize
 
 
-class Trainer(Checkpoints):
-    """Trains ``model`` on ``train_data`` with DDP across however many processes were launched.
+class Trainer(Checkpoints, Evaluating):
+    """Trains ``model`` on ``train_data`` across however many processes were launched: DDP, or the model sharded
+    over them (FSDP2) when the launch's accelerate config asks for FSDP (``trainer.sharding``).
 
     Args:
         model: a plain ``torch.nn.Module``, built the same way on every process.
@@ -73,7 +74,8 @@ class Trainer(Checkpoints):
         metrics_fn: ``metrics_fn(model, batch) -> {name: tensor of shape [batch]}``, one number per example (say
             ``(logits.argmax(-1) == labels).float()`` for accuracy); :meth:`evaluate` adds ``eval_<name>``, the mean
             over the eval set with every example counted once.
-        optimizer, lr_scheduler: built from ``config`` when not given; the scheduler steps once per optimizer step.
+        optimizer, lr_scheduler: built from ``config`` when not given (always, for a sharded model: its optimizer
+            is built over the shards); the scheduler steps once per optimizer step.
         collate_fn: how the trainer's own loaders batch examples (torch's default collate when None); say
             ``DataCollatorWithPadding(tokenizer)`` for dynamic padding. An unformatted ``datasets.Dataset`` is readied
             as transformers' Trainer does (``trainer.columns``): the columns ``model.forward`` does not take left
@@ -101,6 +103,7 @@ class Trainer(Checkpoints):
         callbacks: Iterable[Any] = (),
     ):
         self.config = config
+        sharding = requested_plugin(config)  # an FSDP accelerate config; a refused one stops before anything starts
         self.accelerator = build_accelerator(config)
         check_writable(config.output_dir)
         set_seed(config.seed, device_specific=True)  # dropout etc.: reproducible, different on each rank
@@ -123,6 +126,8 @@ class Trainer(Checkpoints):
         self.total_steps = config.max_steps or config.epochs * self.steps_per_epoch
 
         built = (optimizer is None, lr_scheduler is None)
+        # FSDP2: the model is sharded before its optimizer is built over the shards (trainer.sharding).
+        self.sharded = shard(model, sharding, self.accelerator, optimizer, lr_scheduler) if sharding else None
         if optimizer is None:
             model.to(self.accelerator.device)  # prepare() would move it anyway; on the device first, AdamW fuses
             optimizer = build_optimizer(model, config)
@@ -131,9 +136,13 @@ class Trainer(Checkpoints):
         self._schedule_moves = lr_scheduler is not None or config.lr_scheduler != "constant" or config.warmup_steps > 0
         lr_scheduler = lr_scheduler or build_scheduler(optimizer, config, self.total_steps)
         self.optimization = describe(optimizer, lr_scheduler, config, *built)  # for the banner
-        self.model, self.optimizer, self.train_loader, self.lr_scheduler = self.accelerator.prepare(
-            model, optimizer, train_loader, lr_scheduler
-        )
+        if self.sharded is None:
+            self.model, self.optimizer, self.train_loader, self.lr_scheduler = self.accelerator.prepare(
+                model, optimizer, train_loader, lr_scheduler
+            )
+        else:  # the sharded model and its optimizer are the trainer's; accelerate prepares the data and the schedule
+            self.model, self.optimizer = model, optimizer
+            self.train_loader, self.lr_scheduler = self.accelerator.prepare(train_loader, lr_scheduler)
         self.autocast = keep_own_forward(self.accelerator, self.model)  # forward and loss run under it
         self.stepper = Stepper(self.accelerator, self.optimizer)
         self.weighing = Weighing(self.accelerator, model, self.loss_fn)  # what each micro-batch's loss counts for
@@ -251,7 +260,7 @@ class Trainer(Checkpoints):
         step, last = self.global_step + 1, len(step_batches.micro_batches) - 1
         for index, batch in enumerate(step_batches.micro_batches):
             self.batches_into_epoch += 1
-            with self.accelerator.no_sync(self.model) if index < last else contextlib.nullcontext():
+            with gradient_sync(self.model, self.accelerator, sync=index == last):
                 self.stall.at(step, "forward")
                 started = time.perf_counter()
                 try:
@@ -360,63 +369,6 @@ class Trainer(Checkpoints):
             why = f" ({self.stop_reason})" if self.stop_reason else ""
             self.stopped = f"should_stop set on rank(s) {', '.join(map(str, asked))}{why}"
             self._say(f"stopping at step {self.global_step} of {self.total_steps}: {self.stopped}")
-
-    # ---------------------------------------------------------------- evaluation
-
-    def evaluate(self) -> dict[str, float]:
-        """Mean loss (and each ``metrics_fn`` figure) over the whole eval set, every example counted once whatever
-        the process count: ``eval_loss``, ``eval_examples``, ``eval_<name>``. ``eval_perplexity`` is added for a
-        language model's own loss (``model(**batch).loss`` of a transformers model that generates): elsewhere
-        exp(loss) means nothing (a classifier's perplexity), and ``math.exp(metrics["eval_loss"])`` is at hand."""
-        if self.eval_loader is None:
-            raise ValueError("evaluate() needs eval_data: pass eval_data=... to the Trainer")
-        with self._plain_model_in_eval_mode() as model:
-            metrics = evaluate_shares(model, self.eval_loader, self.loss_fn, self.metrics_fn, self.accelerator,
-                                      self.autocast, self.weighing.count)  # fmt: skip
-        if self.loss_fn is model_loss and generates(model):
-            metrics["eval_perplexity"] = perplexity(metrics["eval_loss"])
-        self._say(f"eval at step {self.global_step}: " + ", ".join(f"{k} {v:.6g}" for k, v in metrics.items()))
-        self.last_eval = (self.global_step, metrics)
-        if self.accelerator.is_main_process:  # the same reduced figures on every rank: the main run holds them
-            self.tracker.log({f"eval/{k.removeprefix('eval_')}": v for k, v in metrics.items()}, self.global_step)
-        self._call("on_evaluate", metrics=metrics)
-        return metrics
-
-    def predict(self, data: Dataset, predict_fn: Optional[PredictFn] = None) -> torch.Tensor:
-        """One row per example of ``data``, in dataset order, returned on every process (on the CPU).
-
-        Args:
-            data: a map-style Dataset; each process predicts its share, and one gather puts the rows in order.
-            predict_fn: ``predict_fn(model, batch) -> tensor`` with one row per example, the same trailing shape
-                for every batch; default ``model(**batch).logits``. Runs on the plain module in eval mode, without
-                gradients, under the launch's autocast.
-
-        Example::
-
-            logits = trainer.predict(test_set)                     # [len(test_set), classes]
-            labels = trainer.predict(test_set, lambda model, batch: model(**batch).logits.argmax(-1))
-        """
-        if isinstance(data, DataLoader):
-            raise DataError("predict() takes the Dataset itself (each process predicts its share and the rows are put "
-                            "back in dataset order), not a DataLoader")  # fmt: skip
-        if len(data) == 0:
-            raise DataError("predict() got a data set with no examples")
-        data, _ = ready_columns(data, self.unwrapped_model, self.collate_fn is not None, "data")
-        loader = build_eval_loader(data, self.config, self.accelerator, self.collate_fn)
-        with self._plain_model_in_eval_mode() as model:
-            return predict_shares(model, loader, predict_fn or model_logits, self.accelerator, self.autocast,
-                                  len(data))  # fmt: skip
-
-    @contextlib.contextmanager
-    def _plain_model_in_eval_mode(self):
-        """The plain module (no DDP: the processes' shares differ in length), in eval mode, then as it was."""
-        model = self.unwrapped_model
-        was_training = model.training
-        model.eval()
-        try:
-            yield model
-        finally:
-            model.train(was_training)
 
     # ------------------------------------------------------------------- helpers
 

@@ -1,0 +1,107 @@
+"""FSDP2: the model sharded over the processes when the accelerate config asks for it (accelerate_configs/fsdp.yaml),
+on this CPU host over gloo as on GPUs. At 2 processes FSDP2 adds the same gradients in the same order as DDP, so DDP
+is an exact oracle: the weights must be equal bit for bit. Through real processes (tests/ragged_lm.py, a tiny GPT-2
+on ragged sequences; one launch runs the FSDP2 jobs and their DDP references, --ddp)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, accelerate_launch, clean_env, run
+
+RAGGED = ROOT / "tests" / "ragged_lm.py"
+ADAMW = ["--batch_size", "2", "--accumulation", "2", "--optimizer", "adamw", "--lr", "0.01"]
+RESUMED = [*ADAMW, "--save_every", "2", "--epochs", "2"]
+VARIANTS = {
+    "fsdp": [*ADAMW, "--eval"],
+    "ddp": [*ADAMW, "--eval", "--ddp"],
+    "fsdp, clipped": ["--batch_size", "4", "--clip", "0.5"],
+    "ddp, clipped": ["--batch_size", "4", "--clip", "0.5", "--ddp"],
+    "fsdp, a model built in bf16": ["--bf16_model", "--batch_size", "4", "--optimizer", "adamw", "--max_steps", "2"],
+    "fsdp, straight": RESUMED,  # the uninterrupted run the crashed and resumed one must equal
+}
+
+
+def launch(out, *args, **kw):
+    return accelerate_launch(RAGGED, "--out", out, *args, config="fsdp.yaml", **kw)
+
+
+@pytest.fixture(scope="module")
+def fsdp(tmp_path_factory):
+    """Every job of VARIANTS, in one FSDP2 launch of 2 processes: {name: (summary, output folder)}, and its stdout."""
+    out = tmp_path_factory.mktemp("fsdp")
+    keys = {name: f"v{i}" for i, name in enumerate(VARIANTS)}
+    result = launch(out, "--variants", json.dumps({keys[name]: flags for name, flags in VARIANTS.items()}))
+    runs = {name: (json.loads((out / key / "ragged.json").read_text()), out / key) for name, key in keys.items()}
+    return runs, result
+
+
+def test_fsdp2_shards_the_model_and_reaches_ddps_weights_bit_for_bit(fsdp):
+    runs, result = fsdp
+    assert "trainer | 2 process(es) on 1 machine(s), device cpu (FSDP2)" in result.stdout
+    assert "| FSDP2 over 2 processes: 28,544 parameters, 14,272 held by this process (2 sharded blocks + root)" \
+           in result.stdout  # fmt: skip
+    sharded, ddp = runs["fsdp"][0], runs["ddp"][0]
+    assert ddp["held"] == 28_544 and sharded["held"] == 28_544 // 2  # each process holds half of every tensor
+    # The same updates: AdamW, accumulation 2, token-weighted loss, evaluation in lockstep.
+    assert sharded["weights"] == ddp["weights"]
+    assert sharded["losses"] == ddp["losses"]
+    assert sharded["eval_loss"] == ddp["eval_loss"] == pytest.approx(sharded["eval_reference"], rel=1e-6)
+    # Clipping: the norm is summed from the shards, a different float order than DDP's whole tensors.
+    clipped, reference = runs["fsdp, clipped"][0], runs["ddp, clipped"][0]
+    for name, values in reference["weights"].items():
+        np.testing.assert_allclose(clipped["weights"][name], values, rtol=0, atol=1e-6, err_msg=name)
+
+
+def test_master_weights_and_optimizer_state_are_fp32_even_for_a_model_built_in_bf16(fsdp):
+    summary = fsdp[0]["fsdp, a model built in bf16"][0]
+    assert summary["dtypes"] == ["torch.float32"]
+    assert summary["optimizer_dtypes"] == ["torch.float32"]
+    assert "low-precision trainable tensors upcast to fp32 masters" in fsdp[1].stdout
+
+
+def test_the_exported_model_is_the_trained_one_whole(fsdp):
+    from transformers import GPT2LMHeadModel
+
+    summary, out = fsdp[0]["fsdp"]
+    exported = GPT2LMHeadModel.from_pretrained(out / "final")
+    for name, parameter in exported.named_parameters():
+        assert parameter.flatten().tolist() == summary["weights"][name], name
+
+
+def test_a_crash_resumes_from_the_sharded_checkpoint_bit_identical(fsdp, tmp_path):
+    straight = fsdp[0]["fsdp, straight"][0]
+    launch(tmp_path, *RESUMED, "--crash_at", "5", expect_ok=False)
+    checkpoint = tmp_path / "checkpoints" / "step-00000004"
+    manifest = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert manifest["sharding"] == "FSDP2"
+    # Each process wrote its own shards, listed (size and CRC-32) with the rest; DCP's index last.
+    assert {"shards/__0_0.distcp", "shards/__1_0.distcp", "shards/.metadata"} <= set(manifest["crc32"])
+    assert not (checkpoint / "model.safetensors").exists()
+    result = launch(tmp_path, *RESUMED)
+    assert f"resumed from {checkpoint}: step 4," in result.stdout
+    resumed = json.loads((tmp_path / "ragged.json").read_text())
+    assert resumed["weights"] == straight["weights"]
+    assert resumed["losses"] == straight["losses"][4:]
+
+
+def test_an_fsdp_version_1_config_is_refused_in_one_line(tmp_path):
+    env = clean_env(ACCELERATE_USE_FSDP="true", FSDP_VERSION="1")
+    result = run([sys.executable, str(RAGGED), "--out", str(tmp_path)], expect_ok=False, env=env)
+    assert result.stderr.strip().splitlines() == [
+        "trainer: the accelerate config asks for FSDP version 1; this trainer shards with FSDP2. Convert the file "
+        "with `accelerate to-fsdp2 --config_file <yours> --output_file <new>` (or set fsdp_version: 2 under "
+        "fsdp_config)"
+    ]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (NCCL)")
+def test_fsdp2_on_a_gpu_shards_over_nccl(tmp_path):
+    result = launch(tmp_path, *ADAMW, "--eval", num_processes=1)
+    assert "device cuda (FSDP2)" in result.stdout
+    assert json.loads((tmp_path / "ragged.json").read_text())["dtypes"] == ["torch.float32"]
