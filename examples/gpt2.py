@@ -10,6 +10,7 @@ from its latest checkpoint (``--resume auto`` is this example's default). On a G
 
     accelerate launch --config_file accelerate_configs/multi_gpu.yaml examples/gpt2.py    # 2 processes
     torchrun --standalone --nproc_per_node 2 examples/gpt2.py
+    accelerate launch --config_file accelerate_configs/fsdp.yaml examples/gpt2.py        # the model sharded (FSDP2)
     python examples/gpt2.py
 
 Seed 004's run on a node of GPUs (needs the hub; bf16 from the accelerate config):
@@ -44,6 +45,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LM
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 from trainer import TrainConfig, Trainer, distributed_state  # noqa: E402
 from trainer.config import read_yaml  # noqa: E402
+from trainer.console import no_library_progress_bars_off_a_terminal  # noqa: E402
 
 EOS = "<|endoftext|>"
 TOKENIZER_TEXTS = 20_000  # documents of a stream a new tokenizer is trained on
@@ -252,7 +254,10 @@ def main(argv=None) -> dict:
     if state.is_main_process:
         tokenizer.save_pretrained(final)
         print(f"eval loss {result['eval_loss']:.4f}, perplexity {result['eval_perplexity']:.2f}")
-        print(f"sample: {sample(trainer.unwrapped_model, tokenizer, args.prompt, args.sample_tokens)!r}")
+        # From the exported model: the trained one may be sharded over the processes (FSDP2), and this is one.
+        with no_library_progress_bars_off_a_terminal():
+            exported = GPT2LMHeadModel.from_pretrained(final).to(trainer.accelerator.device)
+        print(f"sample: {sample(exported, tokenizer, args.prompt, args.sample_tokens)!r}")
         print(f"model and tokenizer saved to {final} (AutoModelForCausalLM / AutoTokenizer .from_pretrained)")
     return result
 
