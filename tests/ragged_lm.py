@@ -11,6 +11,7 @@ Data in order (no shuffle), so every split reads the same global batches. ``--da
 state_dict). ``--loss pair``: a loss_fn returning (sum over tokens, tokens). The main process writes
 <out>/ragged.json: per-step losses and lrs, the final weights, and the example indices each process read.
 ``--variants '{"a": [flags], "b": [flags]}'`` runs one job per entry in the same processes, into <out>/a, <out>/b.
+Under an FSDP launch (accelerate_configs/fsdp.yaml) ``--ddp`` runs a job as DDP, the exact reference at 2 processes.
 """
 
 from __future__ import annotations
@@ -123,7 +124,8 @@ def ours(args) -> dict:
                          optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
                          lr_scheduler=args.schedule, warmup_steps=args.warmup, max_grad_norm=args.clip,
                          epochs=args.epochs, max_steps=args.max_steps, shuffle=False, log_every=1,
-                         save_every=args.save_every, resume="auto" if args.save_every else None)  # fmt: skip
+                         save_every=args.save_every, keep_last=args.keep_last,
+                         resume=args.resume_from or ("auto" if args.save_every else None))  # fmt: skip
     seen = Seen()
     model = tiny_gpt2(args.model == "classifier")
     if args.bf16_model:
@@ -214,6 +216,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--max_steps", type=int, default=None)
     parser.add_argument("--save_every", type=int, default=None)
+    parser.add_argument("--keep_last", type=int, default=2)
+    parser.add_argument("--resume_from", default=None, help="a checkpoint to continue from")
     parser.add_argument("--crash_at", type=int, default=0)
     parser.add_argument("--eval", action="store_true", help="evaluate on the training rows after training")
     parser.add_argument("--ddp", action="store_true", help="under an FSDP launch: this job as DDP (the reference)")

@@ -269,11 +269,14 @@ def test_unwritable_output_dir_is_named(one_process_run):
     assert "cannot be written" in resume_fails(one_process_run / "checkpoints" / "latest" / "sub")
 
 
-def test_different_world_size_stops_with_a_clear_message(one_process_run):
+def test_a_different_global_batch_on_resume_stops_naming_both(one_process_run):
+    """1 process x batch 4 resumed on 2 x 4: a different global batch (the same one on any split continues:
+    tests/test_fsdp.py)."""
     message = resume_fails(one_process_run, launcher=accelerate_launch)
-    assert message.count("was written with world_size 1 (now 2)") == 1, "said once for the job, not per process"
+    assert message.count("was written with 1 process(es) x batch 4 x accumulation 1 = 4 global; this run has 2 "
+                         "process(es) x batch 4 x accumulation 1 = 8 global") == 1, "said once for the job"
     assert "[rank0]: Traceback" not in message and "[rank1]: Traceback" not in message
-    assert "resume with the same number of processes" in message
+    assert "keep 4 global (batch_size 2 with gradient_accumulation_steps 1)" in message
 
 
 def test_a_compiled_model_checkpoints_resumes_and_exports_plain_weights(tmp_path):

@@ -8,6 +8,7 @@ position in the data, the stream, the best evaluation).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -96,19 +97,13 @@ class Checkpoints:
         # Sizes on every rank, contents (CRC-32) on the main process: reading every byte once is enough.
         path = checkpoint.verify(Path(path), contents=self.accelerator.is_main_process)
         state = checkpoint.read_state(path)
-        this_run = {"world_size": self.accelerator.num_processes, "batch_size": self.config.batch_size,
-                    "gradient_accumulation_steps": self.config.gradient_accumulation_steps}  # fmt: skip
-        differs = [f"{key} {state[key]} (now {value})" for key, value in this_run.items() if state[key] != value]
         written_by = state.get("sharding", "DDP")
         if written_by != self._sharding_name:
             raise CheckpointError(f"checkpoint {path} holds a {written_by} model, and this run is "
                                   f"{self._sharding_name}: resume it with the accelerate config that wrote "
                                   "it")  # fmt: skip
-        if differs:
-            raise CheckpointError(
-                f"checkpoint {path} was written with {', '.join(differs)}. The position in the data is kept per "
-                "process, so resume with the same number of processes, batch_size and gradient_accumulation_steps."
-            )
+        now = Split(self.accelerator.num_processes, self.config.batch_size, self.config.gradient_accumulation_steps)
+        batches, resplit = resumed_position(state, now, path, streaming=self.stream is not None)
         try:
             self.accelerator.load_state(str(path))
             if self.sharded:
@@ -117,13 +112,14 @@ class Checkpoints:
             detail = " ".join(str(err).split())[:2000]  # torch's size-mismatch report spans many lines
             raise CheckpointError(f"checkpoint {path} does not fit this run: {detail}") from err
         self.global_step, self.epoch = state["global_step"], state["epoch"]
-        self.batches_into_epoch = state["batches_into_epoch"]
+        self.batches_into_epoch = batches
         if self.stream is not None:
             positions = state.get("streams") or [None] * self.accelerator.num_processes
             self.stream.resume_at(positions[self.accelerator.process_index], self.batches_into_epoch)
         self.run_id = state.get("run_id", self.run_id)
         self.best = state.get("best")
-        self._say(f"resumed from {path}: step {self.global_step}, epoch {self.epoch}, batch {self.batches_into_epoch}")
+        self._say(f"resumed from {path}: step {self.global_step}, epoch {self.epoch}, batch {self.batches_into_epoch}"
+                  f"{resplit}{_random_states(path, state['world_size'], now.processes)}")  # fmt: skip
 
     def save_model(self, directory: str | Path | None = None) -> Path:
         """Export the weights once, from the global main process, to ``<output_dir>/final`` by default:
@@ -161,3 +157,63 @@ def _export(model: Any, state_dict: dict[str, Any], directory: Path) -> None:
         tensors[name] = tensor.clone() if tensor.untyped_storage().data_ptr() in seen else tensor.contiguous()
         seen.add(tensor.untyped_storage().data_ptr())
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+@dataclass(frozen=True)
+class Split:
+    """How a run splits its global batch: processes x batch_size x gradient_accumulation_steps."""
+
+    processes: int
+    batch_size: int
+    accumulation: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.processes * self.batch_size * self.accumulation
+
+    def __str__(self) -> str:
+        return (f"{self.processes} process(es) x batch {self.batch_size} x accumulation {self.accumulation} = "
+                f"{self.global_batch} global")  # fmt: skip
+
+
+def resumed_position(state: dict[str, Any], now: Split, path: Path, streaming: bool) -> tuple[int, str]:
+    """The micro-batch of the checkpoint's epoch this run reads next, and what a change of split means for it.
+
+    Any split of the same global batch reads the same examples at each optimizer step: a step's global batch is
+    the next ``global batch`` examples of the epoch's order (DistributedSampler's sharding table, whatever the
+    processes, batch size and accumulation), so the position carries over as optimizer steps, on any number of
+    processes. A different global batch would make every later step a different one: refused, naming both. A
+    stream's position is each process's own (``trainer.streams``): its split cannot change."""
+    saved = Split(state["world_size"], state["batch_size"], state["gradient_accumulation_steps"])
+    if saved == now:
+        return state["batches_into_epoch"], ""
+    if streaming:
+        raise CheckpointError(f"checkpoint {path} was written with {saved}, this run has {now}: a stream's position "
+                              "is kept per process, so resume it with the same processes, batch_size and "
+                              "gradient_accumulation_steps")  # fmt: skip
+    if saved.global_batch != now.global_batch:
+        raise CheckpointError(f"checkpoint {path} was written with {saved}; this run has {now}. Every later step "
+                              f"would differ from the run's: keep {saved.global_batch} global "
+                              f"({_keeping(saved.global_batch, now)}), or start a new run in another "
+                              "output_dir")  # fmt: skip
+    steps_into_epoch = state["batches_into_epoch"] // saved.accumulation
+    return steps_into_epoch * now.accumulation, f"; split {saved} -> {now}: the same global batch, the same examples"
+
+
+def _keeping(global_batch: int, now: Split) -> str:
+    """A split of ``global_batch`` over this run's processes, said as the settings to use."""
+    if global_batch % now.processes:
+        return f"{global_batch} does not split over {now.processes} processes: launch a divisor of it"
+    per_process = global_batch // now.processes
+    if per_process % now.accumulation == 0:
+        return f"batch_size {per_process // now.accumulation} with gradient_accumulation_steps {now.accumulation}"
+    return f"batch_size {per_process} with gradient_accumulation_steps 1"
+
+
+def _random_states(path: Path, saved_processes: int, processes: int) -> str:
+    """What a resume on more processes than wrote the checkpoint does for the new ranks' random state."""
+    if processes <= saved_processes:
+        return ""
+    new = ", ".join(map(str, range(saved_processes, processes)))
+    return (f"; rank(s) {new} had no saved random state (the checkpoint has {saved_processes} processes'): "
+            "they start from seed + rank, as at a fresh start")
