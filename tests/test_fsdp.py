@@ -25,6 +25,8 @@ VARIANTS = {
     "fsdp, a model built in bf16": ["--bf16_model", "--batch_size", "4", "--optimizer", "adamw", "--max_steps", "2"],
     "fsdp, straight": RESUMED,  # the uninterrupted runs the resumed ones must reach
     "ddp, straight": [*RESUMED, "--ddp"],
+    # New processes' view of a checkpoint is all a crash leaves: continued from step 4 in this same launch.
+    "fsdp, resumed at step 4": [*RESUMED, "--resume_from", "{straight}/checkpoints/step-00000004"],
 }
 
 
@@ -37,7 +39,9 @@ def fsdp(tmp_path_factory):
     """Every job of VARIANTS, in one FSDP2 launch of 2 processes: {name: (summary, output folder)}, and its stdout."""
     out = tmp_path_factory.mktemp("fsdp")
     keys = {name: f"v{i}" for i, name in enumerate(VARIANTS)}
-    result = launch(out, "--variants", json.dumps({keys[name]: flags for name, flags in VARIANTS.items()}))
+    straight = str(out / keys["fsdp, straight"])
+    variants = {keys[name]: [flag.format(straight=straight) for flag in flags] for name, flags in VARIANTS.items()}
+    result = launch(out, "--variants", json.dumps(variants))
     runs = {name: (json.loads((out / key / "ragged.json").read_text()), out / key) for name, key in keys.items()}
     return runs, result
 
@@ -75,18 +79,17 @@ def test_the_exported_model_is_the_trained_one_whole(fsdp):
         assert parameter.flatten().tolist() == summary["weights"][name], name
 
 
-def test_a_crash_resumes_from_the_sharded_checkpoint_bit_identical(fsdp, tmp_path):
-    straight = fsdp[0]["fsdp, straight"][0]
-    launch(tmp_path, *RESUMED, "--crash_at", "5", expect_ok=False)
-    checkpoint = tmp_path / "checkpoints" / "step-00000004"
+def test_a_sharded_checkpoint_holds_each_processs_shards_and_resumes_bit_identical(fsdp):
+    runs, result = fsdp
+    straight, folder = runs["fsdp, straight"]
+    checkpoint = folder / "checkpoints" / "step-00000004"
     manifest = json.loads((checkpoint / "trainer_state.json").read_text())
     assert manifest["sharding"] == "FSDP2"
     # Each process wrote its own shards, listed (size and CRC-32) with the rest; DCP's index last.
     assert {"shards/__0_0.distcp", "shards/__1_0.distcp", "shards/.metadata"} <= set(manifest["crc32"])
-    assert not (checkpoint / "model.safetensors").exists()
-    result = launch(tmp_path, *RESUMED)
+    assert not (checkpoint / "model.safetensors").exists() and not (checkpoint / "optimizer.bin").exists()
     assert f"resumed from {checkpoint}: step 4," in result.stdout
-    resumed = json.loads((tmp_path / "ragged.json").read_text())
+    resumed = runs["fsdp, resumed at step 4"][0]
     assert resumed["weights"] == straight["weights"]
     assert resumed["losses"] == straight["losses"][4:]
 
@@ -127,7 +130,8 @@ def test_a_checkpoint_of_2_processes_continues_on_1_or_4_with_the_same_global_ba
 
 def test_an_fsdp_version_1_config_is_refused_in_one_line(tmp_path):
     env = clean_env(ACCELERATE_USE_FSDP="true", FSDP_VERSION="1")
-    result = run([sys.executable, str(RAGGED), "--out", str(tmp_path)], expect_ok=False, env=env)
+    script = f"import torch, trainer as t; t.Trainer(torch.nn.Linear(1, 1), t.TrainConfig(output_dir='{tmp_path}'), [])"
+    result = run([sys.executable, "-c", script], expect_ok=False, env=env)
     assert result.stderr.strip().splitlines() == [
         "trainer: the accelerate config asks for FSDP version 1; this trainer shards with FSDP2. Convert the file "
         "with `accelerate to-fsdp2 --config_file <yours> --output_file <new>` (or set fsdp_version: 2 under "
