@@ -79,6 +79,20 @@ def test_the_exported_model_is_the_trained_one_whole(fsdp):
         assert parameter.flatten().tolist() == summary["weights"][name], name
 
 
+@pytest.mark.parametrize("kind", ["fsdp", "ddp"])
+def test_any_checkpoint_exports_to_a_loadable_model_on_one_process(fsdp, tmp_path, kind):
+    """python -m trainer.export: no process group, no merge tool; a sharded checkpoint's shards read back whole."""
+    from transformers import GPT2LMHeadModel
+
+    summary, out = fsdp[0][f"{kind}, straight"]
+    last = out / "checkpoints" / "step-00000012"
+    result = run([sys.executable, "-m", "trainer.export", str(last), str(tmp_path)])
+    assert f"exported {last} to {tmp_path}/model.safetensors (AutoModel*.from_pretrained)" in result.stdout
+    exported = GPT2LMHeadModel.from_pretrained(tmp_path)
+    for name, parameter in exported.named_parameters():
+        assert parameter.flatten().tolist() == summary["weights"][name], name
+
+
 def test_a_sharded_checkpoint_holds_each_processs_shards_and_resumes_bit_identical(fsdp):
     runs, result = fsdp
     straight, folder = runs["fsdp, straight"]

@@ -180,10 +180,10 @@ def read_state(path: Path) -> dict[str, Any]:
 
 
 def save(accelerator: Accelerator, root: Path, step: int, trainer_state: dict[str, Any], keep_last: int,
-         best: bool = False, write_shards: Optional[Callable[[Path], None]] = None) -> Path:  # fmt: skip
+         best: bool = False, write_more: Optional[Callable[[Path], None]] = None) -> Path:  # fmt: skip
     """Write a checkpoint from every rank, then commit it (rename, then move the pointer), then prune all but the
-    ``keep_last`` newest and the one the ``best`` pointer names (this one, when ``best``). ``write_shards(folder)``:
-    every rank writes its shards of a sharded model into the unfinished folder (trainer.sharded_state)."""
+    ``keep_last`` newest and the one the ``best`` pointer names (this one, when ``best``). ``write_more(folder)``,
+    on every rank, adds to the unfinished folder (a sharded model's shards: trainer.sharded_state)."""
     final = root / f"{PREFIX}{step:08d}"
     staging = root / f".tmp-{final.name}"
     if accelerator.is_main_process and staging.exists():
@@ -191,9 +191,9 @@ def save(accelerator: Accelerator, root: Path, step: int, trainer_state: dict[st
     accelerator.wait_for_everyone()
     try:
         accelerator.save_state(str(staging), safe_serialization=True)  # accelerate decides who writes what
-        if write_shards is not None:
+        if write_more is not None:
             accelerator.wait_for_everyone()  # the folder exists
-            write_shards(staging)
+            write_more(staging)
     except Exception as err:
         raise _write_failed(staging, root, err) from err
     accelerator.wait_for_everyone()  # every rank's files are on disk

@@ -18,6 +18,7 @@ from trainer import checkpoint, sharded_state, sharding
 from trainer.callbacks import improves
 from trainer.checkpoint import CheckpointError, checkpoint_root, find_resume_point
 from trainer.console import no_library_progress_bars_off_a_terminal
+from trainer.export import save_model_config, write_model
 
 
 class Checkpoints:
@@ -42,10 +43,17 @@ class Checkpoints:
         best = self._best_so_far()
         state["best"] = self.best
         root = checkpoint_root(self.config.output_dir)
-        shards = (lambda folder: sharded_state.save(self.model, self.optimizer, folder)) if self.sharded else None
         self.last_checkpoint = checkpoint.save(self.accelerator, root, self.global_step, state, self.config.keep_last,
-                                               best=best, write_shards=shards)  # fmt: skip
+                                               best=best, write_more=self._write_weights_and_config)  # fmt: skip
         return self.last_checkpoint
+
+    def _write_weights_and_config(self, folder: Path) -> None:
+        """Into a checkpoint being written, on every rank: a sharded model's shards; a transformers model's config
+        (``python -m trainer.export`` makes a loadable model of any checkpoint)."""
+        if self.sharded:
+            sharded_state.save(self.model, self.optimizer, folder)
+        if self.accelerator.is_main_process:
+            save_model_config(self.unwrapped_model, folder)
 
     def _stream_positions(self, batches: int) -> list[Any]:
         """Every process's stream position after ``batches`` batches of this epoch, on every process."""
@@ -130,7 +138,7 @@ class Checkpoints:
         if self.sharded:  # gathered one tensor at a time onto the main process's CPU
             state_dict = sharded_state.full_model_state(model)
             if self.accelerator.is_main_process:
-                _export(model, state_dict, directory)
+                write_model(state_dict, directory, model)
         elif hasattr(model, "save_pretrained"):
             state_dict = self.accelerator.get_state_dict(model)  # the plain module's: no "_orig_mod." prefixes
             if self.accelerator.is_main_process:
@@ -140,23 +148,6 @@ class Checkpoints:
             self.accelerator.save_model(model, directory, safe_serialization=True)
         self.accelerator.wait_for_everyone()
         return directory
-
-
-def _export(model: Any, state_dict: dict[str, Any], directory: Path) -> None:
-    """A sharded model's gathered weights as ``save_pretrained`` writes them, or ``model.safetensors``."""
-    if hasattr(model, "save_pretrained"):
-        with no_library_progress_bars_off_a_terminal():
-            model.save_pretrained(directory, state_dict=state_dict)
-        return
-    from safetensors.torch import save_file
-
-    directory.mkdir(parents=True, exist_ok=True)
-    seen: set[int] = set()
-    tensors = {}
-    for name, tensor in state_dict.items():  # tied weights: safetensors stores each storage once
-        tensors[name] = tensor.clone() if tensor.untyped_storage().data_ptr() in seen else tensor.contiguous()
-        seen.add(tensor.untyped_storage().data_ptr())
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
 
 
 @dataclass(frozen=True)

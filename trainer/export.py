@@ -1,0 +1,96 @@
+"""A checkpoint's weights as a model you can load anywhere, on one process, with no process group and no merge tool::
+
+    python -m trainer.export runs/gpt2/checkpoints/step-00000200 exported/
+    # exported/model.safetensors (+ config.json for a transformers model: AutoModel*.from_pretrained("exported"))
+
+Works on the checkpoints of any run: a sharded model's (FSDP2: the shards of every process read back into whole
+tensors) and a DDP one's. The checkpoint is verified first (every file's size and CRC-32). The trainer writes
+``<output_dir>/final`` the same way at the end of ``fit()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from trainer import checkpoint, sharded_state
+
+MODEL_CONFIG = "config.json"  # a transformers model's config, saved in each checkpoint for the export
+
+
+def write_model(state_dict: dict[str, Any], directory: Path, model: Optional[torch.nn.Module] = None) -> None:
+    """``state_dict`` (whole tensors) as ``save_pretrained`` writes it when ``model`` is a transformers model, else
+    as ``model.safetensors``."""
+    if hasattr(model, "save_pretrained"):
+        from trainer.console import no_library_progress_bars_off_a_terminal
+
+        with no_library_progress_bars_off_a_terminal():
+            model.save_pretrained(directory, state_dict=state_dict)
+        return
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    seen: set[int] = set()
+    tensors = {}
+    for name, tensor in state_dict.items():  # weights tied in the model: safetensors stores each storage once
+        storage = tensor.untyped_storage().data_ptr()
+        tensors[name] = tensor.clone() if storage in seen else tensor.contiguous()
+        seen.add(storage)
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+def save_model_config(model: torch.nn.Module, folder: Path) -> None:
+    """A transformers model's config beside its weights in a checkpoint, naming the model's own class (not the
+    sharded wrapper's), so that the export loads with ``from_pretrained``."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_json_file"):
+        return
+    config.architectures = [type(model).__name__.removeprefix("FSDP")]
+    config.to_json_file(str(folder / MODEL_CONFIG))
+
+
+def read_sharded_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """The whole model's tensors from a sharded checkpoint's ``shards/``, read on this one process."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = FileSystemReader(str(folder / sharded_state.SHARDS))
+    prefix = "model."
+    state = {name: torch.empty(entry.size, dtype=entry.properties.dtype)
+             for name, entry in reader.read_metadata().state_dict_metadata.items()
+             if name.startswith(prefix) and isinstance(entry, TensorStorageMetadata)}  # fmt: skip
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    return {name.removeprefix(prefix): tensor for name, tensor in state.items()}
+
+
+def export(folder: Path, directory: Path) -> Path:
+    """Write checkpoint ``folder``'s model into ``directory``; return the weights file."""
+    checkpoint.verify(folder)
+    directory.mkdir(parents=True, exist_ok=True)
+    if (folder / sharded_state.SHARDS).is_dir():
+        write_model(read_sharded_weights(folder), directory)
+    else:
+        shutil.copyfile(folder / "model.safetensors", directory / "model.safetensors")
+    if (folder / MODEL_CONFIG).is_file():
+        shutil.copyfile(folder / MODEL_CONFIG, directory / MODEL_CONFIG)
+    return directory / "model.safetensors"
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", type=Path, help="a checkpoint folder, <output_dir>/checkpoints/step-N")
+    parser.add_argument("directory", type=Path, help="where to write model.safetensors (and config.json)")
+    args = parser.parse_args(argv)
+    written = export(args.checkpoint, args.directory)
+    loads = "AutoModel*.from_pretrained" if (args.directory / MODEL_CONFIG).is_file() else "safetensors.torch.load_file"
+    sys.stdout.write(f"exported {args.checkpoint} to {written} ({loads})\n")
+
+
+if __name__ == "__main__":
+    main()
