@@ -124,7 +124,7 @@ def ours(args) -> dict:
                          optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
                          lr_scheduler=args.schedule, warmup_steps=args.warmup, max_grad_norm=args.clip,
                          epochs=args.epochs, max_steps=args.max_steps, shuffle=False, log_every=1,
-                         save_every=args.save_every, keep_last=args.keep_last,
+                         save_every=args.save_every, keep_last=args.keep_last, save_async=args.save_async,
                          resume=args.resume_from or ("auto" if args.save_every else None))  # fmt: skip
     seen = Seen()
     model = tiny_gpt2(args.model == "classifier")
@@ -217,6 +217,7 @@ def main() -> None:
     parser.add_argument("--max_steps", type=int, default=None)
     parser.add_argument("--save_every", type=int, default=None)
     parser.add_argument("--keep_last", type=int, default=2)
+    parser.add_argument("--save_async", action="store_true")
     parser.add_argument("--resume_from", default=None, help="a checkpoint to continue from")
     parser.add_argument("--crash_at", type=int, default=0)
     parser.add_argument("--eval", action="store_true", help="evaluate on the training rows after training")

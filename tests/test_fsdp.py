@@ -27,6 +27,9 @@ VARIANTS = {
     "ddp, straight": [*RESUMED, "--ddp"],
     # New processes' view of a checkpoint is all a crash leaves: continued from step 4 in this same launch.
     "fsdp, resumed at step 4": [*RESUMED, "--resume_from", "{straight}/checkpoints/step-00000004"],
+    "fsdp, saved in the background": [*RESUMED, "--save_async"],
+    "fsdp, resumed from a background save": [*RESUMED, "--save_async", "--resume_from",
+                                              "{background}/checkpoints/step-00000004"],
 }
 
 
@@ -39,8 +42,8 @@ def fsdp(tmp_path_factory):
     """Every job of VARIANTS, in one FSDP2 launch of 2 processes: {name: (summary, output folder)}, and its stdout."""
     out = tmp_path_factory.mktemp("fsdp")
     keys = {name: f"v{i}" for i, name in enumerate(VARIANTS)}
-    straight = str(out / keys["fsdp, straight"])
-    variants = {keys[name]: [flag.format(straight=straight) for flag in flags] for name, flags in VARIANTS.items()}
+    folders = {"straight": out / keys["fsdp, straight"], "background": out / keys["fsdp, saved in the background"]}
+    variants = {keys[name]: [flag.format(**folders) for flag in flags] for name, flags in VARIANTS.items()}
     result = launch(out, "--variants", json.dumps(variants))
     runs = {name: (json.loads((out / key / "ragged.json").read_text()), out / key) for name, key in keys.items()}
     return runs, result
@@ -108,6 +111,21 @@ def test_a_sharded_checkpoint_holds_each_processs_shards_and_resumes_bit_identic
     assert resumed["losses"] == straight["losses"][4:]
 
 
+def test_save_async_writes_the_same_checkpoints_while_training_goes_on(fsdp):
+    runs = fsdp[0]
+    straight = runs["fsdp, straight"][0]
+    background, folder = runs["fsdp, saved in the background"]
+    assert background["weights"] == straight["weights"], "training does not wait for the write, nor change"
+    checkpoints = folder / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", *(f"step-{s:08d}" for s in range(2, 13, 2))]
+    assert (checkpoints / "latest").read_text() == "step-00000012", "the last one committed before fit() returned"
+    manifest = json.loads((checkpoints / "step-00000004" / "trainer_state.json").read_text())
+    assert {"shards/__0_0.distcp", "shards/__1_0.distcp", "shards/.metadata"} <= set(manifest["crc32"])
+    resumed = runs["fsdp, resumed from a background save"][0]
+    assert resumed["weights"] == straight["weights"]
+    assert resumed["losses"] == straight["losses"][4:]
+
+
 def close_to(resumed: dict, straight: dict, split: str, accumulation: int) -> None:
     """Float reduction order apart: another process count adds the same numbers in another order, which AdamW
     magnifies in weights whose gradients are near 0 (8 steps: 1.3e-3 of the tensor's largest weight at most)."""
@@ -142,14 +160,26 @@ def test_a_checkpoint_of_2_processes_continues_on_1_or_4_with_the_same_global_ba
     close_to(four, runs["fsdp, straight"][0], "fsdp 2 -> 4", accumulation=2)
 
 
+def refusal(tmp_path, config: str, **env: str) -> list[str]:
+    """The lines a one-process Trainer of ``TrainConfig(config)`` prints to stderr, refused."""
+    config = f"output_dir='{tmp_path}', {config}"
+    script = f"import torch, trainer as t; t.Trainer(torch.nn.Linear(1, 1), t.TrainConfig({config}), [[1.0]])"
+    result = run([sys.executable, "-c", script], expect_ok=False, env=clean_env(**env))
+    return result.stderr.strip().splitlines()
+
+
 def test_an_fsdp_version_1_config_is_refused_in_one_line(tmp_path):
-    env = clean_env(ACCELERATE_USE_FSDP="true", FSDP_VERSION="1")
-    script = f"import torch, trainer as t; t.Trainer(torch.nn.Linear(1, 1), t.TrainConfig(output_dir='{tmp_path}'), [])"
-    result = run([sys.executable, "-c", script], expect_ok=False, env=env)
-    assert result.stderr.strip().splitlines() == [
+    assert refusal(tmp_path, "", ACCELERATE_USE_FSDP="true", FSDP_VERSION="1") == [
         "trainer: the accelerate config asks for FSDP version 1; this trainer shards with FSDP2. Convert the file "
         "with `accelerate to-fsdp2 --config_file <yours> --output_file <new>` (or set fsdp_version: 2 under "
         "fsdp_config)"
+    ]
+
+
+def test_save_async_without_sharding_is_refused_in_one_line(tmp_path):
+    assert refusal(tmp_path, "save_async=True") == [
+        "trainer: save_async: true writes a sharded (FSDP2) model's checkpoints in the background, and this run is "
+        "DDP: launch with an FSDP config (accelerate_configs/fsdp.yaml) or set save_async: false"
     ]
 
 

@@ -184,8 +184,21 @@ def save(accelerator: Accelerator, root: Path, step: int, trainer_state: dict[st
     """Write a checkpoint from every rank, then commit it (rename, then move the pointer), then prune all but the
     ``keep_last`` newest and the one the ``best`` pointer names (this one, when ``best``). ``write_more(folder)``,
     on every rank, adds to the unfinished folder (a sharded model's shards: trainer.sharded_state)."""
-    final = root / f"{PREFIX}{step:08d}"
-    staging = root / f".tmp-{final.name}"
+    staging = write(accelerator, root, step, write_more)
+    accelerator.wait_for_everyone()  # every rank's files are on disk
+    if accelerator.is_main_process:
+        commit(staging, trainer_state, keep_last, best)
+    accelerator.wait_for_everyone()
+    return final_folder(root, step)
+
+
+def final_folder(root: Path, step: int) -> Path:
+    return root / f"{PREFIX}{step:08d}"
+
+
+def write(accelerator: Accelerator, root: Path, step: int, write_more: Optional[Callable[[Path], None]]) -> Path:
+    """Every rank writes its part of step ``step``'s checkpoint into the unfinished folder, returned."""
+    staging = root / f".tmp-{final_folder(root, step).name}"
     if accelerator.is_main_process and staging.exists():
         shutil.rmtree(staging)  # left by a crash during an earlier save
     accelerator.wait_for_everyone()
@@ -195,29 +208,33 @@ def save(accelerator: Accelerator, root: Path, step: int, trainer_state: dict[st
             accelerator.wait_for_everyone()  # the folder exists
             write_more(staging)
     except Exception as err:
-        raise _write_failed(staging, root, err) from err
-    accelerator.wait_for_everyone()  # every rank's files are on disk
-    if accelerator.is_main_process:
-        written = {p.relative_to(staging).as_posix(): p for p in sorted(staging.rglob("*")) if p.is_file()}
-        manifest = {"files": {name: p.stat().st_size for name, p in written.items()},
-                    "crc32": {name: _crc32(p) for name, p in written.items()}}  # fmt: skip
-        try:
-            _write_atomically(staging / STATE_FILE, json.dumps({**trainer_state, **manifest}, indent=1))
-        except OSError as err:
-            raise _write_failed(staging, root, err) from err
-        old = root / f".old-{final.name}"
-        if final.exists():  # the same step saved again (a run resumed from an older checkpoint): set the old aside
-            os.replace(final, old)  # atomic; `latest` finds it there if a kill comes before the new one is in place
-        os.replace(staging, final)
-        _write_atomically(root / POINTER_FILE, final.name)
-        shutil.rmtree(old, ignore_errors=True)
-        if best:
-            _write_atomically(root / BEST_FILE, final.name)
-        spared = {final, best_checkpoint(root)}  # a run resumed from an older checkpoint keeps what it just wrote
-        for old in complete_checkpoints(root)[:-keep_last]:
-            if old not in spared:
-                shutil.rmtree(old, ignore_errors=True)
-    accelerator.wait_for_everyone()
+        raise write_failed(staging, root, err) from err
+    return staging
+
+
+def commit(staging: Path, trainer_state: dict[str, Any], keep_last: int, best: bool) -> Path:
+    """The main process, once every rank's files are in ``staging``: the manifest (every file's size and CRC-32)
+    written last into it, the rename to ``step-N``, the pointer, the pruning. Returns the committed folder."""
+    root, final = staging.parent, staging.parent / staging.name.removeprefix(".tmp-")
+    written = {p.relative_to(staging).as_posix(): p for p in sorted(staging.rglob("*")) if p.is_file()}
+    manifest = {"files": {name: p.stat().st_size for name, p in written.items()},
+                "crc32": {name: _crc32(p) for name, p in written.items()}}  # fmt: skip
+    try:
+        _write_atomically(staging / STATE_FILE, json.dumps({**trainer_state, **manifest}, indent=1))
+    except OSError as err:
+        raise write_failed(staging, root, err) from err
+    old = root / f".old-{final.name}"
+    if final.exists():  # the same step saved again (a run resumed from an older checkpoint): set the old aside
+        os.replace(final, old)  # atomic; `latest` finds it there if a kill comes before the new one is in place
+    os.replace(staging, final)
+    _write_atomically(root / POINTER_FILE, final.name)
+    shutil.rmtree(old, ignore_errors=True)
+    if best:
+        _write_atomically(root / BEST_FILE, final.name)
+    spared = {final, best_checkpoint(root)}  # a run resumed from an older checkpoint keeps what it just wrote
+    for old in complete_checkpoints(root)[:-keep_last]:
+        if old not in spared:
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 
@@ -253,7 +270,7 @@ def _crc32(path: Path) -> str:
     return f"{crc:08x}"
 
 
-def _write_failed(staging: Path, root: Path, err: BaseException) -> CheckpointError:
+def write_failed(staging: Path, root: Path, err: BaseException) -> CheckpointError:
     """A checkpoint that could not be written: its unfinished folder removed (a full disk gets its space back),
     the disk named when it is full, and the checkpoint still latest said."""
     shutil.rmtree(staging, ignore_errors=True)

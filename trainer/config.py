@@ -73,6 +73,9 @@ class TrainConfig:
     eval_every: Optional[int] = None
     save_every: Optional[int] = None  # full-state checkpoint every N optimizer steps and at the end; None: none
     keep_last: int = 2  # checkpoints kept; older ones are deleted once a newer one is committed
+    # A sharded (FSDP2) model's checkpoints written in the background while training goes on: the step waits only for
+    # the copy to CPU memory. Committed once every process's shards are written; one save in flight at a time.
+    save_async: bool = False
     # An evaluate() figure (eval_loss, eval_accuracy, ...): the checkpoint of its best evaluation is kept apart from
     # keep_last (the "best" pointer names it). Needs checkpoints at evaluation steps (save_every a multiple of
     # eval_every); keep_best_mode "min" (lower is better) or "max".

@@ -24,9 +24,13 @@ from trainer.export import save_model_config, write_model
 class Checkpoints:
     """save_checkpoint / load_checkpoint / save_model and the resume point, for the Trainer."""
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self, wait: bool = True) -> Path:
         """A full-state checkpoint (model, optimizer, scheduler, scaler, every rank's RNG, where training stands)
-        under ``<output_dir>/checkpoints/step-<N>``; call it on every rank. A non-finite loss stops it first."""
+        under ``<output_dir>/checkpoints/step-<N>``; call it on every rank. A non-finite loss stops it first.
+
+        With ``save_async`` and ``wait=False`` (the periodic saves of ``fit()``), the shards are written in the
+        background and committed later (``wait_for_checkpoint``); the folder it will be is returned."""
+        self.wait_for_checkpoint()  # one save in flight at a time
         self.nonfinite.check(str(self.last_checkpoint or ""))
         epoch, batches = self.epoch, self.batches_into_epoch
         if self.batches_per_epoch and batches >= self.batches_per_epoch:
@@ -43,15 +47,31 @@ class Checkpoints:
         best = self._best_so_far()
         state["best"] = self.best
         root = checkpoint_root(self.config.output_dir)
+        if self.background_saves is not None and not wait:
+            staging = checkpoint.write(self.accelerator, root, self.global_step, self._write_config)
+            self.accelerator.wait_for_everyone()  # the rest of the checkpoint is on disk
+            future = sharded_state.save_async(self.model, self.optimizer, staging, self.background_saves.group)
+            keep_last = self.config.keep_last
+            self.background_saves.start(future, staging, lambda: checkpoint.commit(staging, state, keep_last, best))
+            return checkpoint.final_folder(root, self.global_step)
         self.last_checkpoint = checkpoint.save(self.accelerator, root, self.global_step, state, self.config.keep_last,
                                                best=best, write_more=self._write_weights_and_config)  # fmt: skip
         return self.last_checkpoint
+
+    def wait_for_checkpoint(self) -> None:
+        """Until the checkpoint written in the background (``save_async``) is committed; every rank."""
+        committed = self.background_saves.wait() if self.background_saves is not None else None
+        if committed is not None:
+            self.last_checkpoint = committed
 
     def _write_weights_and_config(self, folder: Path) -> None:
         """Into a checkpoint being written, on every rank: a sharded model's shards; a transformers model's config
         (``python -m trainer.export`` makes a loadable model of any checkpoint)."""
         if self.sharded:
             sharded_state.save(self.model, self.optimizer, folder)
+        self._write_config(folder)
+
+    def _write_config(self, folder: Path) -> None:
         if self.accelerator.is_main_process:
             save_model_config(self.unwrapped_model, folder)
 

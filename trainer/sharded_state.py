@@ -8,6 +8,7 @@ the same CRC-checked manifest as a DDP checkpoint (``trainer.checkpoint``). DCP 
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,18 @@ def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path)
     model_state, optimizer_state = get_state_dict(model, optimizer)
     (folder / SHARDS).mkdir(parents=True, exist_ok=True)
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(folder / SHARDS))
+
+
+def save_async(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path, process_group: Any) -> Future:
+    """``save``, returning once the state is copied to CPU memory: the files are written in the background
+    (trainer.background_save), the collectives on ``process_group``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    (folder / SHARDS).mkdir(parents=True, exist_ok=True)
+    return dcp.async_save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(folder / SHARDS),
+                          process_group=process_group)  # fmt: skip
 
 
 def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:

@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 
 from trainer import checkpoint
 from trainer.accumulation import StepBatches, StreamAgreement, Weighing, windows
+from trainer.background_save import background_saves
 from trainer.checkpoint import check_writable
 from trainer.columns import ready_columns
 from trainer.config import TrainConfig
@@ -146,6 +147,7 @@ class Trainer(Checkpoints, Evaluating):
         self.autocast = keep_own_forward(self.accelerator, self.model)  # forward and loss run under it
         self.stepper = Stepper(self.accelerator, self.optimizer)
         self.weighing = Weighing(self.accelerator, model, self.loss_fn)  # what each micro-batch's loss counts for
+        self.background_saves = background_saves(config.save_async, self.accelerator, bool(self.sharded))
         self.stream = self.train_loader.dataset if isinstance(self.train_loader.dataset, StreamShard) else None
         # Processes may reach a stream's end at different batches: they agree on each window (a map-style data set
         # gives every process as many batches).
@@ -227,6 +229,7 @@ class Trainer(Checkpoints, Evaluating):
         self.preemption = PreemptionWatch(cfg.signal_names, cfg.preemption_grace_s, acc.num_processes)
         with progress_bar(self.total_steps, self.global_step, show=acc.is_main_process) as progress, self.preemption:
             self._train_epochs(window, progress, self.preemption)
+        self.wait_for_checkpoint()
         return self._finish(started)
 
     def _train_epochs(self, window: StepWindow, progress: tqdm, watch: PreemptionWatch) -> None:
@@ -298,7 +301,7 @@ class Trainer(Checkpoints, Evaluating):
             self.evaluate()
         if cfg.save_every and (step % cfg.save_every == 0 or last or self.stopped is not None):
             self.stall.at(step, "checkpoint")
-            self.save_checkpoint()
+            self.save_checkpoint(wait=False)  # save_async: written in the background, committed later
         self._call("on_step_end")
 
     def _preempt(self, signal_number: int, window: StepWindow, progress: tqdm) -> None:
@@ -308,6 +311,7 @@ class Trainer(Checkpoints, Evaluating):
         started = time.monotonic()
         if window.steps:
             self._log(window, progress)
+        self.wait_for_checkpoint()  # a checkpoint written in the background is committed first
         saved = self.last_checkpoint
         if saved is None or checkpoint.step_of(saved) != self.global_step:
             saved = self.save_checkpoint()

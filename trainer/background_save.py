@@ -1,0 +1,99 @@
+"""Checkpoints written while training goes on (``save_async: true``, for a sharded model): the step waits only
+while the weights and optimizer state are copied to CPU memory; the shards are written in the background.
+
+The same guarantees as a checkpoint written in the step: it is written into ``.tmp-step-N`` and committed (manifest,
+rename, ``latest``) only once every process's shards are on disk, so a kill at any moment leaves the previous one
+latest. When the main process's write completes, every process's has (torch.distributed.checkpoint gathers every
+process's result before it writes its index, on the main process): the main process then commits from its own
+thread, without stopping the others. One save is in flight at a time: the next save, a preemption and the end of
+``fit()`` first wait for it, and every process learns there whether it failed. Its collectives run on a gloo group
+of their own, never the training group's (sharing it hung in our experiments, as in torchtitan's).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import gather_object
+
+from trainer.checkpoint import CheckpointError, write_failed
+
+
+class BackgroundSave:
+    """The checkpoint being written: this process's write, and on the main process the thread that commits it."""
+
+    def __init__(self, future: Future, staging: Path, commit: Optional[Callable[[], Path]]):
+        self.future, self.staging = future, staging
+        self.error: Optional[BaseException] = None
+        self.committed: Optional[Path] = None
+        self._thread = None
+        if commit is not None:
+            self._thread = threading.Thread(target=self._commit_when_written, args=(commit,), daemon=True,
+                                            name="trainer-checkpoint-commit")  # fmt: skip
+            self._thread.start()
+
+    def _commit_when_written(self, commit: Callable[[], Path]) -> None:
+        try:
+            self.future.result()
+            self.committed = commit()
+        except BaseException as err:  # told to every process at the next wait
+            self.error = err
+
+    def wait(self) -> Optional[BaseException]:
+        if self._thread is not None:
+            self._thread.join()
+        else:
+            try:
+                self.future.result()
+            except BaseException as err:
+                self.error = err
+        return self.error
+
+
+class BackgroundSaves:
+    """At most one checkpoint written in the background; ``wait()`` on every process before anything that needs it
+    committed."""
+
+    def __init__(self, accelerator: Accelerator):
+        self.accelerator = accelerator
+        many = accelerator.num_processes > 1
+        self.group = torch.distributed.new_group(backend="gloo") if many else None  # collective: every rank, once
+        self.in_flight: Optional[BackgroundSave] = None
+
+    def start(self, future: Future, staging: Path, commit: Callable[[], Path]) -> None:
+        main = self.accelerator.is_main_process
+        self.in_flight = BackgroundSave(future, staging, commit if main else None)
+
+    def wait(self) -> Optional[Path]:
+        """Until the checkpoint in flight is committed; its folder (on every process), or None when there was none.
+        A failed write on any process is raised on every one, its unfinished folder removed."""
+        if self.in_flight is None:
+            return None
+        save, self.in_flight = self.in_flight, None
+        error = save.wait()
+        mine = f"{type(error).__name__}: {error}" if error is not None else None
+        errors = gather_object([mine]) if self.accelerator.num_processes > 1 else [mine]
+        failed = [(rank, text) for rank, text in enumerate(errors) if text]
+        if failed:
+            rank, text = failed[0]
+            if self.accelerator.is_main_process:
+                raise write_failed(save.staging, save.staging.parent, RuntimeError(f"rank {rank}: {text}"))
+            raise CheckpointError(f"checkpoint {save.staging.name} could not be written (rank {rank}: {text})")
+        return save.staging.parent / save.staging.name.removeprefix(".tmp-")
+
+
+def background_saves(save_async: bool, accelerator: Accelerator, sharded: bool) -> Optional[BackgroundSaves]:
+    """The background saves of a run with ``save_async``; None without. Only a sharded model's checkpoint is written
+    by torch.distributed.checkpoint, which can write in the background: on a DDP run it is refused."""
+    if not save_async:
+        return None
+    if not sharded:
+        raise CheckpointError("save_async: true writes a sharded (FSDP2) model's checkpoints in the background, and "
+                              "this run is DDP: launch with an FSDP config (accelerate_configs/fsdp.yaml) or set "
+                              "save_async: false")  # fmt: skip
+    return BackgroundSaves(accelerator)
