@@ -125,6 +125,7 @@ def ours(args) -> dict:
                          lr_scheduler=args.schedule, warmup_steps=args.warmup, max_grad_norm=args.clip,
                          epochs=args.epochs, max_steps=args.max_steps, shuffle=False, log_every=1,
                          save_every=args.save_every, keep_last=args.keep_last, save_async=args.save_async,
+                         activation_checkpointing=args.recompute,
                          resume=args.resume_from or ("auto" if args.save_every else None))  # fmt: skip
     seen = Seen()
     model = tiny_gpt2(args.model == "classifier")
@@ -192,7 +193,8 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 
 def weights(model: torch.nn.Module) -> dict[str, list]:
     """Every weight, whole (a sharded model's gathered from its processes: call it on every process)."""
-    whole = {name: p.full_tensor() if hasattr(p, "full_tensor") else p for name, p in model.named_parameters()}
+    whole = {name.replace("_checkpoint_wrapped_module.", ""): p.full_tensor() if hasattr(p, "full_tensor") else p
+             for name, p in model.named_parameters()}  # fmt: skip
     return {name: p.detach().cpu().flatten().tolist() for name, p in whole.items()}
 
 
@@ -218,6 +220,7 @@ def main() -> None:
     parser.add_argument("--save_every", type=int, default=None)
     parser.add_argument("--keep_last", type=int, default=2)
     parser.add_argument("--save_async", action="store_true")
+    parser.add_argument("--recompute", action="store_true", help="activation_checkpointing: true")
     parser.add_argument("--resume_from", default=None, help="a checkpoint to continue from")
     parser.add_argument("--crash_at", type=int, default=0)
     parser.add_argument("--eval", action="store_true", help="evaluate on the training rows after training")

@@ -20,6 +20,8 @@ RESUMED = [*ADAMW, "--save_every", "2", "--epochs", "2", "--keep_last", "6"]
 VARIANTS = {
     "fsdp": [*ADAMW, "--eval"],
     "ddp": [*ADAMW, "--eval", "--ddp"],
+    "fsdp, activation checkpointing": [*ADAMW, "--recompute"],
+    "ddp, activation checkpointing": [*ADAMW, "--recompute", "--ddp"],
     "fsdp, clipped": ["--batch_size", "4", "--clip", "0.5"],
     "ddp, clipped": ["--batch_size", "4", "--clip", "0.5", "--ddp"],
     "fsdp, a model built in bf16": ["--bf16_model", "--batch_size", "4", "--optimizer", "adamw", "--max_steps", "2"],
@@ -64,6 +66,13 @@ def test_fsdp2_shards_the_model_and_reaches_ddps_weights_bit_for_bit(fsdp):
     clipped, reference = runs["fsdp, clipped"][0], runs["ddp, clipped"][0]
     for name, values in reference["weights"].items():
         np.testing.assert_allclose(clipped["weights"][name], values, rtol=0, atol=1e-6, err_msg=name)
+
+
+def test_activation_checkpointing_recomputes_each_block_with_the_same_updates(fsdp):
+    runs, result = fsdp
+    assert "(2 sharded blocks + root, activation checkpointing)" in result.stdout
+    for kind in ("fsdp", "ddp"):
+        assert runs[f"{kind}, activation checkpointing"][0]["weights"] == runs[kind][0]["weights"], kind
 
 
 def test_master_weights_and_optimizer_state_are_fp32_even_for_a_model_built_in_bf16(fsdp):

@@ -65,6 +65,9 @@ class TrainConfig:
     drop_last: bool = False  # drop the M mod K tail examples instead of padding (seed 000)
     num_workers: int = 0
     compile: bool = False  # torch.compile the model (accelerate's dynamo plugin, inductor); pays off on GPUs
+    # Each transformer block recomputes its activations in backward instead of keeping them (DDP and FSDP2): less
+    # memory for about a third more compute; the same updates.
+    activation_checkpointing: bool = False
     # DDP: parameters that get no gradient in some step (a branch not taken, a frozen head used only sometimes) must
     # be looked for after each forward, at some cost; without it such a model fails at its second step.
     find_unused_parameters: bool = False

@@ -38,6 +38,8 @@ def banner(trainer: Any) -> str:
         short = (f"\n        | an epoch has {batches} batches per process, fewer than the "
                  f"{cfg.gradient_accumulation_steps} accumulation steps: each step accumulates those {batches}")
     kind = sharding.FULLY_SHARDED if trainer.sharded else acc.distributed_type.value
+    if cfg.activation_checkpointing and not trainer.sharded:  # a sharded model's line below says it
+        kind += ", activation checkpointing"
     sharded = f"        | {trainer.sharded.describe()}\n" if trainer.sharded else ""
     return (
         f"trainer | {acc.num_processes} process(es) on {num_machines(acc)} machine(s), device {acc.device.type} "

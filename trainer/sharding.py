@@ -28,6 +28,7 @@ from typing import Any, Iterator, Optional
 import torch
 from accelerate.utils import FullyShardedDataParallelPlugin, parse_flag_from_env
 
+from trainer.recompute import checkpoint_activations, outermost, transformer_blocks
 from trainer.refusal import Refusal
 
 FULLY_SHARDED = "FSDP2"
@@ -89,9 +90,31 @@ def accelerate_without_fsdp() -> Iterator[None]:
             os.environ["ACCELERATE_USE_FSDP"] = saved
 
 
+def spread(model: torch.nn.Module, plugin: Optional[FullyShardedDataParallelPlugin], accelerator: Any,
+           recompute: bool, optimizer: Any = None, lr_scheduler: Any = None) -> Optional[ShardedModel]:  # fmt: skip
+    """Ready ``model`` for the processes before its optimizer is built: sharded when the accelerate config asks
+    (``plugin``), else left for ``prepare`` to wrap in DDP; with ``recompute`` its blocks checkpoint their
+    activations (trainer.recompute), either way."""
+    if plugin is not None:
+        return shard(model, plugin, accelerator, optimizer, lr_scheduler, recompute)
+    if recompute:
+        checkpoint_activations(model, transformer_blocks(model))
+    return None
+
+
+def prepare(accelerator: Any, sharded: Optional[ShardedModel], model: torch.nn.Module, optimizer: Any,
+            train_loader: Any, lr_scheduler: Any) -> tuple:  # fmt: skip
+    """accelerate's ``prepare``: DDP, the optimizer and scheduler wrappers, the data. A sharded model and its
+    optimizer stay the trainer's own; accelerate prepares the data and the schedule."""
+    if sharded is None:
+        return tuple(accelerator.prepare(model, optimizer, train_loader, lr_scheduler))
+    return (model, optimizer, *accelerator.prepare(train_loader, lr_scheduler))
+
+
 def shard(model: torch.nn.Module, plugin: FullyShardedDataParallelPlugin, accelerator: Any, optimizer: Any = None,
-          lr_scheduler: Any = None) -> ShardedModel:  # fmt: skip
-    """Shard ``model`` in place over every process (its blocks, then the root) on the accelerator's device.
+          lr_scheduler: Any = None, recompute: bool = False) -> ShardedModel:  # fmt: skip
+    """Shard ``model`` in place over every process (its blocks, then the root) on the accelerator's device; with
+    ``recompute`` (or the config's fsdp_activation_checkpointing) its blocks checkpoint their activations.
 
     An optimizer built before (a user's) holds the unsharded parameters, which sharding replaces: refused, as
     transformers' Trainer refuses one under FSDP; the config's optimizer is built over the shards."""
@@ -112,10 +135,10 @@ def shard(model: torch.nn.Module, plugin: FullyShardedDataParallelPlugin, accele
         wraps = fsdp2_prepare_auto_wrap_policy(plugin, model) or (lambda module: False)
     except ValueError as err:  # a block class the model does not have
         raise ShardingError(f"fsdp_transformer_layer_cls_to_wrap: {err}") from None
-    blocks = [module for module in model.modules() if module is not model and wraps(module)]
-    blocks = [b for b in blocks if not any(b is not other and _inside(b, other) for other in blocks)]  # outermost
-    if plugin.activation_checkpointing:
-        blocks = _checkpoint_activations(model, blocks)
+    blocks = outermost([module for module in model.modules() if module is not model and wraps(module)])
+    recompute = recompute or bool(plugin.activation_checkpointing)
+    if recompute:
+        blocks = checkpoint_activations(model, blocks)
     mesh = init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
     precision = {}
     if accelerator.mixed_precision == "bf16":
@@ -129,27 +152,8 @@ def shard(model: torch.nn.Module, plugin: FullyShardedDataParallelPlugin, accele
         held=sum(_local_numel(p) for p in model.parameters()),
         groups=len(blocks),
         upcast=upcast,
-        activation_checkpointing=bool(plugin.activation_checkpointing),
+        activation_checkpointing=recompute,
     )
-
-
-def _inside(module: torch.nn.Module, other: torch.nn.Module) -> bool:
-    return any(module is m for m in other.modules())
-
-
-def _checkpoint_activations(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> list[torch.nn.Module]:
-    """Each block recomputes its activations in backward instead of keeping them: the block itself is wrapped (not
-    its children, which would keep most of them), before sharding, as torch's FSDP2 recipes do."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointWrapper,
-        apply_activation_checkpointing,
-        checkpoint_wrapper,
-    )
-
-    chosen = {id(block) for block in blocks}
-    apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,
-                                   check_fn=lambda module: id(module) in chosen)  # fmt: skip
-    return [module for module in model.modules() if isinstance(module, CheckpointWrapper)]
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

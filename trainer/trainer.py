@@ -48,7 +48,7 @@ from trainer.optim import build_optimizer, build_scheduler, describe
 from trainer.preemption import PREEMPTED_EXIT, Preempted, PreemptionWatch, requeue_slurm_job
 from trainer.report import banner, step_line
 from trainer.resume import Checkpoints
-from trainer.sharding import gradient_sync, requested_plugin, shard
+from trainer.sharding import gradient_sync, prepare, requested_plugin, spread
 from trainer.stall import watch_stalls
 from trainer.streams import StreamShard
 from trainer.tracking import WINDOW_FIELDS, StepWindow, Tracker, memory_gb, new_run_id, summarize
@@ -128,7 +128,8 @@ class Trainer(Checkpoints, Evaluating):
 
         built = (optimizer is None, lr_scheduler is None)
         # FSDP2: the model is sharded before its optimizer is built over the shards (trainer.sharding).
-        self.sharded = shard(model, sharding, self.accelerator, optimizer, lr_scheduler) if sharding else None
+        recompute = config.activation_checkpointing
+        self.sharded = spread(model, sharding, self.accelerator, recompute, optimizer, lr_scheduler)
         if optimizer is None:
             model.to(self.accelerator.device)  # prepare() would move it anyway; on the device first, AdamW fuses
             optimizer = build_optimizer(model, config)
@@ -137,13 +138,9 @@ class Trainer(Checkpoints, Evaluating):
         self._schedule_moves = lr_scheduler is not None or config.lr_scheduler != "constant" or config.warmup_steps > 0
         lr_scheduler = lr_scheduler or build_scheduler(optimizer, config, self.total_steps)
         self.optimization = describe(optimizer, lr_scheduler, config, *built)  # for the banner
-        if self.sharded is None:
-            self.model, self.optimizer, self.train_loader, self.lr_scheduler = self.accelerator.prepare(
-                model, optimizer, train_loader, lr_scheduler
-            )
-        else:  # the sharded model and its optimizer are the trainer's; accelerate prepares the data and the schedule
-            self.model, self.optimizer = model, optimizer
-            self.train_loader, self.lr_scheduler = self.accelerator.prepare(train_loader, lr_scheduler)
+        self.model, self.optimizer, self.train_loader, self.lr_scheduler = prepare(
+            self.accelerator, self.sharded, model, optimizer, train_loader, lr_scheduler
+        )
         self.autocast = keep_own_forward(self.accelerator, self.model)  # forward and loss run under it
         self.stepper = Stepper(self.accelerator, self.optimizer)
         self.weighing = Weighing(self.accelerator, model, self.loss_fn)  # what each micro-batch's loss counts for
