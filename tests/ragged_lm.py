@@ -131,6 +131,9 @@ def ours(args) -> dict:
     model = tiny_gpt2(args.model == "classifier")
     if args.bf16_model:
         model.to(torch.bfloat16)
+    computed = set()  # the dtype of the weights a matmul of the first block sees in forward
+    first = next(m for m in model.modules() if type(m).__name__ == "Conv1D")
+    first.register_forward_pre_hook(lambda module, inputs: computed.add(str(module.weight.dtype)))
     trainer = Trainer(model, config, train_data=data, collate_fn=seen,
                       eval_data=rows if args.eval else None,
                       loss_fn=pair_loss if args.loss == "pair" else None,
@@ -141,7 +144,7 @@ def ours(args) -> dict:
     summary = {"losses": [row["train_loss"] for row in trainer.log_history],
                "lrs": [row["lr"] for row in trainer.log_history], "weights": weights(trainer.unwrapped_model),
                "seen": gather_object([seen.indices]), "world_size": trainer.accelerator.num_processes,
-               "held": sum(local(p).numel() for p in trainer.model.parameters()),
+               "held": sum(local(p).numel() for p in trainer.model.parameters()), "computed": sorted(computed),
                "dtypes": sorted({str(local(p).dtype) for p in trainer.model.parameters()}),
                "optimizer_dtypes": sorted({str(local(v).dtype) for state in trainer.optimizer.state.values()
                                            for v in state.values() if v.dim() > 0})}  # fmt: skip
