@@ -1,7 +1,8 @@
 """What our Trainer costs on a GPU: GPT-2 124M in bf16 through a hand-written PyTorch loop, a raw Accelerate loop
 and our Trainer, eager and compiled, as transformers' GPT2LMHeadModel and as a compact GPT (benchmarks/compact_gpt.py,
-whose fast step shows a trainer's own per-step cost). One table: tokens/s, MFU, ms/step, peak memory, and each
-variant's speed and memory against the raw PyTorch loop.
+whose fast step shows a trainer's own per-step cost); and GPT2LMHeadModel sharded with FSDP2 (eager), through a
+hand-written ``fully_shard`` loop and through our Trainer with fsdp.yaml's settings, on a mesh of the one GPU. One
+table: tokens/s, MFU, ms/step, peak memory, and each variant's speed and memory against the raw PyTorch loop.
 
     bash benchmarks/gpu.sh                       # the whole grid on one GPU: 15-20 minutes (--modes splits it)
     python benchmarks/gpu.py --models compact --modes eager --batches 16 --rounds 3    # a part of it
@@ -30,7 +31,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-VARIANTS = {"torch": "raw PyTorch loop", "accelerate": "raw Accelerate loop", "ours": "our Trainer"}
+VARIANTS = {"torch": "raw PyTorch loop", "accelerate": "raw Accelerate loop", "ours": "our Trainer",
+            "fsdp_torch": "hand-written fully_shard loop", "fsdp_ours": "our Trainer, FSDP2"}  # fmt: skip
+SHARDED = ("fsdp_torch", "fsdp_ours")  # GPT2LMHeadModel, eager: one process as a 1-GPU mesh (sharding costs, no gain)
+FSDP2_ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP"}
 LOG_EVERY = 25  # the warm-up is one log period: every variant logs twice in the timed window
 SIZES = {"full": dict(n_layer=12, n_embd=768, n_head=12, seq=1024, vocab=50304),
          "smoke": dict(n_layer=2, n_embd=64, n_head=2, seq=64, vocab=512)}  # fmt: skip
@@ -127,6 +131,41 @@ def run_accelerate(model, data, batch: int, compiled: bool, clock: Clock) -> Non
             return
 
 
+def run_fsdp_torch(model, data, batch: int, compiled: bool, clock: Clock) -> None:
+    """torch's FSDP2 recipe by hand: each GPT2Block, then the root, fully_shard with bf16 compute over fp32
+    masters and fp32 gradient reduction, the rest as the raw PyTorch loop."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    cuda = torch.cuda.is_available()
+    torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda" if cuda else "cpu")
+    model.to(device)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.transformer.h:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.0, fused=cuda or None)
+    loader = torch.utils.data.DataLoader(data, batch_size=batch, shuffle=True, pin_memory=cuda)
+    model.train()
+    for step, examples in enumerate(loader, 1):
+        examples = {k: v.to(device, non_blocking=True) for k, v in examples.items()}
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = model(**examples).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % LOG_EVERY == 0:
+            loss.item()
+        clock.tick()
+        if step == clock.total:
+            return
+
+
+def run_fsdp_ours(model, data, batch: int, compiled: bool, clock: Clock) -> None:
+    run_ours(model, data, batch, compiled, clock)  # FSDP2 from the environment, as fsdp.yaml sets it
+
+
 def run_ours(model, data, batch: int, compiled: bool, clock: Clock) -> None:
     from trainer import TrainConfig, Trainer
 
@@ -162,6 +201,9 @@ def measure(variant: str, model: str, mode: str, batch: int, args) -> dict | Non
            "--steps", str(args.steps), "--warmup", str(args.warmup), *(["--smoke"] if args.smoke else [])]  # fmt: skip
     env = {**os.environ, "ACCELERATE_MIXED_PRECISION": "bf16", "WANDB_MODE": "disabled",
            "TRANSFORMERS_VERBOSITY": "error"}  # fmt: skip
+    if variant in SHARDED:  # a process group of one (as torchrun would make it), FSDP2 for ours
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000), RANK="0", WORLD_SIZE="1",
+                   LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", **(FSDP2_ENV if variant == "fsdp_ours" else {}))
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     line = next((line for line in done.stdout.splitlines() if line.startswith("RESULT ")), None)
     if line is None:
@@ -213,11 +255,14 @@ def main() -> None:
     for _ in range(args.rounds):
         for key in grid:
             for variant in VARIANTS:
+                if variant in SHARDED and key[:2] != ("hf", "eager"):
+                    continue
                 measured = measure(variant, *key, args)
                 if measured:
                     results.setdefault(key, {}).setdefault(variant, []).append(measured)
 
-    print("\n| model | mode | B | variant | tokens/s | MFU | ms/step | peak GB | speed vs raw PyTorch | "
+    print("\n(FSDP2 rows: one process, a mesh of one GPU: what sharding's machinery costs, against DDP's row)")
+    print("| model | mode | B | variant | tokens/s | MFU | ms/step | peak GB | speed vs raw PyTorch | "
           "memory vs raw PyTorch |")  # fmt: skip
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for (model, mode, batch), runs in results.items():
