@@ -138,7 +138,7 @@ def ours(args) -> dict:
                       eval_data=rows if args.eval else None,
                       loss_fn=pair_loss if args.loss == "pair" else None,
                       callbacks=[CrashAfter(args.crash_at)] if args.crash_at else [])  # fmt: skip
-    result = trainer.fit()
+    result = trainer.evaluate() if args.evaluate_only else trainer.fit()
     from accelerate.utils import gather_object
 
     summary = {"losses": [row["train_loss"] for row in trainer.log_history],
@@ -224,6 +224,7 @@ def main() -> None:
     parser.add_argument("--keep_last", type=int, default=2)
     parser.add_argument("--save_async", action="store_true")
     parser.add_argument("--recompute", action="store_true", help="activation_checkpointing: true")
+    parser.add_argument("--evaluate_only", action="store_true", help="evaluate() the loaded weights instead of fit()")
     parser.add_argument("--resume_from", default=None, help="a checkpoint to continue from")
     parser.add_argument("--crash_at", type=int, default=0)
     parser.add_argument("--eval", action="store_true", help="evaluate on the training rows after training")

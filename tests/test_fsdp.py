@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from trainer.export import read_sharded_weights
+
 from conftest import ROOT, accelerate_launch, clean_env, run
 
 RAGGED = ROOT / "tests" / "ragged_lm.py"
@@ -162,13 +164,20 @@ def test_a_checkpoint_of_2_processes_continues_on_1_or_4_with_the_same_global_ba
     start = {kind: runs[f"{kind}, straight"][1] / "checkpoints" / "step-00000004" for kind in ("fsdp", "ddp")}
     common = ["--optimizer", "adamw", "--lr", "0.01", "--epochs", "2"]
     one = {"fsdp": [*common, "--batch_size", "2", "--accumulation", "4", "--resume_from", str(start["fsdp"])],
-           "ddp": [*common, "--batch_size", "2", "--accumulation", "4", "--resume_from", str(start["ddp"]), "--ddp"]}
+           "ddp": [*common, "--batch_size", "2", "--accumulation", "4", "--resume_from", str(start["ddp"]), "--ddp"],
+           # Another global batch (1 x 3): fit() would refuse it, but the weights serve an evaluation.
+           "evaluate": ["--optimizer", "adamw", "--batch_size", "3", "--resume_from", str(start["fsdp"]), "--eval",
+                        "--evaluate_only"]}
     result = launch(tmp_path / "one", "--variants", json.dumps(one), num_processes=1)
     assert "split 2 process(es) x batch 2 x accumulation 2 = 8 global -> 1 process(es) x batch 2 x accumulation " \
            "4 = 8 global: the same global batch, the same examples" in result.stdout  # fmt: skip
     for kind in ("fsdp", "ddp"):
         resumed = json.loads((tmp_path / "one" / kind / "ragged.json").read_text())
         close_to(resumed, runs[f"{kind}, straight"][0], f"{kind} 2 -> 1", accumulation=4)
+    evaluated = json.loads((tmp_path / "one" / "evaluate" / "ragged.json").read_text())
+    assert evaluated["weights"] == {name: tensor.flatten().tolist() for name, tensor in
+                                    read_sharded_weights(start["fsdp"]).items() if name in evaluated["weights"]}
+    assert evaluated["eval_loss"] == pytest.approx(evaluated["eval_reference"], rel=1e-6)
     result = launch(tmp_path / "four", *common, "--batch_size", "1", "--accumulation", "2", "--resume_from",
                     start["fsdp"], num_processes=4)  # fmt: skip
     assert "rank(s) 2, 3 had no saved random state (the checkpoint has 2 processes'): they start from seed + rank" \

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -65,7 +66,9 @@ def read_sharded_weights(folder: Path) -> dict[str, torch.Tensor]:
     state = {name: torch.empty(entry.size, dtype=entry.properties.dtype)
              for name, entry in reader.read_metadata().state_dict_metadata.items()
              if name.startswith(prefix) and isinstance(entry, TensorStorageMetadata)}  # fmt: skip
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=reader, no_dist=True)
     return {name.removeprefix(prefix): tensor for name, tensor in state.items()}
 
 

@@ -121,7 +121,9 @@ class Checkpoints:
         return True
 
     def load_checkpoint(self, path: str | Path) -> None:
-        """Continue from checkpoint ``path``: weights, optimizer, schedule, RNG and the position in the data."""
+        """Continue from checkpoint ``path``: weights, optimizer, schedule, RNG and the position in the data. On any
+        number of processes and batch size; ``fit()`` then refuses a different global batch (``cannot_train_on``),
+        while ``evaluate()`` and ``predict()`` use the weights as they are."""
         # Sizes on every rank, contents (CRC-32) on the main process: reading every byte once is enough.
         path = checkpoint.verify(Path(path), contents=self.accelerator.is_main_process)
         state = checkpoint.read_state(path)
@@ -131,7 +133,10 @@ class Checkpoints:
                                   f"{self._sharding_name}: resume it with the accelerate config that wrote "
                                   "it")  # fmt: skip
         now = Split(self.accelerator.num_processes, self.config.batch_size, self.config.gradient_accumulation_steps)
-        batches, resplit = resumed_position(state, now, path, streaming=self.stream is not None)
+        try:
+            batches, resplit = resumed_position(state, now, path, streaming=self.stream is not None)
+        except CheckpointError as refusal:  # the weights still serve evaluate() and predict(); fit() refuses
+            self.cannot_train_on, batches, resplit = refusal, state["batches_into_epoch"], ""
         try:
             self.accelerator.load_state(str(path))
             if self.sharded:

@@ -47,7 +47,12 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path)
 
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(state, checkpoint_id=str(folder / SHARDS))
+    try:
+        dcp.load(state, checkpoint_id=str(folder / SHARDS))
+    except dcp.api.CheckpointException as err:  # a BaseException: said as the first failure, for CheckpointError
+        first = next(iter(err.failures.values()), err)
+        first = first[0] if isinstance(first, tuple) else first  # (exception, its traceback)
+        raise RuntimeError(f"{type(first).__name__}: {first}") from err
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 

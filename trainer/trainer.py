@@ -165,6 +165,7 @@ class Trainer(Checkpoints, Evaluating):
         self.log_history: list[dict[str, float]] = []
         self.last_eval: Optional[tuple[int, dict[str, float]]] = None  # (step, metrics) of the latest evaluate()
         self.run_id = new_run_id(self.accelerator)  # names every rank's wandb run; a resume reads it back
+        self.cannot_train_on: Optional[Exception] = None  # why fit() cannot continue the loaded checkpoint
         self.last_checkpoint: Optional[Path] = self._agreed_resume_point()
         if self.last_checkpoint is not None:
             self.load_checkpoint(self.last_checkpoint)
@@ -197,6 +198,8 @@ class Trainer(Checkpoints, Evaluating):
         step, commits a checkpoint there and raises :class:`trainer.Preempted`, a ``SystemExit`` with status 75, so
         an uncaught one ends the script; start it again with ``resume="auto"`` to continue.
         """
+        if self.cannot_train_on is not None:
+            raise self.cannot_train_on  # the checkpoint's global batch differs (trainer.resume)
         self._say(banner(self))
         self.should_stop, self.stop_reason, self.stopped = False, None, None  # a second fit() trains on
         if self.global_step >= self.total_steps:  # resumed from a checkpoint of a run that already ended
