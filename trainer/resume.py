@@ -18,7 +18,6 @@ from trainer import checkpoint, sharded_state, sharding
 from trainer.callbacks import improves
 from trainer.checkpoint import CheckpointError, checkpoint_root, find_resume_point
 from trainer.console import no_library_progress_bars_off_a_terminal
-from trainer.export import save_model_config, write_model
 
 
 class Checkpoints:
@@ -73,6 +72,8 @@ class Checkpoints:
 
     def _write_config(self, folder: Path) -> None:
         if self.accelerator.is_main_process:
+            from trainer.export import save_model_config  # not at import: `python -m trainer.export` runs it
+
             save_model_config(self.unwrapped_model, folder)
 
     def _stream_positions(self, batches: int) -> list[Any]:
@@ -163,6 +164,8 @@ class Checkpoints:
         if self.sharded:  # gathered one tensor at a time onto the main process's CPU
             state_dict = sharded_state.full_model_state(model)
             if self.accelerator.is_main_process:
+                from trainer.export import write_model
+
                 write_model(state_dict, directory, model)
         elif hasattr(model, "save_pretrained"):
             state_dict = self.accelerator.get_state_dict(model)  # the plain module's: no "_orig_mod." prefixes
