@@ -83,12 +83,20 @@ class Clock:
                 self.seconds = (time.perf_counter() - self.started) / (self.total - self.warmup)
 
 
-def run_torch(model, data, batch: int, compiled: bool, clock: Clock) -> None:
+def run_torch(model, data, batch: int, compiled: bool, clock: Clock, sharded: bool = False) -> None:
     import torch
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     model.to(device)
+    if sharded:  # torch's FSDP2 recipe: each block, then the root; bf16 compute, fp32 masters and reduction
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        torch.distributed.init_process_group("nccl" if cuda else "gloo")
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.transformer.h:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.0, fused=cuda or None)
     forward = torch.compile(model) if compiled else model
     loader = torch.utils.data.DataLoader(data, batch_size=batch, shuffle=True, pin_memory=cuda)
@@ -132,34 +140,7 @@ def run_accelerate(model, data, batch: int, compiled: bool, clock: Clock) -> Non
 
 
 def run_fsdp_torch(model, data, batch: int, compiled: bool, clock: Clock) -> None:
-    """torch's FSDP2 recipe by hand: each GPT2Block, then the root, fully_shard with bf16 compute over fp32
-    masters and fp32 gradient reduction, the rest as the raw PyTorch loop."""
-    import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    cuda = torch.cuda.is_available()
-    torch.distributed.init_process_group("nccl" if cuda else "gloo")
-    device = torch.device("cuda" if cuda else "cpu")
-    model.to(device)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.transformer.h:
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.0, fused=cuda or None)
-    loader = torch.utils.data.DataLoader(data, batch_size=batch, shuffle=True, pin_memory=cuda)
-    model.train()
-    for step, examples in enumerate(loader, 1):
-        examples = {k: v.to(device, non_blocking=True) for k, v in examples.items()}
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = model(**examples).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if step % LOG_EVERY == 0:
-            loss.item()
-        clock.tick()
-        if step == clock.total:
-            return
+    run_torch(model, data, batch, compiled, clock, sharded=True)
 
 
 def run_fsdp_ours(model, data, batch: int, compiled: bool, clock: Clock) -> None:

@@ -15,12 +15,15 @@ def epoch_lines(output: str) -> list[str]:
     return sorted(re.findall(r"^\[(?:GPU|CPU)\d\] Epoch \d+ \| Batchsize: \d+ \| Steps: \d+$", output, re.M))
 
 
+# fp16 on a host without a GPU: accelerate applies it on GPUs only; the banner says what the launch asked for.
 @pytest.mark.parametrize(
-    "config, processes", [("single_gpu.yaml", 1), ("cpu.yaml", 1), ("multi_gpu.yaml", 2), ("bf16.yaml", 2),
-                          ("fp16.yaml", 2)]
+    "config, processes, precision", [("single_gpu.yaml", 1, "no"), ("cpu.yaml", 1, "no"), ("multi_gpu.yaml", 2, "no"),
+                                     ("bf16.yaml", 2, "bf16"), ("fp16.yaml", 2, "fp16")]
 )  # fmt: skip
-def test_mlp_runs_with_each_config(tmp_path, config, processes):
+def test_mlp_runs_with_each_config(tmp_path, config, processes, precision):
     result = accelerate_launch(MLP, "1", "1", "--output_dir", tmp_path, config=config)
+    assert f"trainer | {processes} process(es)" in result.stdout
+    assert f"mixed precision {precision}" in result.stdout  # the start banner
     steps = 2048 // processes // 32
     assert epoch_lines(result.stdout) == [f"[CPU{rank}] Epoch 0 | Batchsize: 32 | Steps: {steps}" for rank in
                                           range(processes)]  # fmt: skip

@@ -10,7 +10,6 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 
 from trainer.export import read_sharded_weights
 
@@ -208,10 +207,3 @@ def test_save_async_without_sharding_is_refused_in_one_line(tmp_path):
         "trainer: save_async: true writes a sharded (FSDP2) model's checkpoints in the background, and this run is "
         "DDP: launch with an FSDP config (accelerate_configs/fsdp.yaml) or set save_async: false"
     ]
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (NCCL)")
-def test_fsdp2_on_a_gpu_shards_over_nccl(tmp_path):
-    result = launch(tmp_path, *ADAMW, "--eval", num_processes=1)
-    assert "device cuda (FSDP2)" in result.stdout
-    assert json.loads((tmp_path / "ragged.json").read_text())["dtypes"] == ["torch.float32"]

@@ -108,3 +108,18 @@ def test_the_gpt2_example_on_one_gpu_uses_tf32_a_gpu_batch_and_reports_mfu(tmp_p
     assert "TF32 matmuls on" in result.stdout
     assert f"batch {example.GPU_BATCH_SIZE} per process x 1 processes" in result.stdout
     assert re.search(r"^step 10/10 \| .* tokens/s \| MFU [\d.]+%$", result.stdout, re.M)
+
+
+def test_fsdp2_shards_over_nccl_and_computes_in_bf16_over_fp32_masters(tmp_path):
+    """fsdp.yaml on one GPU (a mesh of one, NCCL): sharded, bf16 compute, fp32 master weights and AdamW state, a
+    sharded checkpoint, evaluation in lockstep."""
+    ragged = ROOT / "tests" / "ragged_lm.py"
+    result = accelerate_launch(ragged, "--out", tmp_path, "--batch_size", "4", "--optimizer", "adamw", "--max_steps",
+                               "3", "--save_every", "2", "--eval", config="fsdp.yaml", num_processes=1,
+                               run_args=["--mixed_precision", "bf16"], env=gpu_env())  # fmt: skip
+    assert "device cuda (FSDP2)" in result.stdout and "mixed precision bf16" in result.stdout
+    summary = json.loads((tmp_path / "ragged.json").read_text())
+    assert summary["computed"] == ["torch.bfloat16"]
+    assert summary["dtypes"] == summary["optimizer_dtypes"] == ["torch.float32"]
+    assert (tmp_path / "checkpoints" / "step-00000002" / "shards" / ".metadata").is_file()
+
