@@ -38,12 +38,21 @@ def cluster():
     shutil.rmtree(root, ignore_errors=True)
 
 
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+
+
 def sbatch(cluster, script: str, *args, env: dict, sbatch_args=(), wait: bool = True) -> str:
+    """Submit as a user would; with ``wait``, until the job ended, and it must have completed. (Polled here rather
+    than by `sbatch --wait`, whose own polling backs off to tens of seconds: most of a test's time.)"""
     cluster.env = {**clean_env(), **env, "SLURM_CONF": str(cluster.conf)}
-    done = cluster.run("sbatch", "--parsable", *(["--wait"] if wait else []), *HERE, *sbatch_args,
-                       SCRIPTS / script, *args, check=False, timeout=300)  # fmt: skip
+    done = cluster.run("sbatch", "--parsable", *HERE, *sbatch_args, SCRIPTS / script, *args, check=False,
+                       timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout.strip().split(";")[0]
+    job = done.stdout.strip().split(";")[0]
+    if wait:
+        state = cluster.wait_for(job, ENDED, timeout=300)
+        assert state["JobState"] == "COMPLETED", state
+    return job
 
 
 def test_single_node_script_under_sbatch_matches_one_process(cluster, tmp_path, one_process):  # noqa: F811
