@@ -207,3 +207,21 @@ def test_save_async_without_sharding_is_refused_in_one_line(tmp_path):
         "trainer: save_async: true writes a sharded (FSDP2) model's checkpoints in the background, and this run is "
         "DDP: launch with an FSDP config (accelerate_configs/fsdp.yaml) or set save_async: false"
     ]
+
+
+def test_the_preflight_reads_an_fsdp_config_as_a_sharded_launch_of_its_processes(tmp_path):
+    """python -m trainer.check: accelerate starts an FSDP file's processes through torchrun (not its one-process CPU
+    launcher); version 1 is named with the way to convert it."""
+    from trainer.check import describe_config
+
+    lines, problems, processes = describe_config(str(ROOT / "accelerate_configs" / "fsdp.yaml"), launched=False)
+    assert processes == 2 and problems == []
+    assert "  model: sharded over the processes (FSDP2): each holds 1/2 of the weights, gradients and optimizer " \
+           "state" in lines  # fmt: skip
+    version_1 = tmp_path / "fsdp1.yaml"
+    version_1.write_text((ROOT / "accelerate_configs" / "fsdp.yaml").read_text().replace("fsdp_version: 2",
+                                                                                         "fsdp_version: 1"))
+    _, problems, _ = describe_config(str(version_1), launched=False)
+    assert problems == ["fsdp_version 1: the trainer shards with FSDP2; convert the file with `accelerate to-fsdp2 "
+                        "--config_file <yours> --output_file <new>`"]
+

@@ -43,16 +43,25 @@ def describe_config(path: str, launched: bool, num_processes: Optional[int] = No
     processes = num_processes or config.num_processes
     gpus = visible_gpus(getattr(config, "gpu_ids", None))
     kind = config.distributed_type.value
-    through_torchrun = kind.startswith("MULTI_") and kind != "MULTI_CPU"  # else accelerate's one-process launcher
+    # accelerate launches MULTI_GPU and FSDP files through torchrun, anything else through its one-process launcher
+    through_torchrun = kind.startswith("MULTI_") and kind != "MULTI_CPU" or kind == "FSDP"
     on_cpu = gpus == 0 or (config.use_cpu and not through_torchrun)
     per_machine = processes // max(machines, 1)
+    fsdp_version = int((config.fsdp_config or {}).get("fsdp_version", 1)) if kind == "FSDP" else None
+    how = "sharded (FSDP2)" if fsdp_version else "as DDP"
     lines = [
         f"config {path}: {machines} machine(s) x {per_machine} process(es) = {processes} processes",
         f"  backend: {'gloo on CPU' if on_cpu else 'nccl on GPU'}"
-        + (" (no GPU visible: the trainer runs the processes as DDP on CPU)" if on_cpu and through_torchrun else ""),
+        + (f" (no GPU visible: the trainer runs the processes {how} on CPU)" if on_cpu and through_torchrun else ""),
         f"  mixed precision: {config.mixed_precision}",
     ]
     problems: Problems = []
+    if fsdp_version is not None:
+        lines.append(f"  model: sharded over the processes (FSDP2): each holds 1/{processes} of the weights, gradients "
+                     "and optimizer state")  # fmt: skip
+        if fsdp_version != 2:
+            problems.append(f"fsdp_version {fsdp_version}: the trainer shards with FSDP2; convert the file with "
+                            "`accelerate to-fsdp2 --config_file <yours> --output_file <new>`")  # fmt: skip
     if processes % max(machines, 1):
         problems.append(f"num_processes {processes} is not a multiple of num_machines {machines}: every machine runs "
                         "num_processes / num_machines processes")  # fmt: skip
