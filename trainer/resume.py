@@ -147,7 +147,7 @@ class Checkpoints:
             raise CheckpointError(f"checkpoint {path} does not fit this run: {detail}") from err
         self.global_step, self.epoch = state["global_step"], state["epoch"]
         self.batches_into_epoch = batches
-        if self.stream is not None:
+        if self.stream is not None and self.cannot_train_on is None:  # else the positions are another split's
             positions = state.get("streams") or [None] * self.accelerator.num_processes
             self.stream.resume_at(positions[self.accelerator.process_index], self.batches_into_epoch)
         self.run_id = state.get("run_id", self.run_id)
