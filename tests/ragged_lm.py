@@ -135,7 +135,7 @@ def ours(args) -> dict:
     first = next(m for m in model.modules() if type(m).__name__ == "Conv1D")
     first.register_forward_pre_hook(lambda module, inputs: computed.add(str(module.weight.dtype)))
     trainer = Trainer(model, config, train_data=data, collate_fn=seen,
-                      eval_data=rows if args.eval else None,
+                      eval_data=rows[: args.eval_examples] if args.eval else None,
                       loss_fn=pair_loss if args.loss == "pair" else None,
                       callbacks=[CrashAfter(args.crash_at)] if args.crash_at else [])  # fmt: skip
     result = trainer.evaluate() if args.evaluate_only else trainer.fit()
@@ -150,7 +150,11 @@ def ours(args) -> dict:
                                            for v in state.values() if v.dim() > 0})}  # fmt: skip
     if args.eval:  # the eval loss over every counted token once, and the same figure computed here directly
         summary["eval_loss"] = result["eval_loss"]
-        summary["eval_reference"] = token_mean_loss(trainer.unwrapped_model, rows)
+        summary["eval_reference"] = token_mean_loss(trainer.unwrapped_model, rows[: args.eval_examples])
+    if args.predict:  # every example's most likely next tokens, in order
+        predicted = trainer.predict(rows[: args.eval_examples], lambda model, batch: model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.argmax(-1))
+        summary["predicted"] = predicted.tolist()
     return summary
 
 
@@ -224,6 +228,8 @@ def main() -> None:
     parser.add_argument("--keep_last", type=int, default=2)
     parser.add_argument("--save_async", action="store_true")
     parser.add_argument("--recompute", action="store_true", help="activation_checkpointing: true")
+    parser.add_argument("--eval_examples", type=int, default=None, help="evaluate on the first N rows only")
+    parser.add_argument("--predict", action="store_true", help="predict() the evaluation rows after training")
     parser.add_argument("--evaluate_only", action="store_true", help="evaluate() the loaded weights instead of fit()")
     parser.add_argument("--resume_from", default=None, help="a checkpoint to continue from")
     parser.add_argument("--crash_at", type=int, default=0)

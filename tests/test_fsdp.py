@@ -19,8 +19,9 @@ RAGGED = ROOT / "tests" / "ragged_lm.py"
 ADAMW = ["--batch_size", "2", "--accumulation", "2", "--optimizer", "adamw", "--lr", "0.01"]
 RESUMED = [*ADAMW, "--save_every", "2", "--epochs", "2", "--keep_last", "6"]
 VARIANTS = {
-    "fsdp": [*ADAMW, "--eval"],
-    "ddp": [*ADAMW, "--eval", "--ddp"],
+    # 45 evaluation rows: 23 and 22 per process, 12 and 11 batches of 2; a sharded model's forwards run in lockstep.
+    "fsdp": [*ADAMW, "--eval", "--eval_examples", "45", "--predict"],
+    "ddp": [*ADAMW, "--eval", "--eval_examples", "45", "--predict", "--ddp"],
     "fsdp, activation checkpointing": [*ADAMW, "--recompute"],
     "ddp, activation checkpointing": [*ADAMW, "--recompute", "--ddp"],
     "fsdp, clipped": ["--batch_size", "4", "--clip", "0.5"],
@@ -63,6 +64,7 @@ def test_fsdp2_shards_the_model_and_reaches_ddps_weights_bit_for_bit(fsdp):
     assert sharded["weights"] == ddp["weights"]
     assert sharded["losses"] == ddp["losses"]
     assert sharded["eval_loss"] == ddp["eval_loss"] == pytest.approx(sharded["eval_reference"], rel=1e-6)
+    assert len(sharded["predicted"]) == 45 and sharded["predicted"] == ddp["predicted"]
     # Clipping: the norm is summed from the shards, a different float order than DDP's whole tensors.
     clipped, reference = runs["fsdp, clipped"][0], runs["ddp, clipped"][0]
     for name, values in reference["weights"].items():
