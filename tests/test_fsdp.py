@@ -214,16 +214,13 @@ def test_save_async_without_sharding_is_refused_in_one_line(tmp_path):
 def test_the_preflight_reads_an_fsdp_config_as_a_sharded_launch_of_its_processes(tmp_path):
     """python -m trainer.check: accelerate starts an FSDP file's processes through torchrun (not its one-process CPU
     launcher); version 1 is named with the way to convert it."""
-    from trainer.check import describe_config
-
-    lines, problems, processes = describe_config(str(ROOT / "accelerate_configs" / "fsdp.yaml"), launched=False)
-    assert processes == 2 and problems == []
+    fsdp = ROOT / "accelerate_configs" / "fsdp.yaml"
+    fine = run([sys.executable, "-m", "trainer.check", "--config_file", str(fsdp)])
     assert "  model: sharded over the processes (FSDP2): each holds 1/2 of the weights, gradients and optimizer " \
-           "state" in lines  # fmt: skip
+           "state" in fine.stdout  # fmt: skip
+    assert fine.stdout.rstrip().endswith("preflight: no problems found")
     version_1 = tmp_path / "fsdp1.yaml"
-    version_1.write_text((ROOT / "accelerate_configs" / "fsdp.yaml").read_text().replace("fsdp_version: 2",
-                                                                                         "fsdp_version: 1"))
-    _, problems, _ = describe_config(str(version_1), launched=False)
-    assert problems == ["fsdp_version 1: the trainer shards with FSDP2; convert the file with `accelerate to-fsdp2 "
-                        "--config_file <yours> --output_file <new>`"]
-
+    version_1.write_text(fsdp.read_text().replace("fsdp_version: 2", "fsdp_version: 1"))
+    refused = run([sys.executable, "-m", "trainer.check", "--config_file", str(version_1)], expect_ok=False)
+    assert "PROBLEM: fsdp_version 1: the trainer shards with FSDP2; convert the file with `accelerate to-fsdp2 " \
+           "--config_file <yours> --output_file <new>`" in refused.stdout  # fmt: skip
