@@ -122,7 +122,6 @@ def predict(model: torch.nn.Module, loader, predict_fn: PredictFn, accelerator: 
     return gathered.transpose(0, 1).reshape(world * per_process, *trailing)[:num_examples].cpu()
 
 
-
 def in_lockstep(loader, device: torch.device) -> Iterator[tuple[Any, bool]]:
     """``(batch, counted)`` until no process has a batch left: a process whose share ran out repeats its last batch,
     not counted. Why: a sharded model's every forward gathers the weights from all processes, so every process runs
