@@ -28,6 +28,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shutil
 import socket
 import sys
@@ -45,6 +46,7 @@ BEST_FILE = "best"  # with keep_best: the checkpoint of the best evaluation, spa
 PREFIX = "step-"
 LOCK_FILE = ".lock"
 DAMAGED = "damaged-"
+STEP_FOLDER = re.compile(rf"{PREFIX}[0-9]+")
 _HELD: dict[str, Any] = {}  # output_dir locks this process holds, by path
 
 
@@ -122,13 +124,30 @@ def complete_checkpoints(root: Path) -> list[Path]:
     """Committed checkpoint folders, oldest first (``.tmp-*`` folders are unfinished writes)."""
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX))
+    return sorted(p for p in root.iterdir() if p.is_dir() and STEP_FOLDER.fullmatch(p.name))
 
 
 def best_checkpoint(root: Path) -> Optional[Path]:
-    """The checkpoint the ``best`` pointer names (keep_best), or None."""
-    pointer = root / BEST_FILE
-    return root / pointer.read_text().strip() if pointer.is_file() else None
+    """The checkpoint the ``best`` pointer names (keep_best), or None (also when the pointer is corrupt)."""
+    try:
+        return root / pointed_at(root / BEST_FILE)
+    except CheckpointError:
+        return None
+
+
+def pointed_at(pointer: Path) -> str:
+    """The folder a pointer (``latest``, ``best``) names: only ever a ``step-<digits>`` folder beside it, so a
+    pointer that was edited, damaged or left by another run can lead nowhere else (``../other-run/...``)."""
+    try:
+        raw = pointer.read_bytes()
+    except OSError as err:
+        raise CheckpointError(f"the {pointer.name} pointer {pointer} cannot be read: {err}") from None
+    name = raw.decode("utf-8", errors="replace").strip()
+    if not STEP_FOLDER.fullmatch(name):
+        shown = f"holds {ascii(raw[:60])}{'...' if len(raw) > 60 else ''}" if raw else "is empty"  # printable
+        raise CheckpointError(f"the {pointer.name} pointer {pointer} is corrupt: it {shown}, not the name of a "
+                              f"{PREFIX}<digits> folder beside it")  # fmt: skip
+    return name
 
 
 def latest_checkpoint(root: Path) -> Optional[Path]:
@@ -139,7 +158,7 @@ def latest_checkpoint(root: Path) -> Optional[Path]:
         if found:  # the pointer went missing: the newest committed folder is still a complete checkpoint
             return verify(found[-1])
         return None
-    named = root / pointer.read_text().strip()
+    named = root / pointed_at(pointer)
     if not named.exists() and (root / f".old-{named.name}").is_dir():  # killed while re-saving this step
         os.replace(root / f".old-{named.name}", named)
     return verify(named)
@@ -280,7 +299,10 @@ def write_failed(staging: Path, root: Path, err: BaseException) -> CheckpointErr
     pointer = root / POINTER_FILE
     kept = "none was written before"
     if pointer.is_file():
-        kept = f"{root / pointer.read_text().strip()} is still the latest"
+        try:
+            kept = f"{root / pointed_at(pointer)} is still the latest"
+        except CheckpointError as err:
+            kept = str(err)
     return CheckpointError(f"could not write checkpoint {staging.name.removeprefix('.tmp-')}: {why}. The unfinished "
                            f"folder was removed; {kept}.")  # fmt: skip
 
