@@ -8,16 +8,19 @@ position in the data, the stream, the best evaluation).
 from __future__ import annotations
 
 import json
+import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from accelerate.utils import broadcast_object_list, gather_object
 
-from trainer import checkpoint, sharded_state, sharding
+from trainer import changes, checkpoint, sharded_state, sharding
 from trainer.callbacks import improves
 from trainer.checkpoint import CheckpointError, checkpoint_root, find_resume_point
 from trainer.console import no_library_progress_bars_off_a_terminal
+from trainer.preemption import PREEMPTED_EXIT, Preempted, requeue_slurm_job
 
 
 class Checkpoints:
@@ -39,7 +42,7 @@ class Checkpoints:
             "world_size": self.accelerator.num_processes, "batch_size": self.config.batch_size,
             "gradient_accumulation_steps": self.config.gradient_accumulation_steps, "config": self.config.to_dict(),
             "run_id": self.run_id,  # rank k's wandb run is <run_id>-rank<k>: a resume continues it
-            "sharding": self._sharding_name,
+            "sharding": self._sharding_name, "optimizer_class": self._optimizer_class,
         }  # fmt: skip
         if self.stream is not None:  # where each process's part of the stream stands, as JSON
             state["streams"] = self._stream_positions(batches)
@@ -95,9 +98,32 @@ class Checkpoints:
             self._lock = checkpoint.lock_output_dir(self.config.output_dir)  # held while this process lives
             found = find_resume_point(self.config)
             chosen = [str(found) if found is not None else None]
+            if found is None and self.config.resume == "auto":  # a relative output_dir from another directory...
+                where = checkpoint_root(self.config.output_dir).resolve()
+                self._say(f"resume='auto': no checkpoint in {where}: starting fresh")
         if self.accelerator.num_processes > 1:
             broadcast_object_list(chosen, from_process=0)
         return Path(chosen[0]) if chosen[0] is not None else None
+
+    def _preempt(self, signal_number: int, window: Any, progress: Any) -> None:
+        """A signal reached some rank: every rank logs what this window holds, commits a checkpoint of the step
+        reached (whatever save_every says), then leaves fit() by raising Preempted (exit status 75)."""
+        name = signal.Signals(signal_number).name
+        started = time.monotonic()
+        if window.steps:
+            self._log(window, progress)
+        self.wait_for_checkpoint()  # a checkpoint written in the background is committed first
+        saved = self.last_checkpoint
+        if saved is None or checkpoint.step_of(saved) != self.global_step:
+            saved = self.save_checkpoint()
+        requeue = ""
+        if self.config.slurm_requeue:
+            if self.accelerator.is_main_process:
+                requeue = f"; {requeue_slurm_job()}"
+            self.accelerator.wait_for_everyone()  # no rank leaves (and gets the others signalled) before the requeue
+        raise Preempted(f"trainer: preempted ({name}) at step {self.global_step} of {self.total_steps}: checkpoint "
+                        f"{saved} committed in {time.monotonic() - started:.1f} s{requeue}; exiting with status "
+                        f"{PREEMPTED_EXIT}. Start the job again with resume='auto' to continue.")  # fmt: skip
 
     @property
     def _sharding_name(self) -> str:
@@ -138,11 +164,17 @@ class Checkpoints:
             batches, resplit = resumed_position(state, now, path, streaming=self.stream is not None)
         except CheckpointError as refusal:  # the weights still serve evaluate() and predict(); fit() refuses
             self.cannot_train_on, batches, resplit = refusal, state["batches_into_epoch"], ""
+        refused = changes.refusal(state.get("config", {}), self.config.to_dict(), path, batches > 0,
+                                  self.built_from_config[0], state.get("optimizer_class"), self._optimizer_class)
+        self.cannot_train_on = self.cannot_train_on or refused  # a changed setting the saved state cannot go on under
+        own_settings = changes.group_settings(self.optimizer)  # this run's; the checkpoint's replace them
         try:
             self.accelerator.load_state(str(path))
             if self.sharded:
                 sharded_state.load(self.model, self.optimizer, path)
         except (RuntimeError, KeyError, ValueError, OSError) as err:
+            if refused is not None:  # the optimizer state does not load for the reason it names
+                raise refused from err
             detail = " ".join(str(err).split())[:2000]  # torch's size-mismatch report spans many lines
             raise CheckpointError(f"checkpoint {path} does not fit this run: {detail}") from err
         self.global_step, self.epoch = state["global_step"], state["epoch"]
@@ -154,6 +186,25 @@ class Checkpoints:
         self.best = state.get("best")
         self._say(f"resumed from {path}: step {self.global_step}, epoch {self.epoch}, batch {self.batches_into_epoch}"
                   f"{resplit}{_random_states(path, state['world_size'], now.processes)}")  # fmt: skip
+        if self.cannot_train_on is None:
+            self._apply_changed_settings(state, own_settings)
+
+    def _apply_changed_settings(self, state: dict[str, Any], own_settings: list[dict[str, Any]]) -> None:
+        """This run's settings where they differ from the checkpoint's, from the next step on, said in one line
+        (``trainer.changes``; those the saved state cannot go on under were refused before the load)."""
+        saved, now = state.get("config", {}), self.config.to_dict()
+        built_scheduler = self.built_from_config[1]
+        schedule_moved = saved.get("lr_scheduler", "constant") != "constant" or saved.get("warmup_steps", 0) > 0
+        scheduler = getattr(self.lr_scheduler, "scheduler", self.lr_scheduler)  # accelerate's wrapper holds it
+        lrs = changes.apply_settings(self.optimizer, scheduler, own_settings, self.global_step, schedule_moved,
+                                     built_scheduler)  # fmt: skip
+        applied = changes.said(changes.changed_settings(saved, now), self.global_step, lrs)
+        if applied:
+            self._say(applied)
+
+    @property
+    def _optimizer_class(self) -> str:
+        return type(getattr(self.optimizer, "optimizer", self.optimizer)).__name__
 
     def save_model(self, directory: str | Path | None = None) -> Path:
         """Export the weights once, from the global main process, to ``<output_dir>/final`` by default:

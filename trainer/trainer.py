@@ -19,7 +19,6 @@ Example::
 from __future__ import annotations
 
 import math
-import signal
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,6 @@ from accelerate.utils import find_batch_size, set_seed
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
-from trainer import checkpoint
 from trainer.accumulation import StepBatches, StreamAgreement, Weighing, windows
 from trainer.background_save import background_saves
 from trainer.checkpoint import check_writable
@@ -45,7 +43,7 @@ from trainer.fastpath import Stepper, keep_own_forward
 from trainer.losses import LossFn, model_loss, unused_parameters
 from trainer.nonfinite import NonFiniteGuard
 from trainer.optim import build_optimizer, build_scheduler, describe
-from trainer.preemption import PREEMPTED_EXIT, Preempted, PreemptionWatch, requeue_slurm_job
+from trainer.preemption import Preempted, PreemptionWatch
 from trainer.report import banner, step_line
 from trainer.resume import Checkpoints
 from trainer.sharding import gradient_sync, prepare, requested_plugin, spread
@@ -138,6 +136,7 @@ class Trainer(Checkpoints, Evaluating):
         self._schedule_moves = lr_scheduler is not None or config.lr_scheduler != "constant" or config.warmup_steps > 0
         lr_scheduler = lr_scheduler or build_scheduler(optimizer, config, self.total_steps)
         self.optimization = describe(optimizer, lr_scheduler, config, *built)  # for the banner
+        self.built_from_config = built  # (optimizer, scheduler): a resume applies this run's settings to them
         self.model, self.optimizer, self.train_loader, self.lr_scheduler = prepare(
             self.accelerator, self.sharded, model, optimizer, train_loader, lr_scheduler
         )
@@ -224,6 +223,7 @@ class Trainer(Checkpoints, Evaluating):
     def _train(self) -> dict[str, float]:
         window = StepWindow(self.accelerator.device)
         self.model.train()
+        self.nonfinite.keep_buffers(self.model)  # nan_policy skip: a skipped step puts them back
         started = time.perf_counter()
         cfg, acc = self.config, self.accelerator
         self.preemption = PreemptionWatch(cfg.signal_names, cfg.preemption_grace_s, acc.num_processes)
@@ -299,30 +299,11 @@ class Trainer(Checkpoints, Evaluating):
         if cfg.eval_every and step % cfg.eval_every == 0 and self.eval_loader is not None:
             self.stall.at(step, "evaluate")
             self.evaluate()
-        if cfg.save_every and (step % cfg.save_every == 0 or last or self.stopped is not None):
+        due = cfg.save_every and (step % cfg.save_every == 0 or last or self.stopped is not None)
+        if due and not self.preemption.agree_now():  # a signal noted: the preemption's save, not this one, comes next
             self.stall.at(step, "checkpoint")
             self.save_checkpoint(wait=False)  # save_async: written in the background, committed later
         self._call("on_step_end")
-
-    def _preempt(self, signal_number: int, window: StepWindow, progress: tqdm) -> None:
-        """A signal reached some rank: every rank logs what this window holds, commits a checkpoint of the step
-        reached (whatever save_every says), then leaves fit() by raising Preempted (exit status 75)."""
-        name = signal.Signals(signal_number).name
-        started = time.monotonic()
-        if window.steps:
-            self._log(window, progress)
-        self.wait_for_checkpoint()  # a checkpoint written in the background is committed first
-        saved = self.last_checkpoint
-        if saved is None or checkpoint.step_of(saved) != self.global_step:
-            saved = self.save_checkpoint()
-        requeue = ""
-        if self.config.slurm_requeue:
-            if self.accelerator.is_main_process:
-                requeue = f"; {requeue_slurm_job()}"
-            self.accelerator.wait_for_everyone()  # no rank leaves (and gets the others signalled) before the requeue
-        raise Preempted(f"trainer: preempted ({name}) at step {self.global_step} of {self.total_steps}: checkpoint "
-                        f"{saved} committed in {time.monotonic() - started:.1f} s{requeue}; exiting with status "
-                        f"{PREEMPTED_EXIT}. Start the job again with resume='auto' to continue.")  # fmt: skip
 
     def _finish(self, started: float) -> dict[str, float]:
         self.nonfinite.check(str(self.last_checkpoint or ""))
