@@ -41,6 +41,7 @@ class Evaluating:
         self.last_eval = (self.global_step, metrics)
         if self.accelerator.is_main_process:  # the same reduced figures on every rank: the main run holds them
             self.tracker.log({f"eval/{k.removeprefix('eval_')}": v for k, v in metrics.items()}, self.global_step)
+        self.nonfinite.check_evaluation(metrics, self.global_step, str(self.last_checkpoint or ""))
         self._call("on_evaluate", metrics=metrics)
         return metrics
 
