@@ -93,7 +93,9 @@ class TrainConfig:
     # Preemption (trainer/preemption.py): on any of these signals, every rank stops after the same step, commits a
     # checkpoint there and exits with status 75; "" leaves the signals alone. A second signal, or
     # preemption_grace_s after the first, exits at once. slurm_requeue: then `scontrol requeue` the job.
-    preemption_signals: str = "SIGTERM,SIGINT,SIGUSR1"
+    # SIGHUP (the terminal or ssh session went away) and SIGQUIT (torchrun's agent treats it as SIGTERM) are ends of
+    # a job as much as SIGTERM is.
+    preemption_signals: str = "SIGTERM,SIGINT,SIGUSR1,SIGHUP,SIGQUIT"
     preemption_grace_s: float = 180.0
     slurm_requeue: bool = False
 

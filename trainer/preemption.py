@@ -58,6 +58,7 @@ class PreemptionWatch:
         self._pending: Optional[dist.Work] = None
         self._world_size = world_size
         self.every = 1  # steps between checks
+        self._agreed = 0  # a signal the ranks agreed on out of turn (agree_now), for agreed() to return
         self._next_every = 1  # from the next check on (a check issued at the old pace is read at it)
 
     def __enter__(self) -> "PreemptionWatch":
@@ -106,8 +107,8 @@ class PreemptionWatch:
 
     def agreed(self, step: int) -> int:
         """The signal any rank had received by the previous check (0: none); the same answer on every rank."""
-        if self._group is None:
-            return self.received
+        if self._group is None or self._agreed:
+            return self._agreed or self.received
         if step % self.every:
             return 0
         self.every = self._next_every
@@ -121,6 +122,22 @@ class PreemptionWatch:
         else:
             self._pending = None
         return seen
+
+    def agree_now(self) -> bool:
+        """Compare notes now, waiting for the answer: before a periodic save, which may take longer than the
+        launcher's or Slurm's grace. Call it on every rank at the same step; True when some rank has had a signal
+        (``agreed()`` then returns it at once), so that the preemption's checkpoint is the next save."""
+        if self._group is None or self._agreed:
+            self._agreed = self._agreed or self.received
+            return bool(self._agreed)
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.wait()
+        if not self._flag.item():
+            self._flag[0] = self.received
+            dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group)
+        self._agreed = int(self._flag.item())
+        return bool(self._agreed)
 
 
 def requeue_slurm_job() -> str:
