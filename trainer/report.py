@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
+from accelerate.data_loader import get_sampler
 
 from trainer import sharding
 from trainer.distributed import num_machines
@@ -25,6 +26,14 @@ def step_line(metrics: dict[str, Any], total_steps: int) -> str:
     return line
 
 
+def examples_per_epoch(loader: Any) -> Optional[int]:
+    """The examples this process reads per epoch (its sampler's share), or None when unknown (a stream)."""
+    try:
+        return len(get_sampler(loader))
+    except TypeError:
+        return None
+
+
 def banner(trainer: Any) -> str:
     """What a run is about to do, said once at the start of ``fit()``: processes, device, the global batch and how
     its loss is weighed, steps, optimizer and schedule."""
@@ -33,10 +42,12 @@ def banner(trainer: Any) -> str:
     threads = f", {torch.get_num_threads()} CPU threads per process" if acc.device.type == "cpu" else ""
     per_epoch = trainer.steps_per_epoch if trainer.steps_per_epoch else "unknown"
     weighs = "; the loss weighs every counted token alike" if trainer.weighing.counts_tokens else ""
-    short, batches = "", trainer.batches_per_epoch
-    if batches and batches < cfg.gradient_accumulation_steps:
-        short = (f"\n        | an epoch has {batches} batches per process, fewer than the "
-                 f"{cfg.gradient_accumulation_steps} accumulation steps: each step accumulates those {batches}")
+    global_batch, short, batches = trainer.global_batch_size, "", trainer.batches_per_epoch
+    share = examples_per_epoch(trainer.train_loader)
+    if share is not None and share < cfg.batch_size * cfg.gradient_accumulation_steps:  # one step takes them all
+        global_batch = share * acc.num_processes
+        short = (f"\n        | an epoch has {share} examples per process in {batches} batch(es), fewer than batch x "
+                 f"accumulation: each step takes them all, {global_batch} global")  # fmt: skip
     kind = sharding.FULLY_SHARDED if trainer.sharded else acc.distributed_type.value
     if cfg.activation_checkpointing and not trainer.sharded:  # a sharded model's line below says it
         kind += ", activation checkpointing"
@@ -45,7 +56,7 @@ def banner(trainer: Any) -> str:
         f"trainer | {acc.num_processes} process(es) on {num_machines(acc)} machine(s), device {acc.device.type} "
         f"({kind}){threads}, mixed precision {acc.mixed_precision}\n{sharded}"
         f"        | batch {cfg.batch_size} per process x {acc.num_processes} processes x "
-        f"{cfg.gradient_accumulation_steps} accumulation = {trainer.global_batch_size} global{weighs}{short}\n"
+        f"{cfg.gradient_accumulation_steps} accumulation = {global_batch} global{weighs}{short}\n"
         f"        | {per_epoch} optimizer steps per epoch, {trainer.total_steps} in all ({steps}); "
         f"{trainer.optimization}"
     )

@@ -32,12 +32,19 @@ from accelerate import Accelerator
 from trainer.config import TrainConfig
 from trainer.nonfinite import FOLD_EVERY
 from trainer.preemption import PREEMPTED_EXIT
+from trainer.refusal import Refusal
 
 # One row of a rank's window, in this order, gathered from every rank at each log.
 # loss_sum / loss_weight is the window's mean loss: weights are a micro-batch's counted tokens (or its loss_fn's
 # count), else 1 (trainer.accumulation).
 WINDOW_FIELDS = ("loss_sum", "micro_batches", "examples", "tokens", "steps", "seconds", "data_wait", "forward",
                  "stop", "loss_weight")  # stop: this rank's trainer.should_stop, riding on the same gather (trainer.py)
+
+
+class MetricsError(Refusal, OSError):
+    """A rank's metrics file cannot be written (a full disk, a read-only output_dir)."""
+
+    job_wide = False  # each rank writes its own file (on its own node's disk, maybe): each says so
 
 
 class StepWindow:
@@ -174,8 +181,7 @@ class Tracker:
 
     def log(self, values: dict[str, float], step: int) -> None:
         """Append ``values`` at optimizer step ``step`` to this rank's file and its wandb run."""
-        with open(self.metrics_file, "a") as f:
-            f.write(json.dumps({"step": step, "time": time.time(), "rank": self.rank, **values}) + "\n")
+        self._append({"step": step, "time": time.time(), "rank": self.rank, **values})
         if self.wandb_run is not None:
             try:
                 self.wandb_run.log(values, step=step)
@@ -186,8 +192,8 @@ class Tracker:
     def fail(self, error: BaseException) -> None:
         """End this rank's run marked as failed, with the error in it: called before the exception leaves."""
         text = "".join(traceback.format_exception(error)).strip()
-        with open(self.metrics_file, "a") as f:
-            f.write(json.dumps({"time": time.time(), "rank": self.rank, "error": text}) + "\n")
+        if not isinstance(error, MetricsError):  # the file that cannot be written is the error
+            self._append({"time": time.time(), "rank": self.rank, "error": text})
         if self.wandb_run is not None:
             self.wandb_run.summary["error"] = f"{type(error).__name__}: {error}"
             self.wandb_run.summary["traceback"] = text
@@ -199,14 +205,21 @@ class Tracker:
 
     def preempted(self, reason: str) -> None:
         """End this rank's run as preempted (wandb's own state for it), to be resumed under the same id."""
-        with open(self.metrics_file, "a") as f:
-            f.write(json.dumps({"time": time.time(), "rank": self.rank, "preempted": reason}) + "\n")
+        self._append({"time": time.time(), "rank": self.rank, "preempted": reason})
         if self.wandb_run is not None:
             try:
                 self.wandb_run.mark_preempting()
             except Exception as err:
                 _warn(f"wandb could not mark rank {self.rank}'s run preempting: {err}")
             self._finish(exit_code=PREEMPTED_EXIT)
+
+    def _append(self, row: dict[str, Any]) -> None:
+        try:
+            with open(self.metrics_file, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        except OSError as err:  # a full disk, a read-only or vanished output_dir: said in one line, not a traceback
+            raise MetricsError(f"cannot write the metrics of rank {self.rank} to {self.metrics_file}: "
+                               f"{type(err).__name__}: {err.strerror or err}") from None  # fmt: skip
 
     def _finish(self, exit_code: int) -> None:
         run, self.wandb_run = self.wandb_run, None
