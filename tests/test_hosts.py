@@ -106,8 +106,8 @@ def test_the_readmes_accelerate_config_answers_give_k_cpu_processes_even_on_a_gp
     asked = accelerate_config(path, README_CPU_ANSWERS)
     assert ("What GPU(s) (by id) should be used for training on this machine as a comma-separated list? [all]:",
             "-1,-1") in asked  # fmt: skip
-    readme = (ROOT / "README.md").read_text()
-    assert all(f"`{answer}`" in readme for answer in README_CPU_ANSWERS.values()), "the README walks through these"
+    walk_through = (ROOT / "docs" / "clusters.md").read_text()
+    assert all(f"`{answer}`" in walk_through for answer in README_CPU_ANSWERS.values()), "the docs walk through these"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", path, SCENARIOS, "job",
            "--output_dir", tmp_path / "job"]  # fmt: skip
     run([str(c) for c in cmd], env=pretend_gpus(1))
