@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 WORKLOADS = {
     "compute": dict(n_layer=4, n_embd=256, n_head=4, seq=256, batch=6, vocab=4096, steps=8, warmup=2),
     "overhead": dict(n_layer=1, n_embd=32, n_head=2, seq=32, batch=4, vocab=512, steps=1000, warmup=50),
-    # benchmarks/gpu.sh: GPT-2 124M as seed 004 trains it, on one GPU in bf16
+    # benchmarks/gpu.sh: GPT-2 124M as the distributed-training guide trains it, on one GPU in bf16
     "gpt2-124m": dict(n_layer=12, n_embd=768, n_head=12, seq=1024, batch=16, vocab=50257, steps=30, warmup=5),
 }
 LOG_EVERY = 50  # every variant reads the loss on the host this often, as a logging trainer does

@@ -1,4 +1,4 @@
-"""Seed 004's GPT-2 job on the trainer, runnable offline out of the box.
+"""The distributed-training guide's GPT-2 job (train_llm.py) on the trainer, runnable offline out of the box.
 
 With no flags it trains a small GPT-2 (built from a GPT2Config) on real English text every machine already has:
 Python's own reference documentation, shipped with CPython as ``pydoc_data.topics`` (about 460 KB), with a
@@ -13,7 +13,7 @@ from its latest checkpoint (``--resume auto`` is this example's default). On a G
     accelerate launch --config_file accelerate_configs/fsdp.yaml examples/gpt2.py        # the model sharded (FSDP2)
     python examples/gpt2.py
 
-Seed 004's run on a node of GPUs (needs the hub; bf16 from the accelerate config):
+Its run on a node of GPUs (needs the hub; bf16 from the accelerate config):
 
     OMP_NUM_THREADS=1 accelerate launch --config_file accelerate_configs/bf16.yaml --num_processes 8 \
         examples/gpt2.py --experiment-name gpt2-openwebtext-A100 --dataset-name Skylion007/openwebtext \

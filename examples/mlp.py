@@ -1,5 +1,5 @@
-"""Seed 003's tutorial job (pytorch/examples ddp-tutorial-series) on the trainer: a small MLP on 2,048 random
-examples. Arguments as in the tutorial: total epochs, then how often to save a checkpoint (in epochs).
+"""The job of PyTorch's DDP tutorial series (pytorch/examples ddp-tutorial-series) on the trainer: a small MLP on
+2,048 random examples. Arguments as in the tutorial: total epochs, then how often to save a checkpoint (in epochs).
 
     python examples/mlp.py 50 10
     accelerate launch --config_file accelerate_configs/multi_gpu.yaml examples/mlp.py 50 10
@@ -58,7 +58,7 @@ class TutorialLine:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description="seed 003's MLP job on the trainer")
+    parser = argparse.ArgumentParser(description="the DDP tutorial series' MLP job on the trainer")
     parser.add_argument("total_epochs", type=int, help="how many epochs to train")
     parser.add_argument("save_every", type=int, help="save a checkpoint every this many epochs")
     parser.add_argument("--batch_size", type=int, default=32, help="per process (default: 32)")

@@ -1,8 +1,8 @@
-"""Seed 000's exercise on the trainer: one process and K processes reach the same updates.
+"""The minGPU exercise on the trainer: one process and K processes reach the same updates.
 
 A linear model on a toy regression, trained by the Trainer. After every optimizer step the main process prints the
 loss of the whole data set, so runs can be compared line by line; at the end it prints which examples each process
-saw in each iteration (1-based, as seed 000's tables) and writes both to <output_dir>/same_updates.json.
+saw in each iteration (1-based, as the exercise's tables) and writes both to <output_dir>/same_updates.json.
 
     # SGD on a summed loss: K processes at batch B need lr x K to match one process at batch K x B
     python examples/same_updates.py --no_shuffle --epochs 3 --opt sgd --batch_size 10 --lr 1
@@ -82,7 +82,7 @@ class FullDataLoss:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--no_shuffle", action="store_true", help="keep the data in order (seed 000's runs)")
+    parser.add_argument("--no_shuffle", action="store_true", help="keep the data in order (the exercise's runs)")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--opt", choices=["sgd", "adam"], default="sgd")
     parser.add_argument("--batch_size", type=int, default=10, help="per process")
@@ -121,7 +121,7 @@ def main(argv=None) -> dict:
         "seen": seen_by_process,
     }
     if trainer.accelerator.is_main_process:
-        print("examples seen (1-based, as in seed 000's tables):")
+        print("examples seen (1-based, as in the exercise's tables):")
         for i, batches in enumerate(zip(*seen_by_process, strict=True), start=1):
             shares = " | ".join(f"process {k + 1}: " + " ".join(f"x{j + 1}" for j in b) for k, b in enumerate(batches))
             print(f"  iteration {i} | {shares}")

@@ -1,4 +1,4 @@
-"""examples/mlp.py (seed 003's tutorial job) through every launcher, and picking up where it stopped."""
+"""examples/mlp.py (the DDP tutorial series' job) through every launcher, and picking up where it stopped."""
 
 from __future__ import annotations
 

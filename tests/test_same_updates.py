@@ -1,5 +1,5 @@
-"""Seed 000 through real processes: 1 process at batch 10 and 2 processes at batch 5 reach the same weights, the
-sharding tables, the per-epoch reshuffle, and gradient accumulation. Runs examples/same_updates.py."""
+"""The minGPU exercise through real processes: 1 process at batch 10 and 2 processes at batch 5 reach the same
+weights, the sharding tables, the per-epoch reshuffle, and gradient accumulation. Runs examples/same_updates.py."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ SHARDING = ["--num_examples", "9", "--dim", "1", "--batch_size", "3", "--epochs"
 
 def test_sharding_table_padded_tail(tmp_path):
     accelerate_launch(SAME_UPDATES, *SHARDING, "--output_dir", tmp_path)
-    seen = read_summary(tmp_path)["seen"]  # 0-based: seed 000's x1 is 0
+    seen = read_summary(tmp_path)["seen"]  # 0-based: the exercise's x1 is 0
     assert seen == [[[0, 2, 4], [6, 8]], [[1, 3, 5], [7, 0]]]
 
 

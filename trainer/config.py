@@ -62,7 +62,7 @@ class TrainConfig:
     max_grad_norm: Optional[float] = None  # clip the global gradient norm when set
 
     shuffle: bool = True
-    drop_last: bool = False  # drop the M mod K tail examples instead of padding (seed 000)
+    drop_last: bool = False  # drop the M mod K tail examples instead of padding (DistributedSampler's)
     num_workers: int = 0
     compile: bool = False  # torch.compile the model (accelerate's dynamo plugin, inductor); pays off on GPUs
     # Each transformer block recomputes its activations in backward instead of keeping them (DDP and FSDP2): less

@@ -1,4 +1,4 @@
-"""Per-process data loaders with DistributedSampler semantics (seed 000's sharding tables).
+"""Per-process data loaders with DistributedSampler semantics (its sharding tables).
 
 Process k of K gets examples k, k+K, k+2K, ... of the (shuffled) epoch order; the tail is padded with the first
 examples, or with ``drop_last`` only the M mod K trailing examples are dropped. Every rank draws the same

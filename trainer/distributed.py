@@ -153,7 +153,7 @@ def share_cpu_threads(device: torch.device) -> None:
     OMP_NUM_THREADS (or accelerate's --num_cpu_threads_per_process).
 
     Why: ``accelerate launch`` (without --cpu) and torchrun set OMP_NUM_THREADS=1 when it is unset, which starves
-    a lone CPU process (31% slower here), while K processes each using every core fight over them (seed 004).
+    a lone CPU process (31% slower here), while K processes each using every core fight over them.
     Inside the worker the launcher's 1 looks like a user's 1, so the launcher's own environment decides.
     """
     if device.type != "cpu" or _user_chose_threads():

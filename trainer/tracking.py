@@ -1,4 +1,4 @@
-"""What every process measured, written where a person can look at it (seed 004's wandb groups).
+"""What every process measured, written where a person can look at it (wandb groups, one run per process).
 
 Each rank appends its own figures to ``<output_dir>/metrics/rank<k>.jsonl``, always. With ``wandb_project`` set,
 each rank also logs to its own wandb run, ``<experiment>-rank<k>``, all in one group named after the experiment,

@@ -73,8 +73,10 @@ class Trainer(Checkpoints, Evaluating):
         metrics_fn: ``metrics_fn(model, batch) -> {name: tensor of shape [batch]}``, one number per example (say
             ``(logits.argmax(-1) == labels).float()`` for accuracy); :meth:`evaluate` adds ``eval_<name>``, the mean
             over the eval set with every example counted once.
-        optimizer, lr_scheduler: built from ``config`` when not given (always, for a sharded model: its optimizer
-            is built over the shards); the scheduler steps once per optimizer step.
+        optimizer: built from ``config`` when not given (always, for a sharded model: it is built over the
+            shards).
+        lr_scheduler: built from ``config`` when not given (always, for a sharded model); it steps once per
+            optimizer step.
         collate_fn: how the trainer's own loaders batch examples (torch's default collate when None); say
             ``DataCollatorWithPadding(tokenizer)`` for dynamic padding. An unformatted ``datasets.Dataset`` is readied
             as transformers' Trainer does (``trainer.columns``): the columns ``model.forward`` does not take left
