@@ -146,10 +146,15 @@ def resume_fails(output_dir, *args, launcher=python):
     return result.stderr
 
 
-def test_existing_checkpoints_are_not_silently_overwritten(one_process_run):
+def test_existing_checkpoints_are_not_silently_overwritten_one_line_from_every_process(one_process_run):
     message = resume_fails(one_process_run, "--resume", "none")
     assert "already holds checkpoints of an earlier run. Set resume='auto'" in message
     assert message.startswith("trainer: ") and message.count("\n") == 1, "one line, no traceback: " + message
+    # 2 processes: the main process decides and every rank refuses; none is left in a collective to die noisily.
+    launched = resume_fails(one_process_run, "--resume", "none", launcher=accelerate_launch)
+    assert launched.count("trainer: ") == 1 and "already holds checkpoints of an earlier run" in launched, launched
+    assert "[rank0]: Traceback" not in launched and "[rank1]: Traceback" not in launched, "the line, no traceback"
+    assert "GLHF" not in launched and "Connection closed" not in launched and "terminate called" not in launched
 
 
 def test_checkpoint_of_another_model_is_refused_by_name(one_process_run):
@@ -241,6 +246,8 @@ def test_two_jobs_on_one_output_dir_the_second_is_refused(tmp_path):
     assert second.stderr.count(f"output_dir {tmp_path} is in use by another job (pid {first.pid} on ") == 1, (
         second.stderr[-3000:]
     )
+    assert second.stderr.count("trainer: ") == 1 and "terminate called" not in second.stderr, second.stderr[-3000:]
+    assert "[rank0]: Traceback" not in second.stderr and "[rank1]: Traceback" not in second.stderr
     first.send_signal(signal.SIGTERM)
     out, err = first.communicate(timeout=120)
     assert first.returncode == PREEMPTED_EXIT, err  # it went on undisturbed, and checkpointed when told to stop

@@ -21,6 +21,7 @@ from trainer.callbacks import improves
 from trainer.checkpoint import CheckpointError, checkpoint_root, find_resume_point
 from trainer.console import no_library_progress_bars_off_a_terminal
 from trainer.preemption import PREEMPTED_EXIT, Preempted, requeue_slurm_job
+from trainer.refusal import Refusal
 
 
 class Checkpoints:
@@ -92,17 +93,24 @@ class Checkpoints:
 
     def _agreed_resume_point(self) -> Optional[Path]:
         """The checkpoint to continue from, chosen by the main process (which also takes the output_dir's lock, and
-        sets a damaged checkpoint aside when resume is 'auto') and shared with every rank."""
-        chosen = [None]
+        sets a damaged checkpoint aside when resume is 'auto') and shared with every rank, as is a refusal (the
+        output_dir is locked, holds checkpoints a run without resume would overwrite, ...): every rank raises it,
+        the first process alone prints it."""
+        chosen: list[Any] = [None]
         if self.accelerator.is_main_process:
-            self._lock = checkpoint.lock_output_dir(self.config.output_dir)  # held while this process lives
-            found = find_resume_point(self.config)
-            chosen = [str(found) if found is not None else None]
+            try:
+                self._lock = checkpoint.lock_output_dir(self.config.output_dir)  # held while this process lives
+                found = find_resume_point(self.config)
+            except Refusal as refusal:  # sent to every rank, which all refuse: none waits for a peer that left
+                found = refusal
+            chosen = [str(found) if isinstance(found, Path) else found]
             if found is None and self.config.resume == "auto":  # a relative output_dir from another directory...
                 where = checkpoint_root(self.config.output_dir).resolve()
                 self._say(f"resume='auto': no checkpoint in {where}: starting fresh")
         if self.accelerator.num_processes > 1:
             broadcast_object_list(chosen, from_process=0)
+        if isinstance(chosen[0], Refusal):
+            raise chosen[0]
         return Path(chosen[0]) if chosen[0] is not None else None
 
     def _preempt(self, signal_number: int, window: Any, progress: Any) -> None:
