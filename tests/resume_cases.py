@@ -4,7 +4,8 @@
 A base run (dropout, AdamW with weight decay, cosine after 2 warm-up steps, 6 optimizer steps an epoch, 10 in all,
 checkpoints at 3, 6, 9 and 10), then new Trainers in the same processes, each resuming one of its checkpoints with
 one thing changed, or with its ``latest`` pointer damaged; then nan_policy skip on a BatchNorm model, an evaluation
-that comes out NaN, a relative output_dir, a data set smaller than one global batch. Each case prints
+that comes out NaN, an unwritable metrics file, keep_best and EarlyStopping on a figure evaluate() does not give, a
+relative output_dir, a data set smaller than one global batch. Each case prints
 ``CASE <name> ...`` from the main process: what the resume said, what it refused, the lr its next step used.
 """
 
@@ -27,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from scenarios import DropoutClassifier, Examples, TinyClassifier, say  # noqa: E402
 
-from trainer import TrainConfig, Trainer  # noqa: E402
+from trainer import EarlyStopping, TrainConfig, Trainer  # noqa: E402
 from trainer.refusal import Refusal  # noqa: E402
 from trainer.report import banner  # noqa: E402
 
@@ -181,6 +182,17 @@ def unwritable_metrics(root: Path, main: bool) -> None:
         say(f"CASE unwritable_metrics_rank1 | {got}")
 
 
+def misspelt_figures(root: Path, main: bool) -> None:
+    """keep_best and EarlyStopping watching a figure evaluate() does not give: refused at the first evaluation."""
+    eval_data = Examples(9, seed=1)
+    printed, got = captured(lambda: trainer_for(root / "misspelt_best", eval_data=eval_data, eval_every=3,
+                                                keep_best="eval_los").fit())  # fmt: skip
+    report("misspelt_keep_best", printed, got, main)
+    stopping = trainer_for(root / "misspelt_stopping", eval_data=eval_data, eval_every=3)
+    stopping.callbacks.append(EarlyStopping("eval_accuracy"))
+    report("misspelt_early_stopping", *captured(stopping.fit), main)
+
+
 def small_data_and_relative_dir(root: Path, main: bool) -> None:
     here = os.getcwd()
     os.chdir(root)
@@ -240,6 +252,7 @@ def main() -> None:
     damaged_pointers(root, base, main)
     nan_buffers(root, main)
     unwritable_metrics(root, main)
+    misspelt_figures(root, main)
     small_data_and_relative_dir(root, main)
     base.accelerator.wait_for_everyone()
 

@@ -57,6 +57,9 @@ def test_overrides_win_over_the_file(tmp_path):
         ("", "is empty: list the TrainConfig keys"),
         ("# all defaults\n", "is empty"),
         ("preemption_signals: SIGTERM,SIGFOO\n", "'SIGFOO' is not a signal name"),
+        ("keep_best: eval_loss\n", "keep_best is 'eval_loss', but eval_every is None and save_every None"),
+        ("keep_best: eval_loss\neval_every: 100\nsave_every: 30\n", "Set eval_every to a multiple of save_every"),
+        ("load_best_at_end: true\n", "load_best_at_end needs keep_best"),
     ],
 )
 def test_bad_yaml_names_the_culprit(tmp_path, text, culprit):

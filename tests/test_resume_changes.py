@@ -89,6 +89,13 @@ def test_an_unwritable_metrics_file_is_one_line_on_each_rank(cases):
         assert f"cannot write the metrics of rank {rank} to " in line and "IsADirectoryError" in line, line
 
 
+def test_a_misspelt_figure_to_keep_or_watch_is_one_line_at_the_first_evaluation(cases):
+    assert "REFUSED keep_best is 'eval_los', but evaluate() gives eval_loss, eval_examples: set keep_best to one " \
+        "of them" in cases["misspelt_keep_best"]
+    assert "REFUSED EarlyStopping watches 'eval_accuracy', but evaluate() gives eval_loss, eval_examples: set its " \
+        "monitor to one of them" in cases["misspelt_early_stopping"]
+
+
 def test_the_banner_counts_the_examples_a_small_epoch_really_has(cases):
     assert "= 20 global" in cases["small_data"] and "= 32 global" not in cases["small_data"]
     assert "an epoch has 10 examples per process in 1 batch(es)" in cases["small_data"]

@@ -5,6 +5,9 @@ keeps the best evaluation's checkpoint apart from keep_last, also across a resum
 from __future__ import annotations
 
 import json
+from pathlib import Path
+
+import torch
 
 from conftest import SCENARIOS, accelerate_launch
 
@@ -45,7 +48,18 @@ def test_keep_best_keeps_the_best_evaluations_checkpoint_apart_from_keep_last(tm
     assert '"figure": "eval_peak", "value": 0.0, "step": 4' in result.stdout
     kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert kept == ["best", "latest", "step-00000004", "step-00000010"]
+    # load_best_at_end (keep_best's default): the model fit() ends with is the best evaluation's, and it says so.
+    assert "load_best_at_end: final/ holds the weights of step 4, the best evaluation (eval_peak 0), not those of " \
+        "the last step, 10" in result.stdout
+    assert_same_weights(tmp_path / "final" / "model.safetensors", best / "model.safetensors")
     # Resumed and trained on, the best is still the step-4 one (its value came back with the checkpoint).
     again = accelerate_launch(SCENARIOS, "best", "--output_dir", tmp_path, "--max_steps", "14")
     assert f"BEST rank0 {best} " in again.stdout
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir())[-2:] == ["step-00000004", "step-00000014"]
+
+
+def assert_same_weights(file: Path, other: Path) -> None:
+    from safetensors.torch import load_file
+
+    mine, theirs = load_file(file), load_file(other)
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)

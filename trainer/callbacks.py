@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from trainer.config import ConfigError
+
 
 def improves(value: float, best: float | None, mode: str, min_delta: float = 0.0) -> bool:
     """``value`` beats ``best`` (None: nothing yet) by more than ``min_delta``: lower with mode "min", higher with
@@ -35,7 +37,8 @@ class EarlyStopping:
 
     def on_evaluate(self, trainer, metrics: dict) -> None:
         if self.monitor not in metrics:
-            raise KeyError(f"EarlyStopping watches {self.monitor!r}, but evaluate() gives {', '.join(metrics)}")
+            raise ConfigError(f"EarlyStopping watches {self.monitor!r}, but evaluate() gives {', '.join(metrics)}: "
+                              "set its monitor to one of them")  # fmt: skip
         value = metrics[self.monitor]
         if improves(value, self.best, self.mode, self.min_delta):
             self.best, self.best_step, self.waited = value, trainer.global_step, 0

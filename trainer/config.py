@@ -84,6 +84,9 @@ class TrainConfig:
     # eval_every); keep_best_mode "min" (lower is better) or "max".
     keep_best: Optional[str] = None
     keep_best_mode: str = "min"
+    # With keep_best: final/ (the model fit() ends with) holds the best evaluation's weights, not the last step's.
+    # None: true when keep_best is set.
+    load_best_at_end: Optional[bool] = None
     resume: Optional[str] = None  # None (refuses an output_dir holding checkpoints) | "auto" | a checkpoint path
     nan_policy: str = "raise"  # non-finite loss: "raise" (stop, naming step and rank) | "skip" (drop that step)
     collective_timeout_s: float = 1800.0  # a collective still waiting after this long ends the job
@@ -173,6 +176,14 @@ class TrainConfig:
             if name not in signal.Signals.__members__:
                 raise ConfigError(f"preemption_signals: {name!r} is not a signal name (say 'SIGTERM,SIGUSR1'; '' "
                                   "for none)")  # fmt: skip
+        if self.keep_best is not None and (self.eval_every is None or self.save_every is None
+                                           or self.eval_every % self.save_every):  # fmt: skip
+            raise ConfigError(f"keep_best is {self.keep_best!r}, but eval_every is {self.eval_every} and save_every "
+                              f"{self.save_every}: the best evaluation's checkpoint is kept only if every evaluation "
+                              "step is saved. Set eval_every to a multiple of save_every (say both 500)")  # fmt: skip
+        if self.load_best_at_end and self.keep_best is None:
+            raise ConfigError("load_best_at_end needs keep_best (the evaluate() figure whose best is loaded), say "
+                              "keep_best: eval_loss")  # fmt: skip
         if self.wandb_project == "":
             raise ConfigError("wandb_project must be a wandb project name, or null to log without wandb; got ''")
 

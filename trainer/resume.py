@@ -19,6 +19,7 @@ from accelerate.utils import broadcast_object_list, gather_object
 from trainer import changes, checkpoint, sharded_state, sharding
 from trainer.callbacks import improves
 from trainer.checkpoint import CheckpointError, checkpoint_root, find_resume_point
+from trainer.config import ConfigError
 from trainer.console import no_library_progress_bars_off_a_terminal
 from trainer.preemption import PREEMPTED_EXIT, Preempted, requeue_slurm_job
 from trainer.refusal import Refusal
@@ -148,12 +149,33 @@ class Checkpoints:
         if figure is None or self.last_eval is None or self.last_eval[0] != self.global_step:
             return False
         if figure not in self.last_eval[1]:
-            raise KeyError(f"keep_best is {figure!r}, but evaluate() gives {', '.join(self.last_eval[1])}")
+            raise ConfigError(f"keep_best is {figure!r}, but evaluate() gives {', '.join(self.last_eval[1])}: set "
+                              "keep_best to one of them")  # fmt: skip
         value = self.last_eval[1][figure]
         if not improves(value, self.best and self.best["value"], self.config.keep_best_mode):
             return False
         self.best = {"figure": figure, "value": value, "step": self.global_step}
         return True
+
+    def _load_best_weights(self) -> None:
+        """``load_best_at_end`` (the default with ``keep_best``): the best evaluation's weights back into the model
+        before fit() exports it, said in one line. Every rank."""
+        best, cfg = self.best_checkpoint, self.config
+        if cfg.keep_best is None or cfg.load_best_at_end is False or best is None or self.best is None:
+            return
+        figure = f"{self.best['figure']} {self.best['value']:.6g}"
+        if self.best["step"] == self.global_step:
+            self._say(f"the best evaluation is this last step's ({figure}): final/ holds its weights")
+            return
+        best = checkpoint.verify(best, contents=self.accelerator.is_main_process)
+        if self.sharded:
+            sharded_state.load_model(self.model, best)
+        else:  # the plain module's weights, as accelerate's save_state wrote them
+            from safetensors.torch import load_model
+
+            load_model(self.unwrapped_model, best / "model.safetensors")  # read on the CPU, copied into the weights
+        self._say(f"load_best_at_end: final/ holds the weights of step {self.best['step']}, the best evaluation "
+                  f"({figure}), not those of the last step, {self.global_step}")  # fmt: skip
 
     def load_checkpoint(self, path: str | Path) -> None:
         """Continue from checkpoint ``path``: weights, optimizer, schedule, RNG and the position in the data. On any

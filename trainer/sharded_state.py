@@ -56,6 +56,17 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
+def load_model(model: torch.nn.Module, folder: Path) -> None:
+    """Every process reads its part of the weights in ``folder/shards`` alone, not the optimizer state
+    (collective): the best checkpoint's weights at the end of training."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=str(folder / SHARDS))
+    set_model_state_dict(model, state["model"])
+
+
 def full_model_state(model: torch.nn.Module) -> dict[str, Any]:
     """The whole model's weights on the main process's CPU, one tensor at a time (collective; the other processes
     get an empty dict): for the exported model only, never for a checkpoint."""

@@ -320,6 +320,7 @@ class Trainer(Checkpoints, Evaluating):
         if self.eval_loader is not None:
             evaluated_now = self.last_eval is not None and self.last_eval[0] == self.global_step
             result.update(self.last_eval[1] if evaluated_now else self.evaluate())
+        self._load_best_weights()  # load_best_at_end: final/ is the best evaluation's model
         self.save_model()
         self._call("on_train_end", result=result)
         return result
