@@ -4,8 +4,9 @@
 A base run (dropout, AdamW with weight decay, cosine after 2 warm-up steps, 6 optimizer steps an epoch, 10 in all,
 checkpoints at 3, 6, 9 and 10), then new Trainers in the same processes, each resuming one of its checkpoints with
 one thing changed, or with its ``latest`` pointer damaged; then nan_policy skip on a BatchNorm model, an evaluation
-that comes out NaN, an unwritable metrics file, keep_best and EarlyStopping on a figure evaluate() does not give, a
-relative output_dir, a data set smaller than one global batch. Each case prints
+that comes out NaN, an unwritable metrics file, keep_best and EarlyStopping on a figure evaluate() does not give,
+figures a user logs (trainer.log, on_log) reaching every tracker, a relative output_dir, a data set smaller than one
+global batch. Each case prints
 ``CASE <name> ...`` from the main process: what the resume said, what it refused, the lr its next step used.
 """
 
@@ -193,6 +194,34 @@ def misspelt_figures(root: Path, main: bool) -> None:
     report("misspelt_early_stopping", *captured(stopping.fit), main)
 
 
+class AddsAFigure:
+    def on_log(self, trainer, metrics) -> None:
+        metrics["callback_figure"] = 7.0
+
+
+def figures(root: Path, main: bool) -> None:
+    """trainer.log from the loss_fn every step (rank k logs 100 k + step), a figure an on_log callback adds, the
+    gradient norm; wandb turned on by WANDB_PROJECT alone (offline), TensorBoard by its field."""
+    running = []
+
+    def loss_fn(model, batch):
+        trainer = running[0]
+        step = trainer.global_step + 1
+        trainer.log({"rank_figure": torch.tensor(100.0 * trainer.accelerator.process_index + step)})
+        return model(**batch).loss
+
+    os.environ.update(WANDB_PROJECT="figures", WANDB_MODE="offline", WANDB_SILENT="true")
+    try:
+        trainer = trainer_for(root / "figures", loss_fn=loss_fn, max_steps=4, log_every=2, tensorboard=True)
+        running.append(trainer)
+        trainer.callbacks.append(AddsAFigure())
+        trainer.fit()
+    finally:
+        os.environ.update(WANDB_MODE="disabled")
+        del os.environ["WANDB_PROJECT"]
+    report("figures", "", None, main, log_history=trainer.log_history)
+
+
 def small_data_and_relative_dir(root: Path, main: bool) -> None:
     here = os.getcwd()
     os.chdir(root)
@@ -253,6 +282,7 @@ def main() -> None:
     nan_buffers(root, main)
     unwritable_metrics(root, main)
     misspelt_figures(root, main)
+    figures(root, main)
     small_data_and_relative_dir(root, main)
     base.accelerator.wait_for_everyone()
 

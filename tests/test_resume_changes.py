@@ -9,6 +9,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -18,10 +19,14 @@ CASES = ROOT / "tests" / "resume_cases.py"
 
 
 @pytest.fixture(scope="module")
-def cases(tmp_path_factory) -> dict[str, str]:
+def cases_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("resume_cases")
+
+
+@pytest.fixture(scope="module")
+def cases(cases_dir) -> dict[str, str]:
     """Every case's line (``CASE <name> | what it said | REFUSED ... | figures``), by name."""
-    out = tmp_path_factory.mktemp("resume_cases")
-    result = accelerate_launch(CASES, "--output_dir", out)
+    result = accelerate_launch(CASES, "--output_dir", cases_dir)
     found = {}
     for line in result.stdout.splitlines():
         if line.startswith("CASE "):
@@ -94,6 +99,36 @@ def test_a_misspelt_figure_to_keep_or_watch_is_one_line_at_the_first_evaluation(
         "of them" in cases["misspelt_keep_best"]
     assert "REFUSED EarlyStopping watches 'eval_accuracy', but evaluate() gives eval_loss, eval_examples: set its " \
         "monitor to one of them" in cases["misspelt_early_stopping"]
+
+
+def test_the_figures_a_user_logs_reach_every_tracker_from_every_rank(cases, cases_dir):
+    """trainer.log on every rank (its own figures, each name's mean since the last log), a figure an on_log callback
+    adds, and the gradient norm: in each rank's metrics file, wandb run (turned on by WANDB_PROJECT alone) and
+    TensorBoard events, in log_history and in the plot's panels."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from wandb_records import offline_runs
+
+    from trainer.plot import panels
+    from trainer.tracking import read_metrics
+
+    out = cases_dir / "figures"
+    history = figure(cases["figures"], "log_history")
+    assert [row["rank_figure"] for row in history] == [1.5, 3.5], "the main process's mean of steps 1-2, 3-4"
+    assert all(row["callback_figure"] == 7.0 and row["grad_norm"] > 0 for row in history)
+    rows = read_metrics(out)
+    for rank in (0, 1):
+        logged = [row for row in rows[rank] if "rank_figure" in row]
+        assert [row["rank_figure"] for row in logged] == [100 * rank + 1.5, 100 * rank + 3.5]
+        assert all(row["callback_figure"] == 7.0 for row in logged)
+        events = EventAccumulator(str(out / "tensorboard" / f"rank{rank}")).Reload()
+        assert [e.value for e in events.Scalars("rank_figure")] == [100 * rank + 1.5, 100 * rank + 3.5]
+        assert "rank/loss" in events.Tags()["scalars"]
+    assert all(row["global/grad_norm"] == h["grad_norm"] for row, h in zip(
+        [r for r in rows[0] if "global/grad_norm" in r], history, strict=True))  # fmt: skip
+    runs = {run.name: run for run in offline_runs(out)}
+    assert sorted(runs) == ["experiment-rank0", "experiment-rank1"]
+    assert [h["rank_figure"] for h in runs["experiment-rank1"].history if "rank_figure" in h] == [101.5, 103.5]
+    assert {"gradient norm", "rank_figure", "callback_figure"} <= {title for title, *_ in panels(rows)}
 
 
 def test_the_banner_counts_the_examples_a_small_epoch_really_has(cases):

@@ -91,8 +91,10 @@ class TrainConfig:
     nan_policy: str = "raise"  # non-finite loss: "raise" (stop, naming step and rank) | "skip" (drop that step)
     collective_timeout_s: float = 1800.0  # a collective still waiting after this long ends the job
     stall_warning_s: Optional[float] = 300.0  # no progress this long: name the rank(s) the others wait for
-    # Set it to log to wandb from every process: run <experiment_name>-rank<k> in group <experiment_name>.
+    # Set it (or WANDB_PROJECT) to log to wandb from every process: run <experiment_name>-rank<k> in group
+    # <experiment_name>.
     wandb_project: Optional[str] = None
+    tensorboard: bool = False  # every process writes TensorBoard events to <output_dir>/tensorboard/rank<k>
     # Preemption (trainer/preemption.py): on any of these signals, every rank stops after the same step, commits a
     # checkpoint there and exits with status 75; "" leaves the signals alone. A second signal, or
     # preemption_grace_s after the first, exits at once. slurm_requeue: then `scontrol requeue` the job.

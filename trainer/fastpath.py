@@ -20,7 +20,7 @@ accelerate's, untouched.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager
+from typing import Any, Callable, ContextManager, Iterable, Optional
 
 import torch
 from accelerate import Accelerator
@@ -53,6 +53,7 @@ class Stepper:
     """backward, step and zero_grad of one prepared optimizer, through accelerate only where it does work."""
 
     def __init__(self, accelerator: Accelerator, optimizer):
+        self.accelerator = accelerator
         self.prepared = optimizer  # accelerate's AcceleratedOptimizer (a sharded model's: the optimizer itself)
         inner = getattr(optimizer, "optimizer", optimizer)
         plain = inner is optimizer or accelerator.scaler is None and accelerator.distributed_type in PLAIN_TYPES
@@ -69,6 +70,21 @@ class Stepper:
 
     def zero_grad(self) -> None:
         self._zero_grad()
+
+    def clip(self, parameters: Iterable[torch.Tensor], max_norm: Optional[float], measure: bool) -> Optional[Any]:
+        """Clip the gradients to ``max_norm`` (None: leave them), and return their norm before clipping when
+        clipped or ``measure`` (a step that logs), else None: a device tensor, read only when the step logs."""
+        if max_norm is not None:
+            return self.accelerator.clip_grad_norm_(parameters, max_norm)
+        if not measure:
+            return None
+        self.accelerator.unscale_gradients()  # fp16: the true gradients' norm (the step then takes them unscaled)
+        grads = [p.grad for p in parameters if p.grad is not None]
+        if not grads:
+            return None
+        if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6; sharded (DTensor) gradients too
+            return torch.nn.utils.get_total_norm(grads)
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
 
     @property
     def step_was_skipped(self) -> bool:

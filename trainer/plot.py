@@ -5,7 +5,8 @@
 
 Four panels, one line per rank: the loss of each rank's own shard (with the global mean and eval loss from the
 main process), throughput, and the two parts of a step each rank does alone: the forward pass and waiting for
-data, where a straggler stands out. Needs matplotlib
+data, where a straggler stands out; then the gradient norm, and a panel for each figure you logged
+(``trainer.log``, or added in ``on_log``), one line per rank. Needs matplotlib
 (``pip install "accelerate-ddp-trainer[plot]"``).
 """
 
@@ -40,8 +41,12 @@ def plot(output_dir: str | Path, out: str | Path | None = None) -> Path:
     if not ranks:
         raise SystemExit(f"no metrics under {Path(output_dir) / 'metrics'}: has a run with this output_dir logged?")
     out = Path(out or Path(output_dir) / "metrics" / "curves.png")
-    figure, axes = plt.subplots(2, 2, figsize=(12, 8), constrained_layout=True)
-    for ax, (title, ylabel, key, main_keys) in zip(axes.flat, PANELS, strict=True):
+    drawn = panels(ranks)
+    rows = (len(drawn) + 1) // 2
+    figure, axes = plt.subplots(rows, 2, figsize=(12, 4 * rows), constrained_layout=True, squeeze=False)
+    for ax in axes.flat[len(drawn) :]:
+        ax.set_visible(False)
+    for ax, (title, ylabel, key, main_keys) in zip(axes.flat, drawn, strict=False):
         for rank, rows in sorted(ranks.items()):
             _curve(ax, rows, key, "-", f"rank {rank}")
         for main_key in main_keys:
@@ -56,7 +61,20 @@ def plot(output_dir: str | Path, out: str | Path | None = None) -> Path:
     return out
 
 
-def _curve(ax, rows: list[dict], key: str, style: str, label: str) -> None:
+def panels(ranks: dict[int, list[dict]]) -> list[tuple[str, str, str | None, tuple[str, ...]]]:
+    """The built-in panels, the gradient norm's when it was logged, and one for each figure a user logged."""
+    keys = {key for rows in ranks.values() for row in rows for key, value in row.items()
+            if isinstance(value, (int, float))}  # fmt: skip  (numbers only: "MFU": "41.5%" is not drawn)
+    found = list(PANELS)
+    if "global/grad_norm" in keys:
+        found.append(("gradient norm", "norm before clipping", None, ("global/grad_norm",)))
+    own = sorted(key for key in keys if "/" not in key and key not in ("step", "time", "rank", "error", "preempted"))
+    return found + [(name, name, name, ()) for name in own]
+
+
+def _curve(ax, rows: list[dict], key: str | None, style: str, label: str) -> None:
+    if key is None:
+        return
     steps = [row["step"] for row in rows if key in row]
     if steps:
         ax.plot(steps, [row[key] for row in rows if key in row], style, label=label, linewidth=1.2)

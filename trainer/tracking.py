@@ -1,9 +1,12 @@
 """What every process measured, written where a person can look at it (wandb groups, one run per process).
 
-Each rank appends its own figures to ``<output_dir>/metrics/rank<k>.jsonl``, always. With ``wandb_project`` set,
-each rank also logs to its own wandb run, ``<experiment>-rank<k>``, all in one group named after the experiment,
-so every worker's loss, speed, memory and errors can be looked at on their own or side by side. Accelerate's
-trackers cannot do this: they log from the main process only.
+Each rank appends its own figures to ``<output_dir>/metrics/rank<k>.jsonl``, always. With ``wandb_project`` set (or
+``WANDB_PROJECT`` in the environment, as wandb's own convention), each rank also logs to its own wandb run,
+``<experiment>-rank<k>``, all in one group named after the experiment, so every worker's loss, speed, memory and
+errors can be looked at on their own or side by side; with ``tensorboard: true`` each rank writes TensorBoard
+events to ``<output_dir>/tensorboard/rank<k>`` (one log dir, a run per rank). Accelerate's trackers cannot do
+this: they log from the main process only. Figures a user logs (``trainer.log``, or added to ``metrics`` in
+``on_log``) go everywhere the built-in ones go.
 
 At every log the main process adds the global view (mean loss across ranks, global throughput, eval metrics) and
 the stragglers: the fastest and slowest rank's step time, data wait and forward pass, and which rank the others
@@ -11,7 +14,7 @@ waited for.
 Nothing here adds a collective: the trainer gathers every rank's window once per log, as it must for the loss.
 
 wandb never stops training: no API key, no network or an outage means one message and offline logging. wandb is
-imported only when ``wandb_project`` is set.
+imported only when a project is set, TensorBoard only when asked for.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from accelerate import Accelerator
 
-from trainer.config import TrainConfig
+from trainer.config import ConfigError, TrainConfig
 from trainer.nonfinite import FOLD_EVERY
 from trainer.preemption import PREEMPTED_EXIT
 from trainer.refusal import Refusal
@@ -45,6 +48,35 @@ class MetricsError(Refusal, OSError):
     """A rank's metrics file cannot be written (a full disk, a read-only output_dir)."""
 
     job_wide = False  # each rank writes its own file (on its own node's disk, maybe): each says so
+
+
+class LoggedFigures:
+    """What a user logs between two logs (``trainer.log``): each name's mean over its calls. Tensors are kept as
+    they are, on the device, and read only when the trainer logs (a host sync it makes anyway)."""
+
+    def __init__(self, reserved: tuple[str, ...]):
+        self.reserved = reserved  # the trainer's own figures: a user's of the same name would hide them
+        self._sums: dict[str, Any] = {}
+        self._counts: dict[str, int] = {}
+
+    def add(self, values: Mapping[str, Any]) -> None:
+        for name, value in values.items():
+            if not isinstance(name, str) or name in self.reserved or name.startswith(("rank/", "global/", "eval/")):
+                raise ValueError(f"trainer.log: {name!r} is a figure the trainer logs itself; name yours otherwise")
+            if isinstance(value, torch.Tensor):
+                if value.numel() != 1:
+                    raise ValueError(f"trainer.log: {name!r} is a tensor of shape {tuple(value.shape)}; log one number")
+                value = value.detach().reshape(()).double()
+            elif isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"trainer.log: {name!r} is {value!r}; log a number or a one-element tensor")
+            self._sums[name] = self._sums.get(name, 0.0) + value
+            self._counts[name] = self._counts.get(name, 0) + 1
+
+    def take(self) -> dict[str, float]:
+        """Each figure's mean since the last take, as numbers; then empty."""
+        means = {name: float(total) / self._counts[name] for name, total in self._sums.items()}
+        self._sums, self._counts = {}, {}
+        return means
 
 
 class StepWindow:
@@ -177,11 +209,18 @@ class Tracker:
         self.run_id = run_id
         self.metrics_file = Path(config.output_dir) / "metrics" / f"rank{self.rank}.jsonl"
         self.metrics_file.parent.mkdir(parents=True, exist_ok=True)
-        self.wandb_run = _start_wandb_run(config, accelerator, run_id) if config.wandb_project else None
+        project = config.wandb_project or os.environ.get("WANDB_PROJECT")  # wandb's own variable turns it on too
+        self.wandb_run = _start_wandb_run(config, project, accelerator, run_id) if project else None
+        self.tensorboard = _start_tensorboard(config, self.rank) if config.tensorboard else None
 
     def log(self, values: dict[str, float], step: int) -> None:
         """Append ``values`` at optimizer step ``step`` to this rank's file and its wandb run."""
         self._append({"step": step, "time": time.time(), "rank": self.rank, **values})
+        if self.tensorboard is not None:
+            for name, value in values.items():
+                if isinstance(value, (int, float)):  # a figure said in words ("MFU": "41.5%") is the files' alone
+                    self.tensorboard.add_scalar(name, value, step)
+            self.tensorboard.flush()  # logs are seconds apart: every figure on disk as soon as it is logged
         if self.wandb_run is not None:
             try:
                 self.wandb_run.log(values, step=step)
@@ -194,18 +233,21 @@ class Tracker:
         text = "".join(traceback.format_exception(error)).strip()
         if not isinstance(error, MetricsError):  # the file that cannot be written is the error
             self._append({"time": time.time(), "rank": self.rank, "error": text})
+        self._close_tensorboard()
         if self.wandb_run is not None:
             self.wandb_run.summary["error"] = f"{type(error).__name__}: {error}"
             self.wandb_run.summary["traceback"] = text
             self._finish(exit_code=1)
 
     def finish(self) -> None:
+        self._close_tensorboard()
         if self.wandb_run is not None:
             self._finish(exit_code=0)
 
     def preempted(self, reason: str) -> None:
         """End this rank's run as preempted (wandb's own state for it), to be resumed under the same id."""
         self._append({"time": time.time(), "rank": self.rank, "preempted": reason})
+        self._close_tensorboard()
         if self.wandb_run is not None:
             try:
                 self.wandb_run.mark_preempting()
@@ -221,6 +263,11 @@ class Tracker:
             raise MetricsError(f"cannot write the metrics of rank {self.rank} to {self.metrics_file}: "
                                f"{type(err).__name__}: {err.strerror or err}") from None  # fmt: skip
 
+    def _close_tensorboard(self) -> None:
+        writer, self.tensorboard = self.tensorboard, None
+        if writer is not None:
+            writer.close()
+
     def _finish(self, exit_code: int) -> None:
         run, self.wandb_run = self.wandb_run, None
         try:
@@ -229,7 +276,18 @@ class Tracker:
             _warn(f"wandb could not close rank {self.rank}'s run: {err}")
 
 
-def _start_wandb_run(config: TrainConfig, accelerator: Accelerator, run_id: str):
+def _start_tensorboard(config: TrainConfig, rank: int):
+    """Rank k's TensorBoard writer, ``<output_dir>/tensorboard/rank<k>``: ``tensorboard --logdir
+    <output_dir>/tensorboard`` shows every rank as a run."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ConfigError('tensorboard: true needs the tensorboard package: pip install tensorboard (or '
+                          '"accelerate-ddp-trainer[tensorboard]")') from None  # fmt: skip
+    return SummaryWriter(log_dir=str(Path(config.output_dir) / "tensorboard" / f"rank{rank}"))
+
+
+def _start_wandb_run(config: TrainConfig, project: str, accelerator: Accelerator, run_id: str):
     """Rank k's run ``<experiment>-rank<k>`` in the group ``<experiment>``; offline when wandb cannot reach its
     server (no API key, no network, an outage), with one message from the main process."""
     import wandb
@@ -242,7 +300,7 @@ def _start_wandb_run(config: TrainConfig, accelerator: Accelerator, run_id: str)
     settings = {"silent": not accelerator.is_main_process}  # wandb's banners once per job, not once per rank
     if "WANDB_INIT_TIMEOUT" not in os.environ:
         settings["init_timeout"] = 30  # wandb's 90 s is long for a job that will log offline anyway
-    init = dict(project=config.wandb_project, group=config.experiment_name, job_type="train",
+    init = dict(project=project, group=config.experiment_name, job_type="train",
                 name=f"{config.experiment_name}-rank{rank}", id=f"{run_id}-rank{rank}", resume="allow",
                 dir=config.output_dir, config={**config.to_dict(), **where},
                 settings=wandb.Settings(**settings))  # fmt: skip

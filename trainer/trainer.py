@@ -44,12 +44,12 @@ from trainer.losses import LossFn, model_loss, unused_parameters
 from trainer.nonfinite import NonFiniteGuard
 from trainer.optim import build_optimizer, build_scheduler, describe
 from trainer.preemption import Preempted, PreemptionWatch
-from trainer.report import banner, step_line
+from trainer.report import STEP_FIGURES, banner, step_line
 from trainer.resume import Checkpoints
 from trainer.sharding import gradient_sync, prepare, requested_plugin, spread
 from trainer.stall import watch_stalls
 from trainer.streams import StreamShard
-from trainer.tracking import WINDOW_FIELDS, StepWindow, Tracker, memory_gb, new_run_id, summarize
+from trainer.tracking import WINDOW_FIELDS, LoggedFigures, StepWindow, Tracker, memory_gb, new_run_id, summarize
 
 
 class Trainer(Checkpoints, Evaluating):
@@ -84,25 +84,17 @@ class Trainer(Checkpoints, Evaluating):
         callbacks: objects with any of ``on_train_begin(trainer)``, ``on_epoch_begin(trainer)``,
             ``on_step_end(trainer)`` (after that step's logging, evaluation and checkpoint),
             ``on_log(trainer, metrics)``, ``on_evaluate(trainer, metrics)``, ``on_train_end(trainer, result)``.
-            Figures ``on_log`` adds to ``metrics`` are printed on the step line and kept in ``log_history``. To stop
+            Figures ``on_log`` adds to ``metrics`` are stored as :meth:`log`'s are, and on the step line. To stop
             early, a callback on any rank sets ``trainer.should_stop = True`` (and ``trainer.stop_reason``): every
             rank stops after the next step that logs, saves a checkpoint when ``save_every`` is set, and ``fit()``
             returns with ``"stopped"`` saying why (see :class:`trainer.EarlyStopping`).
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        config: TrainConfig,
-        train_data: Dataset | DataLoader,
-        eval_data: Optional[Dataset | DataLoader] = None,
-        loss_fn: Optional[LossFn] = None,
-        metrics_fn: Optional[MetricsFn] = None,
-        optimizer: Optional[torch.optim.Optimizer] = None,
-        lr_scheduler: Optional[Any] = None,
-        collate_fn: Optional[Callable] = None,
-        callbacks: Iterable[Any] = (),
-    ):
+    def __init__(self, model: torch.nn.Module, config: TrainConfig, train_data: Dataset | DataLoader,
+                 eval_data: Optional[Dataset | DataLoader] = None, loss_fn: Optional[LossFn] = None,
+                 metrics_fn: Optional[MetricsFn] = None, optimizer: Optional[torch.optim.Optimizer] = None,
+                 lr_scheduler: Optional[Any] = None, collate_fn: Optional[Callable] = None,
+                 callbacks: Iterable[Any] = ()):  # fmt: skip
         self.config = config
         sharding = requested_plugin(config)  # an FSDP accelerate config; a refused one stops before anything starts
         self.accelerator = build_accelerator(config)
@@ -164,6 +156,8 @@ class Trainer(Checkpoints, Evaluating):
         self.nonfinite = NonFiniteGuard(self.accelerator, config.nan_policy)
         self.preemption: Optional[PreemptionWatch] = None  # while fit() runs: the signals it watches
         self.log_history: list[dict[str, float]] = []
+        self.figures = LoggedFigures(reserved=(*STEP_FIGURES, "grad_norm"))  # trainer.log's, until the next log
+        self.grad_norm: Optional[torch.Tensor] = None  # a logging step's gradient norm before clipping
         self.last_eval: Optional[tuple[int, dict[str, float]]] = None  # (step, metrics) of the latest evaluate()
         self.run_id = new_run_id(self.accelerator)  # names every rank's wandb run; a resume reads it back
         self.cannot_train_on: Optional[Exception] = None  # why fit() cannot continue the loaded checkpoint
@@ -171,6 +165,16 @@ class Trainer(Checkpoints, Evaluating):
         if self.last_checkpoint is not None:
             self.load_checkpoint(self.last_checkpoint)
         self.tracker = Tracker(config, self.accelerator, self.run_id)
+
+    def log(self, values: dict[str, float | torch.Tensor]) -> None:
+        """Add figures to this process's next log: its metrics file, wandb run and TensorBoard, ``log_history``
+        and ``python -m trainer.plot``, and the step line for the main process's. Each name's mean over its calls
+        since the last log; call it on any rank, from a ``loss_fn``, a callback or anywhere in ``fit()``. A tensor
+        is read only when the trainer logs, so logging one every step adds no host sync::
+
+            trainer.log({"aux_loss": aux_loss, "router_entropy": entropy})
+        """
+        self.figures.add(values)
 
     @property
     def unwrapped_model(self) -> torch.nn.Module:
@@ -283,8 +287,8 @@ class Trainer(Checkpoints, Evaluating):
         if not self.nonfinite.skip_this_step():
             self.stall.at(step, "optimizer")
             self.weighing.finish(step_batches, self.model.parameters())
-            if self.config.max_grad_norm is not None:
-                self.accelerator.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+            logs = step % self.config.log_every == 0 or step == self.total_steps  # the norm is logged: measure it
+            self.grad_norm = self.stepper.clip(self.model.parameters(), self.config.max_grad_norm, measure=logs)
             self.stepper.step()
             self.step_lr = self.optimizer.param_groups[0]["lr"]  # before the scheduler moves it on
             if self._schedule_moves and not self.stepper.step_was_skipped:
@@ -344,14 +348,20 @@ class Trainer(Checkpoints, Evaluating):
         }
         if "global/tokens_per_s" in global_view:
             metrics["tokens_per_s"] = global_view["global/tokens_per_s"]
+        if self.grad_norm is not None:  # the norm before clipping of this step's gradients, the same on every rank
+            norm, self.grad_norm = self.grad_norm, None
+            metrics["grad_norm"] = global_view["global/grad_norm"] = float(getattr(norm, "full_tensor", lambda: norm)())
+        metrics.update(self.figures.take())  # trainer.log's: this rank's own
         self.log_history.append(metrics)
         own.update({"rank/lr": metrics["lr"], "rank/epoch": metrics["epoch"],
                     "rank/memory_gb": memory_gb(self.accelerator.device)})  # fmt: skip
-        self.tracker.log({**own, **(global_view if self.accelerator.is_main_process else {})}, self.global_step)
         if self.accelerator.is_main_process:
             progress.set_postfix(loss=f"{metrics['train_loss']:.4g}", lr=f"{metrics['lr']:.3g}",
                                  ex_s=f"{metrics['examples_per_s']:.4g}", refresh=False)  # fmt: skip
         self._call("on_log", metrics=metrics)  # before the line: figures a callback adds go on it (gpt2.py: MFU)
+        added = {key: value for key, value in metrics.items() if key not in self.figures.reserved}
+        global_view = global_view if self.accelerator.is_main_process else {}
+        self.tracker.log({**own, **global_view, **added}, self.global_step)  # yours stored as the trainer's are
         self._say(step_line(metrics, self.total_steps))
         if asked and self.stopped is None:  # every rank sees the same rows: all stop after this very step
             why = f" ({self.stop_reason})" if self.stop_reason else ""
