@@ -3,17 +3,14 @@
     job           a tiny classifier with eval data: evaluates before and after training, writes result.json
     hf_export     a tiny transformers GPT-2 with the default loss: final/ written with save_pretrained
     resume        dropout, AdamW, cosine, shuffling, checkpoints every 4 steps, resume="auto"; can signal one rank
-                  (--signal_at), or crash one rank
-                  (os._exit) after a given step, or make one rank's loss NaN at a given step; with
-                  --wandb_project it logs to wandb, and can raise on one rank or slow one rank down
-    user_loader   train_data is the user's own DataLoader (--sampler none|distributed|own_part: a stream that splits
-                  itself)
+                  (--signal_at), or crash one rank (os._exit) after a given step, or make one rank's loss NaN at a
+                  given step; with --wandb_project it logs to wandb, and can raise on one rank or slow one rank down
+    user_loader   train_data is the user's own DataLoader (--sampler none|distributed|own_part: a self-splitting stream)
     predict       evaluate() with a metrics_fn and predict() on 9 examples, printed by every rank
     stop          rank 1 alone sets should_stop after --stop_at, or (--stop_at 0) EarlyStopping on a flat eval loss
     best          keep_best on a metric that peaks at step 4, keep_last=1
     noisy         every rank logs the same library warnings at every step, and the main process prints in pieces
-    faults        one bad input (--fault): an unused parameter, a loss_fn returning a float / None / a vector, an
-                  empty eval set
+    faults        one bad input (--fault): an unused parameter, a loss_fn returning float / None / a vector, no eval
     too_small     fewer training examples than processes
     world_guard   a plain Accelerator on a CPU host under a 2-process launch: the trainer's guard must stop it
 """
@@ -141,7 +138,9 @@ def resume(args) -> None:
             raise RuntimeError(f"boom on rank {rank} at step {step}")
         if step == args.stall_at and rank == args.stall_rank and model.training:
             say(f"STALL rank {rank} at step {step} for {args.stall_s} s")
-            time.sleep(args.stall_s)  # a hung loader or a frozen node: the others wait at the all-reduce
+            stalled_until = time.monotonic() + args.stall_s  # a hung loader or a frozen node: the others wait at the
+            while time.monotonic() < stalled_until and not trainer.preemption.received:  # all-reduce; the launcher's
+                time.sleep(0.1)  # SIGTERM, once the job is over, ends it (not its SIGKILL 30 s later)
         if step == args.nan_at and trainer.accelerator.process_index == args.nan_rank:
             loss = loss * float("nan")
         return loss

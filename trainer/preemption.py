@@ -71,8 +71,13 @@ class PreemptionWatch:
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
+        launched = "TORCHELASTIC_RUN_ID" in os.environ
         for number, handler in self._previous.items():
-            signal.signal(number, handler)
+            # Preempted under a launcher: the checkpoint is committed, and the launcher sends SIGTERM to the workers
+            # still winding down once a first one has exited. Ignored (Python resets its own handlers as it
+            # finalizes, not SIG_IGN), every worker ends with status 75 rather than some killed by it.
+            ignore = kind is Preempted and launched and number == signal.SIGTERM
+            signal.signal(number, signal.SIG_IGN if ignore else handler)
         self._previous.clear()
         pending, self._pending = self._pending, None
         if pending is not None:  # every rank issued the same reductions; let the last one land before teardown

@@ -14,14 +14,14 @@ STEP_FIGURES = ("step", "epoch", "train_loss", "lr", "examples_per_s", "tokens_p
 
 
 def step_line(metrics: dict[str, Any], total_steps: int) -> str:
-    """``step 300/300 | loss 4.746 | lr 0.0002 | 53.4 examples/s | 6,834 tokens/s``, then any figure a callback
-    added to ``metrics`` in ``on_log`` (``| MFU 41.5%``)."""
+    """``step 300/300 | loss 4.746 | lr 0.0002 | 53.4 examples/s | 6,834 tokens/s``, then any figure logged with
+    ``trainer.log`` or added to ``metrics`` in ``on_log`` (``| MFU 41.5%``); ``grad_norm`` is in the logs only."""
     line = (f"step {metrics['step']}/{total_steps} | loss {metrics['train_loss']:.6g} | lr {metrics['lr']:.4g} | "
             f"{metrics['examples_per_s']:.1f} examples/s")  # fmt: skip
     if "tokens_per_s" in metrics:
         line += f" | {metrics['tokens_per_s']:,.0f} tokens/s"
     for key, value in metrics.items():
-        if key not in STEP_FIGURES:
+        if key not in STEP_FIGURES and key != "grad_norm":  # logged, not said: the line stays short
             line += f" | {key} {value:.4g}" if isinstance(value, float) else f" | {key} {value}"
     return line
 
