@@ -125,7 +125,8 @@ def ours(args) -> dict:
                          lr_scheduler=args.schedule, warmup_steps=args.warmup, max_grad_norm=args.clip,
                          epochs=args.epochs, max_steps=args.max_steps, shuffle=False, log_every=1,
                          save_every=args.save_every, keep_last=args.keep_last, save_async=args.save_async,
-                         activation_checkpointing=args.recompute,
+                         activation_checkpointing=args.recompute, eval_every=args.save_every if args.best else None,
+                         keep_best="eval_loss" if args.best else None, keep_best_mode="max",
                          resume=args.resume_from or ("auto" if args.save_every else None))  # fmt: skip
     seen = Seen()
     model = tiny_gpt2(args.model == "classifier")
@@ -236,6 +237,7 @@ def main() -> None:
     parser.add_argument("--eval", action="store_true", help="evaluate on the training rows after training")
     parser.add_argument("--ddp", action="store_true", help="under an FSDP launch: this job as DDP (the reference)")
     parser.add_argument("--bf16_model", action="store_true", help="build the model in bf16")
+    parser.add_argument("--best", action="store_true", help="keep_best the highest eval loss (the first, as it falls)")
     parser.add_argument("--variants", default="{}", help='JSON {"name": [flags]}: one job each, in <out>/<name>')
     args, rest = parser.parse_known_args()
     variants = json.loads(args.variants) or {"": []}  # several jobs in one launch: the start-up paid once

@@ -34,6 +34,7 @@ VARIANTS = {
     "fsdp, saved in the background": [*RESUMED, "--save_async"],
     "fsdp, resumed from a background save": [*RESUMED, "--save_async", "--resume_from",
                                               "{background}/checkpoints/step-00000004"],
+    "fsdp, the highest eval loss kept as best": [*RESUMED, "--eval", "--eval_examples", "8", "--best"],
 }
 
 
@@ -115,6 +116,23 @@ def test_any_checkpoint_exports_to_a_loadable_model_on_one_process(fsdp, tmp_pat
     exported = GPT2LMHeadModel.from_pretrained(tmp_path)
     for name, parameter in exported.named_parameters():
         assert parameter.flatten().tolist() == summary["weights"][name], name
+
+
+def test_a_sharded_model_ends_with_the_best_evaluations_weights(fsdp):
+    """load_best_at_end under FSDP2: every process reads its part of the best checkpoint's shards back. The best is
+    the highest eval loss here, one of the early evaluations: the DDP run of the same job saved those weights at that
+    step (FSDP2 and DDP agree bit for bit at 2 processes)."""
+    from safetensors.torch import load_file
+
+    runs, result = fsdp
+    summary, out = runs["fsdp, the highest eval loss kept as best"]
+    best = (out / "checkpoints" / "best").read_text()
+    step = int(best.removeprefix("step-"))
+    assert step < 12 and f"load_best_at_end: final/ holds the weights of step {step}, the best evaluation " \
+        "(eval_loss " in result.stdout
+    then = load_file(runs["ddp, straight"][1] / "checkpoints" / best / "model.safetensors")
+    assert all(summary["weights"][name] == then[name].flatten().tolist() for name in then)
+    assert summary["weights"] != runs["fsdp, straight"][0]["weights"], "not the last step's"
 
 
 def test_a_sharded_checkpoint_holds_each_processs_shards_and_resumes_bit_identical(fsdp):
