@@ -27,6 +27,16 @@ LAUNCHER_VARS = (
 )  # fmt: skip
 
 
+def pytest_configure(config):
+    """With pytest-xdist's -n, tests marked ``xdist_group`` (the modules whose tests share a module-scoped launch:
+    tests/test_fsdp.py's, ...) run on one worker, so that launch runs once rather than once per worker; the rest are
+    spread as ``-n`` spreads them."""
+    if getattr(config.option, "dist", "no") == "load":  # the controller: the scheduler it will make
+        config.option.dist = "loadgroup"
+    if hasattr(config, "workerinput"):  # a worker names each item with its group (xdist reads only --dist for it)
+        config.option.loadgroup = True
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

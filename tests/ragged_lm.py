@@ -144,6 +144,7 @@ def ours(args) -> dict:
 
     summary = {"losses": [row["train_loss"] for row in trainer.log_history],
                "lrs": [row["lr"] for row in trainer.log_history], "weights": weights(trainer.unwrapped_model),
+               "grad_norms": [row.get("grad_norm") for row in trainer.log_history],
                "seen": gather_object([seen.indices]), "world_size": trainer.accelerator.num_processes,
                "held": sum(local(p).numel() for p in trainer.model.parameters()), "computed": sorted(computed),
                "dtypes": sorted({str(local(p).dtype) for p in trainer.model.parameters()}),

@@ -9,6 +9,8 @@ import pytest
 
 from conftest import SCENARIOS, accelerate_launch, python
 
+pytestmark = pytest.mark.xdist_group("evaluation")  # its tests share a module-scoped launch: run it once
+
 
 def reports(output: str) -> dict[str, dict]:
     lines = [line.split(" ", 2) for line in output.splitlines() if line.startswith("PREDICT ")]

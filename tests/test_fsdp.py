@@ -15,6 +15,7 @@ from trainer.export import read_sharded_weights
 
 from conftest import ROOT, accelerate_launch, clean_env, run
 
+pytestmark = pytest.mark.xdist_group("fsdp")  # one worker runs the module: its launch of every job runs once
 RAGGED = ROOT / "tests" / "ragged_lm.py"
 ADAMW = ["--batch_size", "2", "--accumulation", "2", "--optimizer", "adamw", "--lr", "0.01"]
 RESUMED = [*ADAMW, "--save_every", "2", "--epochs", "2", "--keep_last", "6"]
@@ -70,6 +71,11 @@ def test_fsdp2_shards_the_model_and_reaches_ddps_weights_bit_for_bit(fsdp):
     clipped, reference = runs["fsdp, clipped"][0], runs["ddp, clipped"][0]
     for name, values in reference["weights"].items():
         np.testing.assert_allclose(clipped["weights"][name], values, rtol=0, atol=1e-6, err_msg=name)
+    # The logged gradient norm (before clipping) is the whole model's, summed from the shards, with or without
+    # clipping: DDP's to float order.
+    for fsdp_run, ddp_run in ((sharded, ddp), (clipped, reference)):
+        assert all(norm > 0 for norm in ddp_run["grad_norms"])
+        np.testing.assert_allclose(fsdp_run["grad_norms"], ddp_run["grad_norms"], rtol=1e-6)
 
 
 def test_activation_checkpointing_recomputes_each_block_with_the_same_updates(fsdp):

@@ -14,6 +14,8 @@ from packaging.version import Version
 
 from conftest import ROOT, accelerate_launch, python
 
+pytestmark = pytest.mark.xdist_group("real_data")  # its tests share a module-scoped launch: run it once
+
 RAGGED = ROOT / "tests" / "ragged_lm.py"
 
 

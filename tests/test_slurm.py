@@ -18,9 +18,11 @@ from test_same_updates import COMMON, assert_same_run
 
 from conftest import ROOT, SAME_UPDATES, SCENARIOS, clean_env, read_summary
 
-pytestmark = pytest.mark.skipif(bool(slurm_cluster.missing()), reason="Slurm is not installed here (missing "
-                                f"{', '.join(slurm_cluster.missing())}): apt-get install slurmctld slurmd "
-                                "slurm-client munge")  # fmt: skip
+pytestmark = [
+    pytest.mark.xdist_group("slurm"),  # its tests share one Slurm cluster (module-scoped): started once
+    pytest.mark.skipif(bool(slurm_cluster.missing()), reason="Slurm is not installed here (missing "
+                       f"{', '.join(slurm_cluster.missing())}): apt-get install slurmctld slurmd slurm-client munge"),
+]
 SCRIPTS = ROOT / "examples" / "slurm"
 # The scripts' #SBATCH lines are for a GPU cluster ("edit them for yours"): here, from the command line.
 HERE = ["--partition=debug", "--cpus-per-task=1", "--chdir", str(ROOT)]
