@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from trainer.agreement import host_group  # noqa: E402
 from trainer.preemption import PreemptionWatch  # noqa: E402
 
 STEPS, ROUNDS = 1000, 5
@@ -47,22 +48,23 @@ def main() -> None:
         return times
 
     results = {"without": [], "every step": [], "paced": []}
-    with PreemptionWatch(("SIGTERM",), 180, dist.get_world_size()) as watch:
+    with PreemptionWatch(("SIGTERM",), 180, host_group(dist.get_world_size(), 1800.0)) as watch:
         for _ in range(ROUNDS):
             results["without"] += steps(lambda step: None)
-            watch.every = watch._next_every = 1
+            watch.pace(float("inf"))  # a check every step
+            watch.check_every = 1
             results["every step"] += steps(watch.agreed)
             # As the trainer paces it (one check a second), from a figure every rank has alike, as its log's gather
             step_time = torch.tensor(statistics.median(results["without"]))
             dist.all_reduce(step_time, op=dist.ReduceOp.MAX)
             watch.pace(step_time.item())
-            watch.every = watch._next_every
+            watch.agreed(0)  # the pace takes over at the next check
             results["paced"] += steps(watch.agreed)
     if int(os.environ["RANK"]) == 0:
         base, every, paced = (statistics.mean(results[k]) * 1e6 for k in ("without", "every step", "paced"))
         print(f"2-process DDP step, tiny MLP on CPU (gloo), mean of {ROUNDS} x {STEPS} steps: {base:.0f} us without "
               f"the check; checked every step {every:.0f} us (x{every / base:.3f}); checked once a second as the "
-              f"trainer does (every {watch.every} steps) {paced:.0f} us (x{paced / base:.3f})")
+              f"trainer does (every {watch.check_every} steps) {paced:.0f} us (x{paced / base:.3f})")
     dist.destroy_process_group()
 
 

@@ -45,7 +45,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LM
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 from trainer import TrainConfig, Trainer, distributed_state  # noqa: E402
 from trainer.config import read_yaml  # noqa: E402
-from trainer.console import no_library_progress_bars_off_a_terminal  # noqa: E402
+from trainer.hf import no_progress_bars_off_a_terminal  # noqa: E402
 
 EOS = "<|endoftext|>"
 TOKENIZER_TEXTS = 20_000  # documents of a stream a new tokenizer is trained on
@@ -255,7 +255,7 @@ def main(argv=None) -> dict:
         tokenizer.save_pretrained(final)
         print(f"eval loss {result['eval_loss']:.4f}, perplexity {result['eval_perplexity']:.2f}")
         # From the exported model: the trained one may be sharded over the processes (FSDP2), and this is one.
-        with no_library_progress_bars_off_a_terminal():
+        with no_progress_bars_off_a_terminal():
             exported = GPT2LMHeadModel.from_pretrained(final).to(trainer.accelerator.device)
         print(f"sample: {sample(exported, tokenizer, args.prompt, args.sample_tokens)!r}")
         print(f"model and tokenizer saved to {final} (AutoModelForCausalLM / AutoTokenizer .from_pretrained)")

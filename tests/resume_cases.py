@@ -30,8 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from scenarios import DropoutClassifier, Examples, TinyClassifier, say  # noqa: E402
 
 from trainer import EarlyStopping, TrainConfig, Trainer  # noqa: E402
-from trainer.refusal import Refusal  # noqa: E402
-from trainer.report import banner  # noqa: E402
+from trainer.errors import Refusal  # noqa: E402
 
 BASE = dict(epochs=3, batch_size=4, optimizer="adamw", lr=1e-2, weight_decay=0.01, lr_scheduler="cosine",
             warmup_steps=2, save_every=3, keep_last=4, log_every=5, max_steps=10)  # fmt: skip
@@ -232,7 +231,7 @@ def small_data_and_relative_dir(root: Path, main: bool) -> None:
     report("relative_output_dir", printed, got, main)
     trainer = trainer_for(root / "small", train=Examples(20), batch_size=16)
     if main:
-        say("CASE small_data | " + banner(trainer).replace("\n", " "))
+        say("CASE small_data | " + trainer.describe().replace("\n", " "))
 
 
 def slow_saves(root: Path, save_s: float, signal_name: str) -> None:

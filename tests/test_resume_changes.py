@@ -111,7 +111,7 @@ def test_the_figures_a_user_logs_reach_every_tracker_from_every_rank(cases, case
     from wandb_records import offline_runs
 
     from trainer.plot import panels
-    from trainer.tracking import read_metrics
+    from trainer.sinks import read_metrics
 
     out = cases_dir / "figures"
     history = figure(cases["figures"], "log_history")

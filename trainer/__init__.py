@@ -9,13 +9,19 @@ The same script runs on a CPU, one GPU, a node or a cluster; the accelerate conf
 """
 
 from trainer.callbacks import EarlyStopping
-from trainer.checkpoint import CheckpointError
-from trainer.config import ConfigError, TrainConfig
-from trainer.data import DataError
-from trainer.distributed import WorldSizeMismatch, distributed_state
-from trainer.nonfinite import NonFiniteLoss
-from trainer.preemption import PREEMPTED_EXIT, Preempted
-from trainer.refusal import Refusal, install_hook
+from trainer.config import TrainConfig
+from trainer.errors import (
+                            PREEMPTED_EXIT,
+                            CheckpointError,
+                            ConfigError,
+                            DataError,
+                            NonFiniteLoss,
+                            Preempted,
+                            Refusal,
+                            WorldSizeMismatch,  # fmt: skip
+                            install_hook,
+)
+from trainer.launch import distributed_state
 from trainer.trainer import Trainer
 
 install_hook()  # an uncaught Refusal ends the process with its one-line message, not a traceback

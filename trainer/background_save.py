@@ -15,13 +15,13 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
-from accelerate import Accelerator
-from accelerate.utils import gather_object
 
-from trainer.checkpoint import CheckpointError, write_failed
+from trainer.agreement import gather_objects
+from trainer.checkpoint import write_failed
+from trainer.errors import CheckpointError
 
 
 class BackgroundSave:
@@ -30,7 +30,6 @@ class BackgroundSave:
     def __init__(self, future: Future, staging: Path, commit: Optional[Callable[[], Path]]):
         self.future, self.staging = future, staging
         self.error: Optional[BaseException] = None
-        self.committed: Optional[Path] = None
         self._thread = None
         if commit is not None:
             self._thread = threading.Thread(target=self._commit_when_written, args=(commit,), daemon=True,
@@ -40,7 +39,7 @@ class BackgroundSave:
     def _commit_when_written(self, commit: Callable[[], Path]) -> None:
         try:
             self.future.result()
-            self.committed = commit()
+            commit()
         except BaseException as err:  # told to every process at the next wait
             self.error = err
 
@@ -57,17 +56,22 @@ class BackgroundSave:
 
 class BackgroundSaves:
     """At most one checkpoint written in the background; ``wait()`` on every process before anything that needs it
-    committed."""
+    committed.
 
-    def __init__(self, accelerator: Accelerator):
-        self.accelerator = accelerator
-        many = accelerator.num_processes > 1
-        self.group = torch.distributed.new_group(backend="gloo") if many else None  # collective: every rank, once
+    Args:
+        main: this is the main process, which commits.
+        world_size: the processes writing.
+        errors_group: the host group every process learns the others' errors on (``trainer.agreement``).
+    """
+
+    def __init__(self, main: bool, world_size: int, errors_group: Any):
+        self.main, self.errors_group = main, errors_group
+        # The writes' own collectives, from their own thread: never a group the main thread uses too.
+        self.group = torch.distributed.new_group(backend="gloo") if world_size > 1 else None  # collective, once
         self.in_flight: Optional[BackgroundSave] = None
 
     def start(self, future: Future, staging: Path, commit: Callable[[], Path]) -> None:
-        main = self.accelerator.is_main_process
-        self.in_flight = BackgroundSave(future, staging, commit if main else None)
+        self.in_flight = BackgroundSave(future, staging, commit if self.main else None)
 
     def wait(self) -> Optional[Path]:
         """Until the checkpoint in flight is committed; its folder (on every process), or None when there was none.
@@ -76,18 +80,18 @@ class BackgroundSaves:
             return None
         save, self.in_flight = self.in_flight, None
         error = save.wait()
-        mine = f"{type(error).__name__}: {error}" if error is not None else None
-        errors = gather_object([mine]) if self.accelerator.num_processes > 1 else [mine]
+        errors = gather_objects(f"{type(error).__name__}: {error}" if error is not None else None, self.errors_group)
         failed = [(rank, text) for rank, text in enumerate(errors) if text]
         if failed:
             rank, text = failed[0]
-            if self.accelerator.is_main_process:
+            if self.main:
                 raise write_failed(save.staging, save.staging.parent, RuntimeError(f"rank {rank}: {text}"))
             raise CheckpointError(f"checkpoint {save.staging.name} could not be written (rank {rank}: {text})")
         return save.staging.parent / save.staging.name.removeprefix(".tmp-")
 
 
-def background_saves(save_async: bool, accelerator: Accelerator, sharded: bool) -> Optional[BackgroundSaves]:
+def background_saves(save_async: bool, sharded: bool, main: bool, world_size: int,
+                     errors_group: Any) -> Optional[BackgroundSaves]:  # fmt: skip
     """The background saves of a run with ``save_async``; None without. Only a sharded model's checkpoint is written
     by torch.distributed.checkpoint, which can write in the background: on a DDP run it is refused."""
     if not save_async:
@@ -96,4 +100,4 @@ def background_saves(save_async: bool, accelerator: Accelerator, sharded: bool) 
         raise CheckpointError("save_async: true writes a sharded (FSDP2) model's checkpoints in the background, and "
                               "this run is DDP: launch with an FSDP config (accelerate_configs/fsdp.yaml) or set "
                               "save_async: false")  # fmt: skip
-    return BackgroundSaves(accelerator)
+    return BackgroundSaves(main, world_size, errors_group)

@@ -116,7 +116,7 @@ def check_launch(output_dir: Optional[str], expected_processes: Optional[int], t
     only of a job that uses it: one that does not should not fail its preflight over a missing API key."""
     from accelerate.utils import broadcast_object_list, gather_object
 
-    from trainer.distributed import distributed_state, launched_world_size
+    from trainer.launch import distributed_state, launched_world_size
 
     state = distributed_state(collective_timeout_s=timeout_s)
     rank, world = state.process_index, state.num_processes

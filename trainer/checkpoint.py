@@ -1,25 +1,22 @@
-"""Full-state checkpoints that are never torn, found again by a pointer written last.
+"""The checkpoint store: full-state checkpoints that are never torn, found again by a pointer written last.
 
 Layout under ``<output_dir>/checkpoints/``::
 
-    step-00000040/        accelerate's save_state (model.safetensors, optimizer.bin, scheduler.bin, scaler.pt,
-                          random_states_<rank>.pkl for every rank) + trainer_state.json, written last;
-                          a sharded model's weights and optimizer state are in shards/ instead (each rank its own)
+    step-00000040/        every part's files (trainer.checkpointer: accelerate's save_state, a sharded model's
+                          shards/, ...) + trainer_state.json, written last: every part's state and the manifest
     step-00000080/
     latest                the name of the newest complete checkpoint, replaced atomically
+    best                  with keep_best: the checkpoint of the best evaluation, spared by keep_last
 
 A checkpoint is written into ``.tmp-step-N/`` by every rank, and only after all ranks are done does the main
 process rename it and then move the ``latest`` pointer; a crash at any moment leaves the previous checkpoint as the
-latest. Older checkpoints beyond ``keep_last`` are deleted only after that. The manifest in trainer_state.json
-lists every file with its size and CRC-32, checked before a resume: a truncated or damaged file is named, and
-``resume: auto`` then continues from the newest whole checkpoint, moving the damaged one aside (``damaged-step-N``,
-kept for inspection, out of keep_last's count). Re-saving a step that exists (a run resumed from an older
-checkpoint) moves the old folder aside first, so a kill at any moment still leaves a whole checkpoint named by
-``latest``. One job at a time: the main process holds a lock on ``output_dir`` for the job's life. A failed write
-(a full disk) removes its unfinished folder and names the disk. Everything loads without arbitrary
-pickles: accelerate loads its files with ``weights_only=True``, and the trainer's own state (the next step, the
-position in the epoch, the config) is JSON rather than an object given to ``register_for_checkpointing``, which
-accelerate unpickles with ``weights_only=False``.
+latest. Older checkpoints beyond ``keep_last`` are deleted only after that. The manifest lists every file with its
+size and CRC-32, checked before a resume: a truncated or damaged file is named, and ``resume: auto`` then continues
+from the newest whole checkpoint, moving the damaged one aside (``damaged-step-N``, kept for inspection, out of
+keep_last's count). Re-saving a step that exists (a run resumed from an older checkpoint) moves the old folder aside
+first, so a kill at any moment still leaves a whole checkpoint named by ``latest``. One job at a time: the main
+process holds a lock on ``output_dir`` for the job's life. A failed write (a full disk) removes its unfinished
+folder and names the disk.
 """
 
 from __future__ import annotations
@@ -31,14 +28,12 @@ import os
 import re
 import shutil
 import socket
-import sys
 import zlib
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-from accelerate import Accelerator
-
-from trainer.refusal import Refusal
+from trainer.console import warn
+from trainer.errors import CheckpointError
 
 STATE_FILE = "trainer_state.json"
 POINTER_FILE = "latest"
@@ -48,10 +43,6 @@ LOCK_FILE = ".lock"
 DAMAGED = "damaged-"
 STEP_FOLDER = re.compile(rf"{PREFIX}[0-9]+")
 _HELD: dict[str, Any] = {}  # output_dir locks this process holds, by path
-
-
-class CheckpointError(Refusal, RuntimeError):
-    """A checkpoint is missing, torn, or does not fit this run; the message names it."""
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
@@ -67,25 +58,6 @@ def check_writable(output_dir: str | Path) -> None:
         probe.unlink()
     except OSError as err:
         raise CheckpointError(f"output_dir {output_dir} cannot be written: {err}") from None
-
-
-def find_resume_point(config) -> Optional[Path]:
-    """The checkpoint ``config.resume`` asks for, or None to start fresh.
-
-    None refuses an output_dir that already holds checkpoints (no silent overwrite of someone's run); "auto" takes
-    the latest complete one, or starts fresh when there is none; a path must be a whole checkpoint.
-    """
-    root = checkpoint_root(config.output_dir)
-    if config.resume is None:
-        if complete_checkpoints(root) or (root / POINTER_FILE).exists():
-            raise CheckpointError(
-                f"{root} already holds checkpoints of an earlier run. Set resume='auto' to continue it, "
-                "resume=<checkpoint path> to continue from one of them, or choose another output_dir."
-            )
-        return None
-    if config.resume == "auto":
-        return newest_whole_checkpoint(root)
-    return verify(Path(config.resume))
 
 
 def newest_whole_checkpoint(root: Path) -> Optional[Path]:
@@ -106,7 +78,7 @@ def newest_whole_checkpoint(root: Path) -> Optional[Path]:
             set_aside.append(aside.name)
             continue
         moved = f" ({', '.join(set_aside)} moved aside, kept)" if set_aside else ""
-        _warn(f"{problem}; continuing from the newest whole checkpoint, {found}{moved}")
+        warn(f"{problem}; continuing from the newest whole checkpoint, {found}{moved}")
         return found
     raise CheckpointError(f"{problem}, and no other checkpoint under {root} is whole")
 
@@ -185,50 +157,41 @@ def verify(path: Path, contents: bool = True) -> Path:
 
 
 def read_state(path: Path) -> dict[str, Any]:
+    """A checkpoint's ``trainer_state.json``: every part's state by name (``trainer.checkpointer``) and the
+    manifest, checked to be a trainer state."""
     try:
         state = json.loads((path / STATE_FILE).read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"checkpoint {path}: cannot read {STATE_FILE}: {err}{_others(path)}") from None
-    required = {"files": dict, "global_step": int, "epoch": int, "batches_into_epoch": int}
-    wrong = [key for key, kind in required.items()
-             if not isinstance(state, dict) or not isinstance(state.get(key), kind)]  # fmt: skip
+    if isinstance(state, dict) and "train" not in state and "global_step" in state:
+        state = _from_before_the_registry(state)
+    position = state.get("train") if isinstance(state, dict) else None
+    wrong = [] if isinstance(state, dict) and isinstance(state.get("files"), dict) else ["files"]
+    wrong += [f"train.{key}" for key in ("global_step", "epoch", "batches_into_epoch")
+              if not isinstance(position, dict) or not isinstance(position.get(key), int)]  # fmt: skip
     if wrong:
         raise CheckpointError(f"checkpoint {path}: {STATE_FILE} is not a trainer state (no valid "
                               f"{', '.join(wrong)}){_others(path)}")  # fmt: skip
     return state
 
 
-def save(accelerator: Accelerator, root: Path, step: int, trainer_state: dict[str, Any], keep_last: int,
-         best: bool = False, write_more: Optional[Callable[[Path], None]] = None) -> Path:  # fmt: skip
-    """Write a checkpoint from every rank, then commit it (rename, then move the pointer), then prune all but the
-    ``keep_last`` newest and the one the ``best`` pointer names (this one, when ``best``). ``write_more(folder)``,
-    on every rank, adds to the unfinished folder (a sharded model's shards: trainer.sharded_state)."""
-    staging = write(accelerator, root, step, write_more)
-    accelerator.wait_for_everyone()  # every rank's files are on disk
-    if accelerator.is_main_process:
-        commit(staging, trainer_state, keep_last, best)
-    accelerator.wait_for_everyone()
-    return final_folder(root, step)
+def _from_before_the_registry(flat: dict[str, Any]) -> dict[str, Any]:
+    """A state written before its parts were kept by name (every key at the top), in today's layout."""
+    keys = {"train": ("global_step", "epoch", "batches_into_epoch", "run_id"),
+            "run": ("world_size", "batch_size", "gradient_accumulation_steps", "optimizer_class", "config")}
+    state = {part: {key: flat[key] for key in names if key in flat} for part, names in keys.items()}
+    state.update(data={"streams": flat.get("streams")}, best=flat.get("best"), sharding=flat.get("sharding", "DDP"),
+                 files=flat.get("files"), crc32=flat.get("crc32", {}))
+    return state
 
 
 def final_folder(root: Path, step: int) -> Path:
     return root / f"{PREFIX}{step:08d}"
 
 
-def write(accelerator: Accelerator, root: Path, step: int, write_more: Optional[Callable[[Path], None]]) -> Path:
-    """Every rank writes its part of step ``step``'s checkpoint into the unfinished folder, returned."""
-    staging = root / f".tmp-{final_folder(root, step).name}"
-    if accelerator.is_main_process and staging.exists():
-        shutil.rmtree(staging)  # left by a crash during an earlier save
-    accelerator.wait_for_everyone()
-    try:
-        accelerator.save_state(str(staging), safe_serialization=True)  # accelerate decides who writes what
-        if write_more is not None:
-            accelerator.wait_for_everyone()  # the folder exists
-            write_more(staging)
-    except Exception as err:
-        raise write_failed(staging, root, err) from err
-    return staging
+def staging_folder(root: Path, step: int) -> Path:
+    """Where every rank writes its part of step ``step``'s checkpoint before it is committed."""
+    return root / f".tmp-{final_folder(root, step).name}"
 
 
 def commit(staging: Path, trainer_state: dict[str, Any], keep_last: int, best: bool) -> Path:
@@ -305,11 +268,6 @@ def write_failed(staging: Path, root: Path, err: BaseException) -> CheckpointErr
             kept = str(err)
     return CheckpointError(f"could not write checkpoint {staging.name.removeprefix('.tmp-')}: {why}. The unfinished "
                            f"folder was removed; {kept}.")  # fmt: skip
-
-
-def _warn(text: str) -> None:
-    sys.stderr.write(f"trainer: {text}\n")
-    sys.stderr.flush()
 
 
 def _write_atomically(path: Path, text: str) -> None:

@@ -16,18 +16,14 @@ is the user's choice and used as is: the way to keep a column that a ``loss_fn``
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Optional
 
 import torch
 
-from trainer.data import DataError
+from trainer.errors import DataError
+from trainer.hf import forward_inputs, is_dataset
 
 LABEL_COLUMNS = ("label", "labels", "label_ids")
-
-
-def is_hf_dataset(data: Any) -> bool:
-    return type(data).__module__.startswith("datasets.") and type(data).__name__ == "Dataset"
 
 
 def ready_columns(data: Any, model: torch.nn.Module, collate: bool, name: str) -> tuple[Any, Optional[str]]:
@@ -37,7 +33,7 @@ def ready_columns(data: Any, model: torch.nn.Module, collate: bool, name: str) -
         collate: the user gave a ``collate_fn``, which batches the rows itself.
         name: how the user passed ``data`` (``train_data``), for the messages.
     """
-    if not is_hf_dataset(data) or data.format["type"] is not None:
+    if not is_dataset(data) or data.format["type"] is not None:
         return data, None
     columns = list(data.format["columns"])
     inputs = forward_inputs(model)
@@ -61,13 +57,6 @@ def ready_columns(data: Any, model: torch.nn.Module, collate: bool, name: str) -
         changes.append("label renamed labels")
     changes.insert(0, f"{', '.join(kept)} as torch tensors")
     return data.with_format("torch", columns=kept), f"{name} (a datasets.Dataset): {'; '.join(changes)}"
-
-
-def forward_inputs(model: torch.nn.Module) -> Optional[set[str]]:
-    """The argument names ``model.forward`` takes by name; None when it names none (``forward(*args, **kwargs)``)."""
-    parameters = inspect.signature(model.forward).parameters.values()
-    named = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    return named or None
 
 
 def _lengths_differ(data: Any, column: str) -> bool:

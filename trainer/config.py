@@ -22,15 +22,11 @@ from typing import Any, Optional
 
 import yaml
 
-from trainer.refusal import Refusal
+from trainer.errors import ConfigError
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 NAN_POLICIES = ("raise", "skip")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
-
-
-class ConfigError(Refusal, ValueError):
-    """A TrainConfig value, key or file is wrong; the message names the culprit."""
 
 
 @dataclass

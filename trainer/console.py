@@ -1,15 +1,15 @@
-"""What a job prints: each library warning once per job, and a progress bar that no line of output breaks into.
+"""What a job prints: one way to say a line (the main process, stdout) and one to warn (any rank, stderr), the
+start banner and the step line, each library warning once per job, and a progress bar no line breaks into.
 
 Every process of a job runs the same code, so a library warning (transformers' ``loss_type=None ...``) comes once
 per process, and one issued per save (accelerate's ``Removed shared tensor``) once per checkpoint. So: the
 libraries' log records below ERROR are left to the main process (errors still come from every rank), and each
-distinct record prints once per process. transformers' own progress bars are off when the output is not a terminal
-(in a log file they are lines of carriage returns).
+distinct record prints once per process.
 
 In a terminal the main process draws a progress bar on stderr; anything else written meanwhile (our step lines, a
 user's ``print``, a library's warning) would land in the middle of it. While the bar is up, stdout and stderr
 (and the logging handlers that hold them) go through a writer that collects whole lines, clears the bar, writes
-them, and redraws it.
+them, and redraws it. (tqdm's ``logging_redirect_tqdm`` moves logging handlers only, not prints.)
 """
 
 from __future__ import annotations
@@ -19,12 +19,30 @@ import logging
 import os
 import sys
 import threading
-from typing import Iterator, Optional, TextIO
+from typing import Any, Iterator, Optional, TextIO
 
 from tqdm.auto import tqdm
 
 LIBRARIES = ("transformers", "accelerate", "datasets", "torch")
-_quieted = False
+STEP_FIGURES = ("step", "epoch", "train_loss", "lr", "examples_per_s", "tokens_per_s")  # the rest: a callback's
+_process = {"main": True, "quieted": False}  # this process's place in the job, set once it has joined
+_said_once: set[str] = set()  # lines said once per process
+
+
+def say(text: str, once: bool = False) -> None:
+    """A line from the main process, as one write (print() writes the newline apart, and other ranks' lines could
+    land between); while the progress bar is up it goes around it. ``once``: once per process, however many
+    Trainers it builds."""
+    if _process["main"] and not (once and text in _said_once):
+        _said_once.add(text)
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+
+
+def warn(text: str) -> None:
+    """``trainer: <text>`` on stderr, from whichever rank calls it."""
+    sys.stderr.write(f"trainer: {text}\n")
+    sys.stderr.flush()
 
 
 class OncePerProcess(logging.Filter):
@@ -42,12 +60,13 @@ class OncePerProcess(logging.Filter):
         return True
 
 
-def quiet_library_logs(process_index: int) -> None:
-    """Library warnings once per job: below ERROR from the main process only, each distinct one once."""
-    global _quieted
-    if _quieted:
+def joined(process_index: int) -> None:
+    """This process joined the job as ``process_index``: :func:`say` speaks from process 0 alone, and library
+    warnings come once per job (below ERROR from the main process only, each distinct one once)."""
+    _process["main"] = process_index == 0
+    if _process["quieted"]:
         return
-    _quieted = True
+    _process["quieted"] = True
     once = OncePerProcess()
     logging.lastResort.addFilter(once)  # where accelerate's records go when nobody configured logging
     if process_index != 0:
@@ -63,20 +82,36 @@ def quiet_library_logs(process_index: int) -> None:
             handler.addFilter(once)
 
 
-@contextlib.contextmanager
-def no_library_progress_bars_off_a_terminal() -> Iterator[None]:
-    """transformers' progress bars (save_pretrained's "Writing model shards") off, when the output is a log file
-    rather than a terminal."""
-    from transformers.utils import logging as hf_logging
+def step_line(metrics: dict[str, Any], total_steps: int) -> str:
+    """``step 300/300 | loss 4.746 | lr 0.0002 | 53.4 examples/s | 6,834 tokens/s``, then any figure logged with
+    ``trainer.log`` or added to ``metrics`` in ``on_log`` (``| MFU 41.5%``); ``grad_norm`` is in the logs only."""
+    line = (f"step {metrics['step']}/{total_steps} | loss {metrics['train_loss']:.6g} | lr {metrics['lr']:.4g} | "
+            f"{metrics['examples_per_s']:.1f} examples/s")  # fmt: skip
+    if "tokens_per_s" in metrics:
+        line += f" | {metrics['tokens_per_s']:,.0f} tokens/s"
+    for key, value in metrics.items():
+        if key not in STEP_FIGURES and key != "grad_norm":  # logged, not said: the line stays short
+            line += f" | {key} {value:.4g}" if isinstance(value, float) else f" | {key} {value}"
+    return line
 
-    was_on = hf_logging.is_progress_bar_enabled()
-    if was_on and not sys.stderr.isatty():
-        hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_on:
-            hf_logging.enable_progress_bar()
+
+def banner(launch: tuple[str, str], config: Any, state: Any, total_steps: int, share: Optional[int],
+           weighs_tokens: bool, optimization: str) -> str:  # fmt: skip
+    """What a run is about to do, said once at the start of ``fit()``: the launch and what sharding did
+    (``Parallelism.describe``), the global batch and how its loss is weighed (``share``: the examples a process
+    reads per epoch; fewer than a step takes, each step takes them all), the steps, the optimizer and schedule."""
+    batch, accumulation, processes = config.batch_size, config.gradient_accumulation_steps, launch[2]
+    global_batch, short = batch * processes * accumulation, ""
+    if share is not None and share < batch * accumulation:
+        global_batch = share * processes
+        short = (f"an epoch has {share} examples per process in {state.batches_per_epoch} batch(es), fewer than "
+                 f"batch x accumulation: each step takes them all, {global_batch} global")  # fmt: skip
+    weighs = "; the loss weighs every counted token alike" if weighs_tokens else ""
+    until = f"max_steps={config.max_steps}" if config.max_steps else f"{config.epochs} epochs"
+    lines = (launch[0], launch[1], f"batch {batch} per process x {processes} processes x {accumulation} accumulation "
+             f"= {global_batch} global{weighs}", short, f"{state.steps_per_epoch or 'unknown'} optimizer steps per "
+             f"epoch, {total_steps} in all ({until}); {optimization}")  # fmt: skip
+    return "trainer | " + "\n        | ".join(line for line in lines if line)
 
 
 class AroundTheBar:

@@ -15,22 +15,18 @@ its data already this process's part.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from accelerate import Accelerator, skip_first_batches
 from accelerate.data_loader import get_sampler, prepare_data_loader
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
 
+from trainer.columns import ready_columns
 from trainer.config import TrainConfig
-from trainer.refusal import Refusal
+from trainer.console import say
+from trainer.errors import DataError
 from trainer.streams import StreamShard
-
-
-class DataError(Refusal, ValueError):
-    """The data cannot be loaded as configured; the message says what to pass instead."""
-
-    job_wide = False  # one process's share can be the problem: each process that meets it says so
 
 
 class ResumableSampler(DistributedSampler):
@@ -70,14 +66,25 @@ class ShardSampler(Sampler[int]):
         return len(self.indices)
 
 
-def build_train_loader(
-    data: Dataset | DataLoader, config: TrainConfig, accelerator: Accelerator, collate_fn: Optional[Callable]
-) -> DataLoader:
-    """This process's training loader, ready for ``Accelerator.prepare``."""
+def data_loader(data: Any, model: torch.nn.Module, name: str, config: TrainConfig, accelerator: Accelerator, dp: Any,
+                collate_fn: Optional[Callable], evaluation: bool = False) -> DataLoader:  # fmt: skip
+    """This process's loader of ``data`` (``name``: how the user passed it), for training or ``evaluation``; an
+    unformatted datasets.Dataset's model inputs first readied as tensors (``trainer.columns``), said once."""
+    data, change = ready_columns(data, model, collate_fn is not None, name)
+    if change:
+        say(f"trainer | {change}")
+    build = build_eval_loader if evaluation else build_train_loader
+    return build(data, config, accelerator, dp, collate_fn)
+
+
+def build_train_loader(data: Dataset | DataLoader, config: TrainConfig, accelerator: Accelerator, dp: Any,
+                       collate_fn: Optional[Callable]) -> DataLoader:  # fmt: skip
+    """This process's training loader, ready for ``Accelerator.prepare``; ``dp``: its data-parallel coordinates
+    (``trainer.parallel.DataParallel``), which decide its share."""
     if isinstance(data, DataLoader):
-        loader = _accept_user_loader(data, accelerator, "train_data")
+        loader = _accept_user_loader(data, dp, "train_data")
         if isinstance(loader.dataset, IterableDataset):  # its stream's position noted for checkpoints
-            stream = StreamShard(loader.dataset, accelerator.process_index, accelerator.num_processes,
+            stream = StreamShard(loader.dataset, dp.rank, dp.size,
                                  loader.batch_size or 1, read_ahead(config), split=False)  # fmt: skip
             loader = DataLoader(stream, batch_size=loader.batch_size, collate_fn=loader.collate_fn,
                                 num_workers=loader.num_workers, pin_memory=loader.pin_memory,
@@ -85,15 +92,15 @@ def build_train_loader(
                                 persistent_workers=loader.persistent_workers, generator=loader.generator,
                                 prefetch_factor=loader.prefetch_factor, timeout=loader.timeout)  # fmt: skip
     elif isinstance(data, IterableDataset):
-        stream = StreamShard(data, accelerator.process_index, accelerator.num_processes, config.batch_size,
+        stream = StreamShard(data, dp.rank, dp.size, config.batch_size,
                              read_ahead(config))  # fmt: skip
         loader = _loader(stream, None, config, accelerator, collate_fn)
     else:
-        _check_size(data, accelerator, "train_data")
+        _check_size(data, dp, "train_data")
         sampler = ResumableSampler(
             data,
-            num_replicas=accelerator.num_processes,
-            rank=accelerator.process_index,
+            num_replicas=dp.size,
+            rank=dp.rank,
             shuffle=config.shuffle,
             seed=config.seed,
             drop_last=config.drop_last,
@@ -101,15 +108,17 @@ def build_train_loader(
         loader = _loader(data, sampler, config, accelerator, collate_fn)
     if batches_per_epoch(loader) == 0:  # None for a stream: its length is unknown
         raise DataError(
-            f"train_data gives process {accelerator.process_index} no batch per epoch "
-            f"({len(loader.dataset)} examples, {accelerator.num_processes} processes, drop_last={config.drop_last})"
+            f"train_data gives process {dp.rank} no batch per epoch "
+            f"({len(loader.dataset)} examples, {dp.size} processes, drop_last={config.drop_last})"
         )
+    if batches_per_epoch(loader) is None and config.max_steps is None:
+        raise DataError("train_data has no length (an IterableDataset?): set max_steps to say when to stop")
     return _wrap(loader, accelerator)
 
 
 def read_ahead(config: TrainConfig) -> int:
     """Batches a process reads before training them: accelerate's loader reads one ahead, and the trainer the next
-    accumulation window (trainer.accumulation)."""
+    accumulation window (trainer.weighing)."""
     return 2 * config.gradient_accumulation_steps + 1
 
 
@@ -139,19 +148,26 @@ def batches_per_epoch(loader: DataLoader) -> Optional[int]:
         return None
 
 
-def build_eval_loader(
-    data: Dataset | DataLoader, config: TrainConfig, accelerator: Accelerator, collate_fn: Optional[Callable]
-) -> DataLoader:
+def examples_per_process(loader: DataLoader) -> Optional[int]:
+    """The examples this process reads per epoch (its sampler's share), or None when unknown (a stream)."""
+    try:
+        return len(get_sampler(loader))
+    except TypeError:
+        return None
+
+
+def build_eval_loader(data: Dataset | DataLoader, config: TrainConfig, accelerator: Accelerator, dp: Any,
+                      collate_fn: Optional[Callable]) -> DataLoader:  # fmt: skip
     """This process's evaluation loader: its share of the examples, each example on exactly one process."""
     if isinstance(data, DataLoader):
-        loader = _accept_user_loader(data, accelerator, "eval_data")
+        loader = _accept_user_loader(data, dp, "eval_data")
     elif isinstance(data, IterableDataset):  # each process its own part of the stream, read to its end
-        stream = StreamShard(data, accelerator.process_index, accelerator.num_processes, config.batch_size)
+        stream = StreamShard(data, dp.rank, dp.size, config.batch_size)
         loader = _loader(stream, None, config, accelerator, collate_fn)
     else:
         if len(data) == 0:  # refused now, not after all of training when evaluate() would divide by zero
             raise DataError("eval_data has no examples: pass a data set with at least one, or none", job_wide=True)
-        sampler = ShardSampler(len(data), accelerator.num_processes, accelerator.process_index)
+        sampler = ShardSampler(len(data), dp.size, dp.rank)
         loader = _loader(data, sampler, config, accelerator, collate_fn)
     return _wrap(loader, accelerator)
 
@@ -188,10 +204,10 @@ def _wrap(loader: DataLoader, accelerator: Accelerator) -> DataLoader:
     return wrapped
 
 
-def _accept_user_loader(loader: DataLoader, accelerator: Accelerator, name: str) -> DataLoader:
+def _accept_user_loader(loader: DataLoader, dp: Any, name: str) -> DataLoader:
     """A user's DataLoader is used as is, never sharded a second time; refused if it would feed every process
     the same data."""
-    world, rank = accelerator.num_processes, accelerator.process_index
+    world, rank = dp.size, dp.rank
     if world == 1 or isinstance(loader.dataset, IterableDataset):
         return loader  # its IterableDataset yields this process its own part (say datasets' split_dataset_by_node)
     sampler = get_sampler(loader)
@@ -209,15 +225,15 @@ def _accept_user_loader(loader: DataLoader, accelerator: Accelerator, name: str)
     )
 
 
-def _check_size(data: Dataset, accelerator: Accelerator, name: str) -> None:
+def _check_size(data: Dataset, dp: Any, name: str) -> None:
     try:
         size = len(data)
     except TypeError:
         raise DataError(f"{name} has no len(): pass a map-style Dataset, an IterableDataset or a DataLoader",
                         job_wide=True) from None
-    if size < accelerator.num_processes:
+    if size < dp.size:
         raise DataError(
-            f"{name} has {size} examples, fewer than the {accelerator.num_processes} processes: "
+            f"{name} has {size} examples, fewer than the {dp.size} processes: "
             "every process needs at least one example",
             job_wide=True,
         )

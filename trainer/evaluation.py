@@ -1,4 +1,5 @@
 """Evaluation and prediction over a data set: every example counted exactly once, whatever the process count.
+:class:`Evaluator` is the Trainer's ``evaluate()`` and ``predict()``.
 
 Each process runs its own share, examples k, k+K, k+2K, ... (``trainer.data.ShardSampler``: no padded tail, so no
 example twice), on the plain module under the launch's autocast. Shares may differ in length, so nothing collective
@@ -9,6 +10,7 @@ process's outputs once and interleaves them back into dataset order.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping
 from typing import Any, Callable, ContextManager, Iterator, Optional
@@ -16,12 +18,72 @@ from typing import Any, Callable, ContextManager, Iterator, Optional
 import torch
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list, find_batch_size
+from torch.utils.data import DataLoader
 
-from trainer.data import DataError
-from trainer.losses import checked
+from trainer.console import say
+from trainer.errors import DataError
+from trainer.hf import generates
+from trainer.losses import LossFn, checked, model_loss
 
 MetricsFn = Callable[[torch.nn.Module, Any], dict[str, torch.Tensor]]
 PredictFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+
+
+class Evaluator:
+    """``evaluate()`` and ``predict()`` on the plain module (no DDP: the processes' shares differ in length), in eval
+    mode, then back as it was.
+
+    Args:
+        model: the plain module (``Parallelism.unwrap``; a sharded model is its own).
+        loss_fn, metrics_fn: the Trainer's (``metrics_fn`` may be None).
+        accelerator: reductions, the device and the launch's autocast (``autocast``).
+        tokens: what a batch's loss weighs (``Weighing.count``: its counted tokens, or None for a batch's examples).
+        lockstep: a sharded model's forwards run in lockstep (:func:`in_lockstep`).
+        loader: builds the loader of a data set (each process its share, each example once).
+    """
+
+    def __init__(self, model: torch.nn.Module, loss_fn: LossFn, metrics_fn: Optional[MetricsFn],
+                 accelerator: Accelerator, autocast: Callable[[], ContextManager],
+                 tokens: Callable[[Any], Optional[torch.Tensor]], lockstep: bool,
+                 loader: Callable[[Any, str], DataLoader]):  # fmt: skip
+        self.model, self.loss_fn, self.metrics_fn, self.accelerator = model, loss_fn, metrics_fn, accelerator
+        self.autocast, self.tokens, self.lockstep, self.loader = autocast, tokens, lockstep, loader
+
+    def evaluate(self, loader: Optional[DataLoader], step: int) -> dict[str, float]:
+        """Mean loss (and each ``metrics_fn`` figure) over the whole eval set, every example counted once whatever
+        the process count: ``eval_loss``, ``eval_examples``, ``eval_<name>``; said in one line. ``eval_perplexity``
+        is added for a language model's own loss (``model(**batch).loss`` of a transformers model that generates):
+        elsewhere exp(loss) means nothing (a classifier's perplexity)."""
+        if loader is None:
+            raise ValueError("evaluate() needs eval_data: pass eval_data=... to the Trainer")
+        with self._in_eval_mode():
+            metrics = evaluate(self.model, loader, self.loss_fn, self.metrics_fn, self.accelerator, self.autocast,
+                               self.tokens, lockstep=self.lockstep)  # fmt: skip
+        if self.loss_fn is model_loss and generates(self.model):
+            metrics["eval_perplexity"] = perplexity(metrics["eval_loss"])
+        say(f"eval at step {step}: " + ", ".join(f"{k} {v:.6g}" for k, v in metrics.items()))
+        return metrics
+
+    def predict(self, data: Any, predict_fn: Optional[PredictFn]) -> torch.Tensor:
+        """One row per example of the Dataset ``data``, in dataset order, on every process (on the CPU)."""
+        if isinstance(data, DataLoader):
+            raise DataError("predict() takes the Dataset itself (each process predicts its share and the rows are put "
+                            "back in dataset order), not a DataLoader")  # fmt: skip
+        if len(data) == 0:
+            raise DataError("predict() got a data set with no examples")
+        loader = self.loader(data, name="data")
+        with self._in_eval_mode():
+            return predict(self.model, loader, predict_fn or model_logits, self.accelerator, self.autocast,
+                           len(data), lockstep=self.lockstep)  # fmt: skip
+
+    @contextlib.contextmanager
+    def _in_eval_mode(self):
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            yield
+        finally:
+            self.model.train(was_training)
 
 
 @torch.no_grad()
@@ -56,7 +118,7 @@ def evaluate(model: torch.nn.Module, loader, loss_fn, metrics_fn: Optional[Metri
             loss_sum += loss.double() * weight
             loss_weight += weight
         for name, value in values.items():
-            value = torch.as_tensor(value).reshape(-1)
+            value = torch.as_tensor(value, device=device).reshape(-1)  # numpy, a CPU tensor: on the device
             if value.numel() != size:
                 raise ValueError(f"metrics_fn's {name!r} has {value.numel()} values for a batch of {size} examples: "
                                  "return one number per example (shape [batch])")  # fmt: skip

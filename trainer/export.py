@@ -13,24 +13,21 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
-import warnings
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from trainer import checkpoint, sharded_state
-
-MODEL_CONFIG = "config.json"  # a transformers model's config, saved in each checkpoint for the export
+from trainer import checkpoint
+from trainer.hf import no_progress_bars_off_a_terminal
+from trainer.model_state import MODEL_CONFIG, MODEL_FILE, SHARDS, read_sharded_weights
 
 
 def write_model(state_dict: dict[str, Any], directory: Path, model: Optional[torch.nn.Module] = None) -> None:
     """``state_dict`` (whole tensors) as ``save_pretrained`` writes it when ``model`` is a transformers model, else
     as ``model.safetensors``."""
     if hasattr(model, "save_pretrained"):
-        from trainer.console import no_library_progress_bars_off_a_terminal
-
-        with no_library_progress_bars_off_a_terminal():
+        with no_progress_bars_off_a_terminal():
             model.save_pretrained(directory, state_dict=state_dict)
         return
     from safetensors.torch import save_file
@@ -45,44 +42,17 @@ def write_model(state_dict: dict[str, Any], directory: Path, model: Optional[tor
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
 
 
-def save_model_config(model: torch.nn.Module, folder: Path) -> None:
-    """A transformers model's config beside its weights in a checkpoint, naming the model's own class (not the
-    sharded wrapper's), so that the export loads with ``from_pretrained``."""
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "to_json_file"):
-        return
-    config.architectures = [type(model).__name__.removeprefix("FSDP")]
-    config.to_json_file(str(folder / MODEL_CONFIG))
-
-
-def read_sharded_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """The whole model's tensors from a sharded checkpoint's ``shards/``, read on this one process."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    reader = FileSystemReader(str(folder / sharded_state.SHARDS))
-    prefix = "model."
-    state = {name: torch.empty(entry.size, dtype=entry.properties.dtype)
-             for name, entry in reader.read_metadata().state_dict_metadata.items()
-             if name.startswith(prefix) and isinstance(entry, TensorStorageMetadata)}  # fmt: skip
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=reader, no_dist=True)
-    return {name.removeprefix(prefix): tensor for name, tensor in state.items()}
-
-
 def export(folder: Path, directory: Path) -> Path:
     """Write checkpoint ``folder``'s model into ``directory``; return the weights file."""
     checkpoint.verify(folder)
     directory.mkdir(parents=True, exist_ok=True)
-    if (folder / sharded_state.SHARDS).is_dir():
+    if (folder / SHARDS).is_dir():
         write_model(read_sharded_weights(folder), directory)
     else:
-        shutil.copyfile(folder / "model.safetensors", directory / "model.safetensors")
+        shutil.copyfile(folder / MODEL_FILE, directory / MODEL_FILE)
     if (folder / MODEL_CONFIG).is_file():
         shutil.copyfile(folder / MODEL_CONFIG, directory / MODEL_CONFIG)
-    return directory / "model.safetensors"
+    return directory / MODEL_FILE
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -14,13 +14,9 @@ from typing import Any, Callable
 
 import torch
 
-from trainer.refusal import Refusal
+from trainer.errors import LossFnError
 
 LossFn = Callable[[torch.nn.Module, Any], Any]  # -> a scalar tensor, or (loss_sum, count)
-
-
-class LossFnError(Refusal, TypeError):
-    """``loss_fn`` returned something other than a scalar tensor."""
 
 
 def model_loss(model: torch.nn.Module, batch: Any, **loss_kwargs: Any) -> torch.Tensor:
@@ -59,24 +55,6 @@ def checked(loss: Any, loss_fn: LossFn) -> tuple[torch.Tensor, Any]:
 
 def _describe(loss_fn: LossFn) -> str:
     return "the default loss (model(**batch).loss)" if loss_fn is model_loss else f"loss_fn {_name(loss_fn)}"
-
-
-class UnusedParameters(Refusal, RuntimeError):
-    """DDP found parameters that took no part in the previous step's loss."""
-
-
-def unused_parameters(err: RuntimeError) -> UnusedParameters | None:
-    """DDP's error for a model some of whose parameters got no gradient (raised at the next forward), as a refusal
-    naming the fix; None for any other error."""
-    text = str(err)
-    if "Expected to have finished reduction in the prior iteration" not in text:
-        return None
-    which = [line.strip() for line in text.splitlines() if line.strip().startswith("Parameter")]
-    return UnusedParameters(
-        "some parameters of the model took no part in the previous step's loss, which DDP cannot reduce by default"
-        f"{': ' + ' '.join(which) if which else ''}. Set find_unused_parameters: true in the TrainConfig (DDP then "
-        "looks for them after every forward, at some cost), or make every parameter take part in the loss."
-    )
 
 
 def _name(fn: Callable) -> str:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 
@@ -62,11 +64,12 @@ NORM_TYPES = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.modules.batchnorm
 def build_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, total_steps: int):
     """constant / linear / cosine, each after ``warmup_steps`` of linear warm-up; stepped once per optimizer step.
 
-    A constant lr without warm-up is torch's ConstantLR (factor 1): the rest are transformers' schedules, whose
-    import costs half a second at start-up that a constant lr need not pay.
+    Each is a LambdaLR (the lr a closed form of the step: a resume recomputes it from this run's settings,
+    trainer.resume_policy). A constant lr without warm-up is built here: transformers' schedules, the rest, cost
+    half a second of import at start-up that a constant lr need not pay.
     """
     if config.lr_scheduler == "constant" and config.warmup_steps == 0:
-        return torch.optim.lr_scheduler.ConstantLR(optimizer, factor=1.0, total_iters=0)
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, _constant)
     from transformers import get_scheduler
 
     name = "constant_with_warmup" if config.lr_scheduler == "constant" else config.lr_scheduler
@@ -91,3 +94,32 @@ def describe(optimizer: torch.optim.Optimizer, lr_scheduler, config: TrainConfig
         return f"{words}, your {type(lr_scheduler).__name__}"
     warmup = f" after {config.warmup_steps} warm-up steps" if config.warmup_steps else ""
     return f"{words}, {config.lr_scheduler} schedule{warmup}"
+
+
+def _constant(step: int) -> float:
+    return 1.0
+
+
+@dataclass(frozen=True)
+class Optimization:
+    """How a run's optimizer and schedule came to be, for the banner and a resume."""
+
+    words: str  # the banner's (trainer.optim.describe)
+    built_optimizer: bool  # from the config, not the user's: a resume applies this run's settings to them
+    built_scheduler: bool
+    # Whether stepping the scheduler changes the lr: a constant lr without warm-up built here is never stepped (each
+    # step costs tens of microseconds, which a small model's step notices). A user's is always stepped.
+    schedule_moves: bool
+
+
+def build(model: torch.nn.Module, config: TrainConfig, optimizer: Optional[torch.optim.Optimizer],
+          lr_scheduler: Optional[Any], total_steps: int,
+          ) -> tuple[torch.optim.Optimizer, Any, Optimization]:  # fmt: skip
+    """The user's optimizer and schedule, or the config's in place of each one not given (over ``model``'s
+    parameters as they are now: after sharding, on the device)."""
+    built = (optimizer is None, lr_scheduler is None)
+    optimizer = optimizer or build_optimizer(model, config)
+    moves = lr_scheduler is not None or config.lr_scheduler != "constant" or config.warmup_steps > 0
+    lr_scheduler = lr_scheduler or build_scheduler(optimizer, config, total_steps)
+    words = describe(optimizer, lr_scheduler, config, *built)
+    return optimizer, lr_scheduler, Optimization(words, *built, schedule_moves=moves)

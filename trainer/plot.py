@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from trainer.tracking import read_metrics
+from trainer.sinks import read_metrics
 
 PANELS = (  # (title, y label, per-rank key, main-process keys drawn over the ranks)
     ("loss", "loss", "rank/loss", ("global/train_loss", "eval/loss")),

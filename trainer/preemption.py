@@ -4,13 +4,14 @@ Slurm (before it kills a preempted or timed-out job; ``#SBATCH --signal``), Kube
 forwards its own SIGTERM to every worker, then kills them 30 s later) send a signal first. Saving inside the
 handler is fragile (it can interrupt a collective or a half-written file), so the handler only notes the signal;
 copies of it within SAME_EVENT_S count once. The ranks compare notes at optimizer-step boundaries through one
-small all-reduce on a gloo group of its own, asynchronous: issued at one check and read at the next, so no step
-waits for it and no GPU sync is added. Checks come every step until the first log, then every CHECK_EVERY_S of
-training (a step count every rank derives from the same gathered step times). One rank's signal is enough; the
-others may not receive it. All ranks then stop after the same step, commit a full checkpoint there, flush metrics
-and wandb, and exit with ``PREEMPTED_EXIT`` (75, "try again"). A second signal, or ``preemption_grace_s`` after
-the first, ends the process at once. Under Slurm with ``slurm_requeue`` the first process asks ``scontrol
-requeue`` once the checkpoint is committed, so the next allocation resumes by itself (``resume: auto``).
+small all-reduce on the job's host group (``trainer.agreement``), asynchronous: issued at one check and read at the
+next, so no step waits for it and no GPU sync is added. Checks come every step until the first log, then every
+CHECK_EVERY_S of training (a step count every rank derives from the same gathered step times). One rank's signal is
+enough; the others may not receive it. All ranks then stop after the same step, commit a full checkpoint there,
+flush metrics and wandb, and exit with ``PREEMPTED_EXIT`` (75, "try again"). A second signal, or
+``preemption_grace_s`` after the first, ends the process at once. Under Slurm with ``slurm_requeue`` the first
+process asks ``scontrol requeue`` once the checkpoint is committed, so the next allocation resumes by itself
+(``resume: auto``).
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-PREEMPTED_EXIT = 75  # sysexits' EX_TEMPFAIL: a temporary failure, to be tried again
+from trainer.errors import PREEMPTED_EXIT, Preempted
+
 # Slurm signals every process of the job and the launcher forwards its own copy; a terminal's Ctrl-C reaches the
 # launcher and the workers alike. Copies this close to the first are the same event, not a second signal.
 SAME_EVENT_S = 2.0
@@ -36,28 +38,19 @@ SAME_EVENT_S = 2.0
 CHECK_EVERY_S = 1.0
 
 
-class Preempted(SystemExit):
-    """Raised by fit() on every rank after the preemption checkpoint is committed; exits with PREEMPTED_EXIT."""
-
-    def __init__(self, message: str):
-        super().__init__(PREEMPTED_EXIT)
-        self.message = message
-
-
 class PreemptionWatch:
     """Notes the configured signals while fit() runs; ``agreed()`` at each optimizer step says whether to stop."""
 
-    def __init__(self, signal_names: tuple[str, ...], grace_s: float, world_size: int):
+    def __init__(self, signal_names: tuple[str, ...], grace_s: float, group: Any):
         self.signals = [getattr(signal, name) for name in signal_names]
         self.grace_s = grace_s
         self.received = 0  # the first signal's number, 0 until one arrives
         self._first_at = 0.0
         self._previous: dict[int, object] = {}
-        self._group = None
+        self._group = group if self.signals else None  # the host group (None: one process)
         self._flag = torch.zeros(1, dtype=torch.int32)
         self._pending: Optional[dist.Work] = None
-        self._world_size = world_size
-        self.every = 1  # steps between checks
+        self.check_every = 1  # steps between checks
         self._agreed = 0  # a signal the ranks agreed on out of turn (agree_now), for agreed() to return
         self._next_every = 1  # from the next check on (a check issued at the old pace is read at it)
 
@@ -65,9 +58,6 @@ class PreemptionWatch:
         if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
             for number in self.signals:
                 self._previous[number] = signal.signal(number, self._on_signal)
-        if self._world_size > 1 and self.signals:
-            # Its own gloo group: CPU tensors, so neither NCCL streams nor a GPU sync are involved.
-            self._group = dist.new_group(backend="gloo")
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
@@ -114,9 +104,9 @@ class PreemptionWatch:
         """The signal any rank had received by the previous check (0: none); the same answer on every rank."""
         if self._group is None or self._agreed:
             return self._agreed or self.received
-        if step % self.every:
+        if step % self.check_every:
             return 0
-        self.every = self._next_every
+        self.check_every = self._next_every
         seen = 0
         if self._pending is not None:
             self._pending.wait()
@@ -143,6 +133,24 @@ class PreemptionWatch:
             dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group)
         self._agreed = int(self._flag.item())
         return bool(self._agreed)
+
+
+def stop(signal_number: int, step: int, total_steps: int, checkpoint_now: Callable[[], Any], requeue: bool,
+         accelerator: Any) -> Preempted:  # fmt: skip
+    """What every rank does once the ranks agreed on a signal: commit a checkpoint of the step reached
+    (``checkpoint_now``, whatever save_every says), requeue the job under Slurm (``slurm_requeue``, the main process
+    once the checkpoint is committed), and return the :class:`Preempted` to leave ``fit()`` with (status 75)."""
+    started = time.monotonic()
+    saved = checkpoint_now()
+    requeued = ""
+    if requeue:
+        if accelerator.is_main_process:
+            requeued = f"; {requeue_slurm_job()}"
+        accelerator.wait_for_everyone()  # no rank leaves (and gets the others signalled) before the requeue
+    name = signal.Signals(signal_number).name
+    return Preempted(f"trainer: preempted ({name}) at step {step} of {total_steps}: checkpoint {saved} committed in "
+                     f"{time.monotonic() - started:.1f} s{requeued}; exiting with status {PREEMPTED_EXIT}. Start the "
+                     "job again with resume='auto' to continue.")  # fmt: skip
 
 
 def requeue_slurm_job() -> str:

@@ -56,6 +56,12 @@ class StallReporter:
         self._stop.set()
         self._thread.join()
 
+    def __enter__(self) -> "StallReporter":
+        return self
+
+    def __exit__(self, *error: object) -> None:
+        self.stop()
+
     def _watch(self, interval: float) -> None:
         reported = None
         while not self._stop.wait(interval):
@@ -111,12 +117,16 @@ class _NoStalls:
     def at(self, step: int, phase: str) -> None:
         pass
 
-    def stop(self) -> None:
+    def __enter__(self) -> "_NoStalls":
+        return self
+
+    def __exit__(self, *error: object) -> None:
         pass
 
 
 def watch_stalls(accelerator: Accelerator, warning_s: float | None) -> StallReporter | _NoStalls:
-    """A StallReporter when there are other ranks to wait for and ``warning_s`` is set."""
+    """A StallReporter when there are other ranks to wait for and ``warning_s`` is set; as a context, its thread
+    lives until the context ends."""
     if accelerator.num_processes == 1 or warning_s is None:
         return _NoStalls()
     return StallReporter(accelerator, warning_s)

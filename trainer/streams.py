@@ -23,15 +23,15 @@ and reads different examples than the uninterrupted run would have.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Iterator, Optional
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from trainer.checkpoint import CheckpointError
-
-
-def is_datasets_stream(data: Any) -> bool:
-    return type(data).__module__.startswith("datasets.") and type(data).__name__ == "IterableDataset"
+from trainer.agreement import gather_objects
+from trainer.errors import CheckpointError, StreamPositionError
+from trainer.hf import is_stream
+from trainer.state import TrainState
 
 
 class StreamShard(IterableDataset):
@@ -50,7 +50,7 @@ class StreamShard(IterableDataset):
                  split: bool = True):  # fmt: skip
         self.keep_every, self.offset = 1, 0
         if split and world_size > 1:
-            if is_datasets_stream(stream):
+            if is_stream(stream):
                 from datasets.distributed import split_dataset_by_node
 
                 stream = split_dataset_by_node(stream, rank=rank, world_size=world_size)
@@ -122,5 +122,24 @@ class StreamShard(IterableDataset):
         return "it was read by DataLoader workers (num_workers > 0), whose state does not reach the checkpoint"
 
 
-class StreamPositionError(CheckpointError):
-    """A checkpoint mid-stream of a stream that cannot resume there."""
+class StreamPositions:
+    """Where every process's part of the stream stands, as a checkpoint holds it (JSON, never a pickle): its
+    ``state_dict`` gathers every process's position (collective); at a resume each process takes its own back."""
+
+    def __init__(self, stream: StreamShard, position: TrainState, rank: int, group: Any):
+        self.stream, self.position, self.rank, self.group = stream, position, rank, group
+
+    def state_dict(self) -> dict[str, Any]:
+        batches = self.position.state_dict()["batches_into_epoch"]  # 0 at an epoch's end: the next one's start
+        positions = gather_objects(self.stream.position(batches) if batches else None, self.group)
+        try:
+            json.dumps(positions)
+        except (TypeError, ValueError) as err:
+            raise CheckpointError(f"train_data ({self.stream.name})'s state_dict() cannot be saved as JSON ({err}): "
+                                  "return plain numbers, strings, lists and dicts from it") from None  # fmt: skip
+        return {"streams": positions}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        positions = state.get("streams") or []
+        mine = positions[self.rank] if self.rank < len(positions) else None
+        self.stream.resume_at(mine, self.position.batches_into_epoch)

@@ -28,15 +28,10 @@ from typing import Any, Iterator, Optional
 import torch
 from accelerate.utils import FullyShardedDataParallelPlugin, parse_flag_from_env
 
-from trainer.recompute import checkpoint_activations, outermost, transformer_blocks
-from trainer.refusal import Refusal
+from trainer.activation_checkpointing import checkpoint_activations, outermost
+from trainer.errors import ShardingError
 
 FULLY_SHARDED = "FSDP2"
-
-
-class ShardingError(Refusal, ValueError):
-    """An FSDP config this trainer cannot honour as asked; the message says what to change."""
-
 
 @dataclass
 class ShardedModel:
@@ -90,47 +85,18 @@ def accelerate_without_fsdp() -> Iterator[None]:
             os.environ["ACCELERATE_USE_FSDP"] = saved
 
 
-def spread(model: torch.nn.Module, plugin: Optional[FullyShardedDataParallelPlugin], accelerator: Any,
-           recompute: bool, optimizer: Any = None, lr_scheduler: Any = None) -> Optional[ShardedModel]:  # fmt: skip
-    """Ready ``model`` for the processes before its optimizer is built: sharded when the accelerate config asks
-    (``plugin``), else left for ``prepare`` to wrap in DDP; with ``recompute`` its blocks checkpoint their
-    activations (trainer.recompute), either way."""
-    if plugin is not None:
-        return shard(model, plugin, accelerator, optimizer, lr_scheduler, recompute)
-    if recompute:
-        checkpoint_activations(model, transformer_blocks(model))
-    return None
-
-
-def prepare(accelerator: Any, sharded: Optional[ShardedModel], model: torch.nn.Module, optimizer: Any,
-            train_loader: Any, lr_scheduler: Any) -> tuple:  # fmt: skip
-    """accelerate's ``prepare``: DDP, the optimizer and scheduler wrappers, the data. A sharded model and its
-    optimizer stay the trainer's own; accelerate prepares the data and the schedule."""
-    if sharded is None:
-        return tuple(accelerator.prepare(model, optimizer, train_loader, lr_scheduler))
-    return (model, optimizer, *accelerator.prepare(train_loader, lr_scheduler))
-
-
-def shard(model: torch.nn.Module, plugin: FullyShardedDataParallelPlugin, accelerator: Any, optimizer: Any = None,
-          lr_scheduler: Any = None, recompute: bool = False) -> ShardedModel:  # fmt: skip
-    """Shard ``model`` in place over every process (its blocks, then the root) on the accelerator's device; with
-    ``recompute`` (or the config's fsdp_activation_checkpointing) its blocks checkpoint their activations.
-
-    An optimizer built before (a user's) holds the unsharded parameters, which sharding replaces: refused, as
-    transformers' Trainer refuses one under FSDP; the config's optimizer is built over the shards."""
-    if optimizer is not None or lr_scheduler is not None:
-        raise ShardingError("with FSDP2 the optimizer must be built over the sharded parameters, after the Trainer "
-                            "shards the model: leave optimizer= and lr_scheduler= out and choose them in the config "
-                            "(optimizer, lr, weight_decay, lr_scheduler, warmup_steps)")  # fmt: skip
+def shard(model: torch.nn.Module, plugin: FullyShardedDataParallelPlugin, mesh: Any, mixed_precision: str,
+          recompute: bool = False) -> ShardedModel:  # fmt: skip
+    """Shard ``model`` in place over ``mesh`` (its blocks, then the root), on the mesh's device; with ``recompute``
+    (or the config's fsdp_activation_checkpointing) its blocks checkpoint their activations."""
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     upcast = [name for name, p in model.named_parameters() if p.requires_grad and p.dtype != torch.float32]
     for name, parameter in model.named_parameters():
         if name in upcast:
             parameter.data = parameter.data.float()  # fp32 masters: the optimizer state follows the parameter's dtype
-    model.to(accelerator.device)
+    model.to(mesh.device_type)
     try:
         wraps = fsdp2_prepare_auto_wrap_policy(plugin, model) or (lambda module: False)
     except ValueError as err:  # a block class the model does not have
@@ -139,36 +105,20 @@ def shard(model: torch.nn.Module, plugin: FullyShardedDataParallelPlugin, accele
     recompute = recompute or bool(plugin.activation_checkpointing)
     if recompute:
         blocks = checkpoint_activations(model, blocks)
-    mesh = init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
     precision = {}
-    if accelerator.mixed_precision == "bf16":
+    if mixed_precision == "bf16":
         precision["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=bool(plugin.reshard_after_forward), **precision)
     fully_shard(model, mesh=mesh, **precision)  # the rest, tied embeddings included, in one group
     return ShardedModel(
-        processes=accelerator.num_processes,
+        processes=mesh.size(),
         parameters=sum(_global_numel(p) for p in model.parameters()),
         held=sum(_local_numel(p) for p in model.parameters()),
         groups=len(blocks),
         upcast=upcast,
         activation_checkpointing=recompute,
     )
-
-
-def is_sharded(model: torch.nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
-
-
-def gradient_sync(model: torch.nn.Module, accelerator: Any, sync: bool):
-    """The context for one micro-batch's backward: gradients reduced across processes only when ``sync`` (the last
-    micro-batch of an accumulation window). DDP's ``no_sync``; a sharded model's ``set_requires_gradient_sync``."""
-    if is_sharded(model):
-        model.set_requires_gradient_sync(sync)
-        return contextlib.nullcontext()
-    return contextlib.nullcontext() if sync else accelerator.no_sync(model)
 
 
 def _global_numel(parameter: torch.Tensor) -> int:

@@ -23,26 +23,26 @@ waits for it.
 
 Every process has the same number of batches per epoch of a map-style data set (DistributedSampler's padding), so
 windows line up by themselves. Streams (``trainer.streams``) can end at different batches on different processes:
-there the processes agree on each window's size first (one small all-gather on a gloo group, on the host), and an
+there the processes agree on each window's size first (``trainer.agreement``: on the host), and an
 epoch of a stream ends for every process when any one of them has no batch left.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
-from accelerate import Accelerator
 
+from trainer.hf import LossFunctionProbe, accepts_loss_kwargs, causal_lm, is_transformers_model
 from trainer.losses import LossFn, checked, model_loss
 
 IGNORE_INDEX = -100  # the label of a token that is not counted (padding, a prompt), as in torch's cross-entropy
 
 
-def windows(batches: Iterable, size: int, agree: Optional[Callable[[int], tuple[int, int]]] = None) -> Iterator:
+def accumulation_windows(batches: Iterable, size: int, agree: Optional[Callable[[int], tuple[int, int]]] = None,
+                         ) -> Iterator[tuple[list, Optional[int]]]:  # fmt: skip
     """``(micro_batches, total)``: lists of up to ``size`` consecutive batches, one per optimizer step, and the number
     of micro-batches the window holds on all processes together. With ``agree`` (streams on several processes),
     ``agree(k)`` -> (fewest, total) over the processes; the windows end when any process has none left."""
@@ -57,20 +57,6 @@ def windows(batches: Iterable, size: int, agree: Optional[Callable[[int], tuple[
         if fewest == 0:
             return
         yield window, total
-
-
-class StreamAgreement:
-    """How many micro-batches each process holds in a stream's window, agreed on the host over a gloo group of
-    its own (CPU tensors: no GPU sync, and nothing queued behind the device's work)."""
-
-    def __init__(self, world_size: int):
-        self.group = dist.new_group(backend="gloo")
-        self.counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
-
-    def __call__(self, held: int) -> tuple[int, int]:
-        dist.all_gather(self.counts, torch.tensor([held], dtype=torch.int64), group=self.group)
-        counts = [int(c) for c in self.counts]
-        return min(counts), sum(counts)
 
 
 class StepBatches:
@@ -97,8 +83,8 @@ class Weighing:
     :meth:`windows` readies each window; per micro-batch, :meth:`loss` -> (what to call backward on, the loss to log,
     its weight in the logged mean); after the window's last backward, :meth:`finish` (before clipping)."""
 
-    def __init__(self, accelerator: Accelerator, model: torch.nn.Module, loss_fn: LossFn):
-        self.world = accelerator.num_processes
+    def __init__(self, replicas: int, model: torch.nn.Module, loss_fn: LossFn):
+        self.world = replicas  # data-parallel replicas, whose gradients DDP (or FSDP2) averages
         self.loss_fn = loss_fn
         self.counts_tokens = loss_fn is model_loss and is_transformers_model(model)
         self.shifted = self.counts_tokens and causal_lm(model)
@@ -183,50 +169,3 @@ class Weighing:
         if self.world > 1:
             dist.all_reduce(count)
         torch._foreach_mul_(grads, self.world / count)  # as torch's clip_grad_norm_ scales gradients
-
-
-class LossFunctionProbe:
-    """Stands in for a transformers model's ``loss_function`` and notes whether forward passed it
-    ``num_items_in_batch``: only then is the returned loss sum / count rather than a mean. One attribute write per
-    forward, and it stays in place (removing it would make a compiled model compile again)."""
-
-    def __init__(self, loss_function: Callable):
-        self.loss_function = loss_function
-        self.passed = False
-
-    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if kwargs.get("num_items_in_batch") is not None:
-            self.passed = True
-        return self.loss_function(*args, **kwargs)
-
-    @classmethod
-    def install(cls, model: torch.nn.Module) -> "LossFunctionProbe":
-        current = model.loss_function
-        if not isinstance(current, cls):
-            current = model.loss_function = cls(current)  # transformers' setter: the model's for the rest of its life
-        return current
-
-
-def is_transformers_model(model: torch.nn.Module) -> bool:
-    """A transformers ``PreTrainedModel`` (or a subclass of one), without importing transformers."""
-    return any(cls.__module__.split(".")[0] == "transformers" for cls in type(model).__mro__)
-
-
-def generates(model: torch.nn.Module) -> bool:
-    """A transformers language model (causal or sequence-to-sequence), whose loss is a per-token cross-entropy."""
-    can_generate = getattr(model, "can_generate", None)
-    return bool(can_generate and can_generate())
-
-
-def causal_lm(model: torch.nn.Module) -> bool:
-    """A decoder-only language model: its loss shifts the labels, so each row's first label is never a target."""
-    return generates(model) and not getattr(getattr(model, "config", None), "is_encoder_decoder", False)
-
-
-def accepts_loss_kwargs(model: torch.nn.Module) -> bool:
-    """Whether forward takes ``num_items_in_batch`` (transformers' own rule: the class says, else ``**kwargs``)."""
-    said = getattr(model, "accepts_loss_kwargs", None)
-    if said is not None:
-        return bool(said)
-    parameters = inspect.signature(model.forward).parameters.values()
-    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)

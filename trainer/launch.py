@@ -24,33 +24,18 @@ from typing import Optional
 
 import torch
 from accelerate import Accelerator, PartialState
-from accelerate.logging import get_logger
 from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, parse_flag_from_env
 
+from trainer import console
 from trainer.config import TrainConfig
-from trainer.console import quiet_library_logs
-from trainer.refusal import Refusal
-from trainer.sharding import accelerate_without_fsdp
-
-logger = get_logger(__name__)
-
+from trainer.errors import LaunchMismatch, Refusal, WorldSizeMismatch
+from trainer.fsdp import accelerate_without_fsdp
 
 ELASTIC_RECIPE = (
     "The trainer keeps each attempt's keys apart in the launcher's store (pytorch/pytorch#135712); if restarts "
     "still fail to reconnect, launch with --rdzv_backend c10d and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which "
     "gives each attempt a store of its own."
 )
-
-
-class WorldSizeMismatch(Refusal, RuntimeError):
-    """The launcher started K processes but the Accelerator sees a different number."""
-
-    job_wide = False  # each process sees its own world
-
-
-class LaunchMismatch(SystemExit):
-    """A launch this host cannot honour. A refusal, not a bug: the first process of the machine prints the
-    message alone (no traceback, not once per rank) and every process exits with status 1."""
 
 
 def launched_world_size() -> int:
@@ -90,7 +75,7 @@ def distributed_state(collective_timeout_s: Optional[float] = None) -> PartialSt
         raise RuntimeError(message) from err
     _destroy_process_group_at_exit()
     _end_with_the_launcher()
-    quiet_library_logs(state.process_index)
+    console.joined(state.process_index)
     return state
 
 
@@ -137,14 +122,11 @@ def build_accelerator(config: TrainConfig) -> Accelerator:
         )
     check_world_size(accelerator)
     share_cpu_threads(accelerator.device)
-    if accelerator.is_main_process:
+    if _needs_cpu_fallback():
         world = accelerator.num_processes
-        if _needs_cpu_fallback():
-            logger.warning(
-                f"No GPU on this host is visible to the processes: running the {world} launched processes as one "
-                f"job on CPU over gloo (accelerate would otherwise start {world} independent trainings).",
-                main_process_only=True,
-            )
+        console.say(f"No GPU on this host is visible to the processes: running the {world} launched processes as "
+                    f"one job on CPU over gloo (accelerate would otherwise start {world} independent trainings)",
+                    once=True)  # fmt: skip
     return accelerator
 
 

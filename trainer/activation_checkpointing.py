@@ -12,11 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from trainer.refusal import Refusal
-
-
-class RecomputeError(Refusal, ValueError):
-    """Activation checkpointing asked of a model in which no block is found."""
+from trainer.errors import ConfigError
 
 
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -25,7 +21,7 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     names = set(getattr(model, "_no_split_modules", None) or ())
     found = [module for module in model.modules() if module is not model and type(module).__name__ in names]
     if not found:
-        raise RecomputeError(f"activation_checkpointing: no transformer block found in {type(model).__name__} (it "
+        raise ConfigError(f"activation_checkpointing: no transformer block found in {type(model).__name__} (it "
                              "names none in _no_split_modules, as transformers models do): set it to false, or wrap "
                              "your blocks with torch.utils.checkpoint yourself")  # fmt: skip
     return outermost(found)

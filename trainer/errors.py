@@ -1,0 +1,109 @@
+"""Every way the trainer refuses bad input, in one place; known refusals end a job with one line, not a traceback.
+
+Bad input the trainer recognises (a config key that does not exist, checkpoints that a run without ``resume`` would
+overwrite, a checkpoint that does not fit, data too small for the world, a NaN loss) raises a :class:`Refusal`
+whose message names the culprit and the fix. A program may catch it like any exception. Uncaught, the hook
+installed when ``trainer`` is imported prints ``trainer: <message>`` and the process exits with status 1, as
+after any uncaught exception; every other exception keeps its traceback. A refusal that every rank raises alike
+(``job_wide``) is printed by the job's first process only, not once per process.
+
+Two ends of a job are not errors and are ``SystemExit``s instead: :class:`Preempted` (status 75, "try again") and
+:class:`LaunchMismatch` (a launch this host cannot honour).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+PREEMPTED_EXIT = 75  # sysexits' EX_TEMPFAIL: a temporary failure, to be tried again
+
+
+class Refusal(Exception):
+    """Bad input, fully explained by the message. ``job_wide``: every rank meets it the same way, so one line from
+    the first process is enough (the class's default unless given)."""
+
+    job_wide = True
+
+    def __init__(self, *args, job_wide: bool | None = None):
+        super().__init__(*args)
+        if job_wide is not None:
+            self.job_wide = job_wide
+
+
+class ConfigError(Refusal, ValueError):
+    """A TrainConfig value, key or file is wrong; the message names the culprit."""
+
+
+class DataError(Refusal, ValueError):
+    """The data cannot be loaded as configured; the message says what to pass instead."""
+
+    job_wide = False  # one process's share can be the problem: each process that meets it says so
+
+
+class CheckpointError(Refusal, RuntimeError):
+    """A checkpoint is missing, torn, unsafe, or does not fit this run; the message names it."""
+
+
+class StreamPositionError(CheckpointError):
+    """A checkpoint mid-stream of a stream that cannot resume there."""
+
+
+class NonFiniteLoss(Refusal, FloatingPointError):
+    """A training loss was NaN or infinite under nan_policy='raise', or an evaluation's loss was."""
+
+
+class LossFnError(Refusal, TypeError):
+    """``loss_fn`` returned something other than a scalar tensor."""
+
+
+class UnusedParameters(Refusal, RuntimeError):
+    """DDP found parameters that took no part in the previous step's loss."""
+
+
+class MetricsError(Refusal, OSError):
+    """A rank's metrics file cannot be written (a full disk, a read-only output_dir)."""
+
+    job_wide = False  # each rank writes its own file (on its own node's disk, maybe): each says so
+
+
+class ShardingError(Refusal, ValueError):
+    """An FSDP config this trainer cannot honour as asked; the message says what to change."""
+
+
+class WorldSizeMismatch(Refusal, RuntimeError):
+    """The launcher started K processes but the Accelerator sees a different number."""
+
+    job_wide = False  # each process sees its own world
+
+
+class LaunchMismatch(SystemExit):
+    """A launch this host cannot honour. A refusal, not a bug: the first process of the machine prints the
+    message alone (no traceback, not once per rank) and every process exits with status 1."""
+
+
+class Preempted(SystemExit):
+    """Raised by fit() on every rank after the preemption checkpoint is committed; exits with PREEMPTED_EXIT."""
+
+    def __init__(self, message: str):
+        super().__init__(PREEMPTED_EXIT)
+        self.message = message
+
+
+def install_hook() -> None:
+    """Uncaught refusals print one line; everything else goes to the hook that was there before."""
+    previous = sys.excepthook
+    if getattr(previous, "prints_refusals", False):
+        return
+
+    def hook(kind, err, traceback):
+        if not isinstance(err, Refusal):
+            return previous(kind, err, traceback)
+        rank = int(os.environ.get("RANK", "0"))
+        if rank == 0 or not err.job_wide:
+            where = f"[rank {rank}] " if rank and not err.job_wide else ""
+            sys.stderr.write(f"trainer: {where}{err}\n")
+            sys.stderr.flush()
+
+    hook.prints_refusals = True
+    sys.excepthook = hook

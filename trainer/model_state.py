@@ -1,0 +1,265 @@
+"""The model's weights and the optimizer's state in a checkpoint: written in the format of the run, read into a
+run of either format.
+
+- **DDP**: accelerate's ``save_state`` files, ``model.safetensors`` (the whole model) and ``optimizer.bin``,
+  written with the rest of accelerate's state (the model and optimizer were given to ``Accelerator.prepare``).
+- **FSDP2**: every process's shards in ``shards/`` (torch.distributed.checkpoint, DCP), so that no process ever
+  holds the whole model; DCP writes its index, ``shards/.metadata``, last.
+
+Either loads into either: a DDP checkpoint into a sharded model (each process takes its part of the whole tensors,
+the optimizer state keyed by parameter name), a sharded one into a DDP model (DCP reads every shard back whole), so
+a run can move between DDP and FSDP2 at a resume, at the same global batch. One format was not kept for both
+because DDP's is what accelerate writes and every tool reads (a plain ``model.safetensors``), and FSDP2's is the
+only one in which no process holds the whole model.
+
+Loading executes nothing from a checkpoint: DDP's files are read by safetensors and ``torch.load(weights_only=True)``;
+DCP's index is a pickle, read here by an unpickler that admits DCP's own metadata classes alone and refuses anything
+else by name, and the values DCP keeps as pickled bytes (an optimizer's settings) are checked to load with
+``weights_only=True`` before DCP reads them.
+"""
+
+from __future__ import annotations
+
+import functools
+import pickle
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from trainer.errors import CheckpointError
+
+MODEL_CONFIG = "config.json"  # a transformers model's config, saved in each checkpoint for the export
+SHARDS = "shards"  # the folder of a checkpoint that holds a sharded model's weights and optimizer state
+DDP, FULLY_SHARDED = "DDP", "FSDP2"  # how a checkpoint's weights are stored (its trainer_state.json's "sharding")
+MODEL_FILE, OPTIMIZER_FILE = "model.safetensors", "optimizer.bin"  # accelerate's names, in a DDP checkpoint
+
+# What DCP's index may hold: its metadata classes and the few values they carry (sizes, dtypes, a path).
+_METADATA = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                                              "TensorStorageMetadata", "BytesStorageMetadata",
+                                              "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+    "builtins": {"set", "frozenset"},
+}  # fmt: skip
+
+
+class ModelState:
+    """This run's model and optimizer in its checkpoints (``model``: the plain or sharded module, not DDP's
+    wrapper; ``optimizer``: the torch optimizer itself). Every method is collective: call it on every rank."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sharded: bool, device: torch.device,
+                 main: bool):  # fmt: skip
+        self.model, self.optimizer, self.main = model, optimizer, main
+        self.device = "cpu" if device.type == "cpu" else str(device)  # where loaded tensors go (not "cpu:0")
+        self.format = FULLY_SHARDED if sharded else DDP
+
+    def save(self, folder: Path, in_background: bool = False) -> None:
+        """A sharded model's shards into ``folder/shards`` (unless ``in_background``: :meth:`save_async` then), a
+        DDP model's files being accelerate's ``save_state``'s; and a transformers model's config, which
+        ``python -m trainer.export`` puts beside the exported weights."""
+        if self.format == FULLY_SHARDED and not in_background:
+            import torch.distributed.checkpoint as dcp
+
+            dcp.save(self._dcp_state(folder), checkpoint_id=str(folder / SHARDS))
+        if self.main:
+            save_model_config(self.model, folder)
+
+    def save_async(self, folder: Path, process_group: Any) -> Future:
+        """``save``, returning once the state is copied to CPU memory: the shards are written in the background
+        (``trainer.background_save``), the collectives on ``process_group``."""
+        import torch.distributed.checkpoint as dcp
+
+        return dcp.async_save(self._dcp_state(folder), checkpoint_id=str(folder / SHARDS), process_group=process_group)
+
+    def load(self, folder: Path, state: dict[str, Any]) -> None:
+        """The weights and optimizer state of checkpoint ``folder`` into this run's, in whichever format its
+        ``state`` says they are."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        written_as = state.get("sharding", DDP)
+        if written_as == FULLY_SHARDED:  # DCP reads each process's part now, whatever the processes that wrote it
+            state = self._dcp_state()
+            _read_shards(state, folder)
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optimizer"])  # fmt: skip
+        elif self.format == DDP:
+            self.load_weights(folder, written_as)
+            self.optimizer.load_state_dict(torch.load(folder / OPTIMIZER_FILE, map_location=self.device,
+                                                      weights_only=True))  # fmt: skip
+        else:  # whole tensors into a sharded model: each process keeps its part
+            from safetensors.torch import load_file
+
+            optimizer = self._by_name(torch.load(folder / OPTIMIZER_FILE, map_location="cpu", weights_only=True))
+            set_state_dict(self.model, self.optimizer, model_state_dict=load_file(folder / MODEL_FILE),
+                           optim_state_dict=optimizer, options=StateDictOptions(full_state_dict=True))  # fmt: skip
+
+    def load_weights(self, folder: Path, written_as: str) -> None:
+        """The weights alone of checkpoint ``folder`` (the best evaluation's, at the end of training)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            set_model_state_dict,  # fmt: skip
+        )
+
+        if written_as == FULLY_SHARDED:
+            state = {"model": get_model_state_dict(self.model)}
+            _read_shards(state, folder)
+            set_model_state_dict(self.model, state["model"])
+        elif self.format == DDP:
+            from safetensors.torch import load_model
+
+            load_model(self.model, folder / MODEL_FILE, device=self.device)
+        else:
+            from safetensors.torch import load_file
+
+            set_model_state_dict(self.model, load_file(folder / MODEL_FILE),
+                                 options=StateDictOptions(full_state_dict=True))  # fmt: skip
+
+    def export(self, directory: Path, barrier: Callable[[], None]) -> None:
+        """The whole model, written once into ``directory`` by the main process (``trainer.export.write_model``):
+        a DDP model is whole on every process already; a sharded one's weights are gathered onto the main
+        process's CPU a tensor at a time, never whole elsewhere. Every rank returns once it is written."""
+        from trainer.export import write_model
+
+        if self.format == DDP:  # (no torch.distributed.checkpoint here: its import costs a DDP run a second)
+            weights = self.model.state_dict() if self.main else {}
+        else:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            weights = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.main:
+            write_model(weights, directory, self.model)
+        barrier()
+
+    def _dcp_state(self, folder: Path | None = None) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        if folder is not None:
+            (folder / SHARDS).mkdir(parents=True, exist_ok=True)
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optimizer": optimizer_state}
+
+    def _by_name(self, saved: dict[str, Any]) -> dict[str, Any]:
+        """A torch optimizer state dict (parameters by their index in the groups, as DDP's ``optimizer.bin``
+        holds them) keyed by parameter name instead, as DCP's ``set_state_dict`` takes it: this run's optimizer
+        lists its groups' parameters in the same order (the same config built both; a change is refused first)."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        names = [name for group in get_optimizer_state_dict(self.model, self.optimizer)["param_groups"]
+                 for name in group["params"]]  # fmt: skip
+        indices = [index for group in saved["param_groups"] for index in group["params"]]
+        if len(names) != len(indices):
+            raise ValueError(f"the checkpoint's optimizer has {len(indices)} parameters, this run's {len(names)}")
+        name_of = dict(zip(indices, names, strict=True))
+        return {"state": {name_of[index]: value for index, value in saved["state"].items()},
+                "param_groups": [{**group, "params": [name_of[i] for i in group["params"]]}
+                                 for group in saved["param_groups"]]}  # fmt: skip
+
+
+def save_model_config(model: torch.nn.Module, folder: Path) -> None:
+    """A transformers model's config beside its weights, naming the model's own class (not the sharded wrapper's),
+    so that the export loads with ``from_pretrained``."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_json_file"):
+        return
+    config.architectures = [type(model).__name__.removeprefix("FSDP")]
+    config.to_json_file(str(folder / MODEL_CONFIG))
+
+
+def _read_shards(state: dict[str, Any], folder: Path) -> None:
+    """Fill ``state`` from ``folder/shards`` (collective), reading nothing that could run code."""
+    import torch.distributed.checkpoint as dcp
+
+    reader = safe_reader(folder)
+    try:
+        dcp.load(state, storage_reader=reader, planner=_safe_planner())
+    except dcp.api.CheckpointException as err:  # a BaseException: said as the first failure, for CheckpointError
+        first = next(iter(err.failures.values()), err)
+        first = first[0] if isinstance(first, tuple) else first  # (exception, its traceback)
+        if isinstance(first, CheckpointError):
+            raise first from None
+        raise RuntimeError(f"{type(first).__name__}: {first}") from err
+
+
+def read_sharded_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """The whole model's tensors from a sharded checkpoint's ``shards/``, read on this one process (no process
+    group)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader, prefix = safe_reader(folder), "model."
+    state = {name: torch.empty(entry.size, dtype=entry.properties.dtype)
+             for name, entry in reader.read_metadata().state_dict_metadata.items()
+             if name.startswith(prefix) and isinstance(entry, TensorStorageMetadata)}  # fmt: skip
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=reader, planner=_safe_planner(), no_dist=True)
+    return {name.removeprefix(prefix): tensor for name, tensor in state.items()}
+
+
+def safe_reader(folder: Path) -> Any:
+    """DCP's reader of ``folder/shards``, its index read by :class:`_IndexUnpickler` (refused by name, before
+    anything else is read, when it holds anything but DCP's metadata)."""
+    reader = _safe_classes()[0](str(folder / SHARDS))
+    reader.read_metadata()  # here, on every process: a refusal comes out whole, not inside DCP's collectives
+    return reader
+
+
+def _safe_planner() -> Any:
+    return _safe_classes()[1]()
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """Python's unpickler, admitting only the classes DCP's index is made of (pickle's "restricting globals")."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _METADATA.get(module, ()) or module == "torch" and (name == "Size" or _is_dtype(name)):
+            return super().find_class(module, name)
+        raise CheckpointError(f"{SHARDS}/.metadata names {module}.{name}, which is not part of a checkpoint's index: "
+                              "the checkpoint is refused, and nothing in it was run")  # fmt: skip
+
+
+def _is_dtype(name: str) -> bool:
+    return isinstance(getattr(torch, name, None), torch.dtype)
+
+
+@functools.cache
+def _safe_classes() -> tuple[type, type]:
+    """DCP's file reader and load planner, made safe (built when DCP is first needed: its import takes a second)."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            path = Path(self.path) / ".metadata"
+            with open(path, "rb") as file:
+                try:
+                    metadata = _IndexUnpickler(file).load()
+                except CheckpointError as refusal:
+                    raise CheckpointError(f"checkpoint {path.parent.parent}: {refusal}") from None
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class SafePlanner(DefaultLoadPlanner):
+        """DCP's planner, except that a value stored as pickled bytes must load with ``weights_only=True`` (no
+        code runs) before DCP reads it as it does."""
+
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            try:
+                torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as err:
+                raise CheckpointError(f"a value of {read_item.dest_index.fqn} in the checkpoint's shards is not plain "
+                                      f"data ({err}): the checkpoint is refused, and nothing in it was run") from None
+            value.seek(0)
+            super().load_bytes(read_item, value)
+
+    return SafeReader, SafePlanner

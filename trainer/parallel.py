@@ -1,0 +1,149 @@
+"""Parallelism in one place: how the model is spread over the processes, and everything that differs with it.
+
+The launch's accelerate config decides: DDP (through ``Accelerator.prepare``: one whole copy per process, gradients
+all-reduced), or FSDP2 (``fully_shard``: each process holds 1/K of the weights, gradients and optimizer state;
+``trainer.fsdp``). What differs between the two lives here and nowhere else: wrapping the model (and activation
+checkpointing, before sharding), gradient sync under accumulation, the model's state in checkpoints
+(``trainer.model_state``), evaluation in lockstep, and the banner's words. The training loop never asks which one
+runs, as in torchtitan's ``parallelize`` and Lightning Fabric's strategies.
+
+It also hands out **data-parallel coordinates**: this process's rank among the replicas that read different data,
+and their number. The data loaders, the loss weighting, evaluation and the throughput figures read those, never the
+process index and count, so that a tensor-parallel group (processes that share a batch) is a change here and in
+the launch alone. Today every process is a data replica: the coordinates are the process index and count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Optional
+
+import torch
+
+from trainer.activation_checkpointing import checkpoint_activations, transformer_blocks
+from trainer.config import TrainConfig
+from trainer.errors import ShardingError, UnusedParameters
+from trainer.fsdp import FULLY_SHARDED, ShardedModel, requested_plugin, shard
+from trainer.launch import build_accelerator, num_machines
+from trainer.model_state import ModelState
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """This process's place among the data-parallel replicas (each reads its own share of every global batch)."""
+
+    rank: int
+    size: int
+
+
+class Parallelism:
+    """DDP or FSDP2 for this launch, decided once; see the module docstring. Refuses an FSDP config it cannot
+    honour before anything is built."""
+
+    def __init__(self, config: TrainConfig):
+        self.plugin = requested_plugin(config)  # an FSDP accelerate config, or None: DDP
+        self.accelerator = build_accelerator(config)
+        self.dp = DataParallel(self.accelerator.process_index, self.accelerator.num_processes)
+        self.recompute = config.activation_checkpointing
+        self.sharded: Optional[ShardedModel] = None  # what sharding did, once it has
+
+    @property
+    def name(self) -> str:
+        return FULLY_SHARDED if self.plugin is not None else "DDP"
+
+    @property
+    def lockstep(self) -> bool:
+        """Whether every process must run as many forwards in evaluation (a sharded model's each gather weights)."""
+        return self.plugin is not None
+
+    def apply(self, model: torch.nn.Module, own_optimizer: bool) -> torch.nn.Module:
+        """Ready ``model`` before its optimizer is built: sharded over the processes (FSDP2), or left whole for
+        ``prepare`` to wrap in DDP; with ``activation_checkpointing`` its blocks recompute their activations. On the
+        device either way, so that the optimizer is built there (AdamW then fuses on a GPU).
+
+        Under FSDP2 an optimizer built before (a user's) holds the unsharded parameters, which sharding replaces:
+        refused, as transformers' Trainer refuses one under FSDP; the config's is built over the shards."""
+        acc = self.accelerator
+        if self.plugin is None:
+            if self.recompute:
+                checkpoint_activations(model, transformer_blocks(model))
+            return model.to(acc.device)
+        if own_optimizer:
+            raise ShardingError("with FSDP2 the optimizer must be built over the sharded parameters, after the Trainer "
+                                "shards the model: leave optimizer= and lr_scheduler= out and choose them in the "
+                                "config (optimizer, lr, weight_decay, lr_scheduler, warmup_steps)")  # fmt: skip
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(acc.device.type, (self.dp.size,))  # 1-D: every process a shard of one replica
+        self.sharded = shard(model, self.plugin, mesh, acc.mixed_precision, self.recompute)
+        return model
+
+    def prepare(self, model: torch.nn.Module, optimizer: Any, loader: Any, scheduler: Any) -> tuple:
+        """accelerate's ``prepare``: DDP, the optimizer and scheduler wrappers, the data. A sharded model and its
+        optimizer stay the trainer's own; accelerate prepares the data and the schedule."""
+        if self.sharded is None:
+            return tuple(self.accelerator.prepare(model, optimizer, loader, scheduler))
+        return (model, optimizer, *self.accelerator.prepare(loader, scheduler))
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The plain module, without DDP's (or torch.compile's) wrapper: the same weights on every rank."""
+        return self.accelerator.unwrap_model(model, keep_torch_compile=False)
+
+    def model_state(self, model: torch.nn.Module, optimizer: Any) -> ModelState:
+        """The model and its optimizer as a checkpoint holds them (``trainer.model_state``)."""
+        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds the torch optimizer
+        acc = self.accelerator
+        return ModelState(self.unwrap(model), inner, self.sharded is not None, acc.device, acc.is_main_process)
+
+    def gradient_sync(self, model: torch.nn.Module, sync: bool) -> ContextManager:
+        """The context of one micro-batch's backward: gradients reduced across processes only when ``sync`` (the
+        window's last micro-batch). DDP's ``no_sync``; a sharded model's ``set_requires_gradient_sync``."""
+        if self.sharded is not None:
+            model.set_requires_gradient_sync(sync)
+            return contextlib.nullcontext()
+        return contextlib.nullcontext() if sync else self.accelerator.no_sync(model)
+
+    def autocast(self, model: torch.nn.Module) -> Callable[[], ContextManager]:
+        """The context forward and loss run under: autocast in the launch's mixed precision, or nothing.
+
+        Why not the forward ``prepare`` made: under mixed precision it wraps the model's forward in autocast *and*
+        converts every output to fp32: a GPT-2's 16 x 1024 x 50257 logits copied each step, 1.5 GB more peak
+        memory on an H100 and 1-3% of the step. The model keeps its own forward, and the loss function runs under
+        the same autocast, as torch's AMP recipe does: losses such as cross-entropy autocast to fp32 by themselves."""
+        acc = self.accelerator
+        if not acc.native_amp:
+            return contextlib.nullcontext
+        inner = self.unwrap(model)
+        original = inner.__dict__.pop("_original_forward", None)  # the forward before prepare, bound
+        if original is not None:
+            if getattr(original, "__func__", None) is type(inner).forward:
+                del inner.forward  # the class's own forward again, as before prepare
+            else:
+                inner.forward = original  # a forward the user had set on the instance
+        return acc.autocast
+
+    def describe(self, device: torch.device) -> tuple[str, str, int]:
+        """The banner's words: the launch, what sharding did ('' for DDP), and the data-parallel processes."""
+        acc = self.accelerator
+        kind = FULLY_SHARDED if self.sharded else acc.distributed_type.value
+        if self.recompute and not self.sharded:  # a sharded model's line says it
+            kind += ", activation checkpointing"
+        threads = f", {torch.get_num_threads()} CPU threads per process" if device.type == "cpu" else ""
+        launch = (f"{acc.num_processes} process(es) on {num_machines(acc)} machine(s), device {device.type} ({kind})"
+                  f"{threads}, mixed precision {acc.mixed_precision}")  # fmt: skip
+        return launch, self.sharded.describe() if self.sharded else "", self.dp.size
+
+
+def unused_parameters(err: RuntimeError) -> Optional[UnusedParameters]:
+    """DDP's error for a model some of whose parameters got no gradient (raised at the next forward), as a refusal
+    naming the fix; None for any other error."""
+    text = str(err)
+    if "Expected to have finished reduction in the prior iteration" not in text:
+        return None
+    which = [line.strip() for line in text.splitlines() if line.strip().startswith("Parameter")]
+    return UnusedParameters(
+        "some parameters of the model took no part in the previous step's loss, which DDP cannot reduce by default"
+        f"{': ' + ' '.join(which) if which else ''}. Set find_unused_parameters: true in the TrainConfig (DDP then "
+        "looks for them after every forward, at some cost), or make every parameter take part in the loss."
+    )

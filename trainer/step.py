@@ -1,0 +1,174 @@
+"""One optimizer step: forward and backward over each micro-batch of an accumulation window, then the update.
+
+Each micro-batch's loss is weighed as its share of the global batch's mean (``trainer.weighing``), only the last
+backward reduces the gradients across processes (``Parallelism.gradient_sync``), and the window's gradients are
+clipped, stepped and zeroed. What watches the step wraps its phases (:class:`Phases`: where each rank is, for the
+stall reporter, and the forward pass's time, for the log window); the NaN guard decides whether the update is taken
+(``nan_policy: skip``).
+
+The calls into accelerate's prepared optimizer go around what they cost when it buys nothing (measured):
+``optimizer.step()`` without a grad scaler only forwards the call, after asking importlib twice whether the LOMO
+package is installed (uncached: about 0.2 ms a step, a quarter of a tiny model's step here); ``zero_grad()``
+inspects the optimizer's signature every time; ``backward()`` divides the loss by accelerate's accumulation steps,
+one more kernel and autograd node even when that is 1 (the trainer weighs each micro-batch itself and keeps
+accelerate's at 1). With a grad scaler (fp16), or a distributed type other than DDP, accelerate's are used.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, find_batch_size
+
+from trainer.agreement import StreamAgreement
+from trainer.config import TrainConfig
+from trainer.log_window import LogWindow
+from trainer.nonfinite import NonFiniteGuard
+from trainer.optim import Optimization
+from trainer.parallel import Parallelism, unused_parameters
+from trainer.weighing import StepBatches, Weighing, accumulation_windows
+
+# Distributed types whose backward and optimizer step are plain torch ones (DDP or none); FSDP, DeepSpeed, Megatron
+# and XLA keep accelerate's.
+PLAIN_TYPES = {
+    DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.MULTI_XPU,
+    DistributedType.MULTI_NPU, DistributedType.MULTI_MLU, DistributedType.MULTI_MUSA,
+}  # fmt: skip
+
+
+class Phases:
+    """``with phases(step, "forward"):``: notes where this rank is (``trainer.stall``) and, for the forward pass,
+    adds its host time to the log window: this rank's own work before the gradients' all-reduce."""
+
+    def __init__(self, reporter: Any, window: LogWindow):
+        self.reporter, self.window = reporter, window
+        self.name, self.started = "data", 0.0
+
+    def __call__(self, step: int, name: str) -> "Phases":
+        self.reporter.at(step, name)
+        self.name = name
+        self.started = time.perf_counter() if name == "forward" else 0.0
+        return self
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *error: Any) -> None:
+        if self.name == "forward":
+            self.window.forward += time.perf_counter() - self.started
+
+
+class Stepper:
+    """backward, step and zero_grad of one prepared optimizer, through accelerate only where it does work."""
+
+    def __init__(self, accelerator: Accelerator, optimizer: Any):
+        self.accelerator = accelerator
+        self.prepared = optimizer  # accelerate's AcceleratedOptimizer (a sharded model's: the optimizer itself)
+        inner = getattr(optimizer, "optimizer", optimizer)
+        plain = inner is optimizer or accelerator.scaler is None and accelerator.distributed_type in PLAIN_TYPES
+        self.step = inner.step if plain else optimizer.step
+        self.zero_grad = inner.zero_grad if plain else optimizer.zero_grad
+        self.backward: Callable[[torch.Tensor], None] = accelerator.backward
+        if plain:
+            self.backward = lambda loss: loss.backward()
+
+    def clip(self, parameters: Iterable[torch.Tensor], max_norm: Optional[float], measure: bool) -> Optional[Any]:
+        """Clip the gradients to ``max_norm`` (None: leave them), and return their norm before clipping when
+        clipped or ``measure`` (a step that logs), else None: a device tensor, read only when the step logs."""
+        if max_norm is not None:
+            return self.accelerator.clip_grad_norm_(parameters, max_norm)
+        if not measure:
+            return None
+        self.accelerator.unscale_gradients()  # fp16: the true gradients' norm (the step then takes them unscaled)
+        grads = [p.grad for p in parameters if p.grad is not None]
+        if not grads:
+            return None
+        if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6; sharded (DTensor) gradients too
+            return torch.nn.utils.get_total_norm(grads)
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """fp16's loss scaler skipped the step (an overflow)."""
+        return getattr(self.prepared, "step_was_skipped", False)
+
+
+class StepRunner:
+    """Runs the optimizer steps of ``fit()``: see the module docstring. ``lr`` is the last step's (the scheduler
+    has moved on since), ``grad_norm`` the gradients' norm before clipping at a step that logs."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: Any, scheduler: Any, loss_fn: Any, parallel: Parallelism,
+                 window: LogWindow, config: TrainConfig, optimization: Optimization,
+                 stream_group: Any = None):  # fmt: skip
+        self.model, self.optimizer, self.scheduler, self.parallel, self.window = (model, optimizer, scheduler,
+                                                                                  parallel, window)  # fmt: skip
+        self.weighing = Weighing(parallel.dp.size, parallel.unwrap(model), loss_fn)  # what each loss counts for
+        self.nonfinite = NonFiniteGuard(parallel.accelerator, config.nan_policy)
+        self.accumulation, self.max_grad_norm = config.gradient_accumulation_steps, config.max_grad_norm
+        self.schedule_moves = optimization.schedule_moves
+        # A stream on several processes: they agree on each window's micro-batches (streams may end apart).
+        self.agree = StreamAgreement(stream_group, parallel.dp.size) if stream_group is not None else None
+        self.stepper = Stepper(parallel.accelerator, optimizer)
+        self.autocast = parallel.autocast(model)  # forward and loss run under it
+        self.phases = Phases(_NoReporter(), window)
+        self.lr: Any = None
+        self.grad_norm: Optional[torch.Tensor] = None
+
+    def begin(self) -> None:
+        """Before ``fit()``'s first step: the model in training mode, its buffers kept (nan_policy skip)."""
+        self.model.train()
+        self.nonfinite.keep_buffers(self.model)  # a skipped step puts them back
+
+    def windows(self, loader: Iterable) -> Iterator[StepBatches]:
+        """The accumulation windows of an epoch, the waits for data timed, the token counts summed a window ahead."""
+        timed = self.window.timed(loader)
+        return self.weighing.windows(accumulation_windows(timed, self.accumulation, self.agree))
+
+    def run(self, window: StepBatches, step: int, measure_norm: bool) -> None:
+        """Optimizer step ``step`` over ``window``; ``measure_norm``: it logs, so its gradient norm is measured."""
+        phases, last = self.phases, len(window.micro_batches) - 1
+        for index, batch in enumerate(window.micro_batches):
+            with self.parallel.gradient_sync(self.model, sync=index == last):
+                with phases(step, "forward"):
+                    objective, loss, weight = self._loss(window, batch)
+                with phases(step, "backward"):
+                    self.stepper.backward(objective)
+            self.window.add(self.nonfinite.observe(loss), step, batch, find_batch_size(batch), weight)
+        if not self.nonfinite.skip_this_step():
+            with phases(step, "optimizer"):
+                self.weighing.finish(window, self.model.parameters())
+                self.grad_norm = self.stepper.clip(self.model.parameters(), self.max_grad_norm, measure=measure_norm)
+                self.stepper.step()
+                self.lr = self.optimizer.param_groups[0]["lr"]  # before the scheduler moves it on
+                if self.schedule_moves and not self.stepper.step_was_skipped:
+                    self.scheduler.step()  # fp16 overflow skips the step, so the schedule waits too
+        self.stepper.zero_grad()
+        self.window.steps += 1
+        phases(step, "data")
+
+    def _loss(self, window: StepBatches, batch: Any) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        try:
+            with self.autocast():
+                return self.weighing.loss(window, self.model, batch)
+        except RuntimeError as err:  # free when nothing is raised
+            refusal = unused_parameters(err)
+            if refusal is None:
+                raise
+            raise refusal from err
+
+    @property
+    def current_lr(self) -> float:
+        """The lr the last step used (before any step: the optimizer's)."""
+        return self.lr if self.lr is not None else self.optimizer.param_groups[0]["lr"]
+
+    def take_grad_norm(self) -> Optional[torch.Tensor]:
+        norm, self.grad_norm = self.grad_norm, None
+        return norm
+
+
+class _NoReporter:
+    def at(self, step: int, phase: str) -> None:
+        pass

@@ -1,0 +1,98 @@
+"""What a process reports while it trains: its log window, the figures a user logs, ``log_history``, and its sinks
+(``trainer.sinks``). At each log the rows of every rank's window, gathered once, become this rank's own figures
+(``rank/*``), the job's (``global/*``, stored by the main process) and the step's metrics that the callbacks see
+(``on_log``), ``log_history`` keeps, and the main process says as the step line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from accelerate import Accelerator
+
+from trainer.config import TrainConfig
+from trainer.console import STEP_FIGURES, say, step_line
+from trainer.errors import Preempted
+from trainer.log_window import WINDOW_FIELDS, LoggedFigures, LogWindow, memory_gb, summarize
+from trainer.sinks import close_all, open_sinks
+from trainer.state import TrainState
+
+
+class Telemetry:
+    """This process's reporting; its sinks are opened once the run's id is known (:meth:`open`)."""
+
+    def __init__(self, accelerator: Accelerator):
+        self.accelerator = accelerator
+        self.window = LogWindow(accelerator.device)
+        self.figures = LoggedFigures(reserved=(*STEP_FIGURES, "grad_norm"))  # trainer.log's, until the next log
+        self.sinks: list[Any] = []
+        self.log_history: list[dict[str, Any]] = []
+
+    def open(self, config: TrainConfig, run_id: str) -> None:
+        """This rank's sinks; ``run_id`` names its wandb run (a resume passes the checkpoint's: the run goes on)."""
+        self.sinks = open_sinks(config, self.accelerator, run_id)
+
+    def gather(self, stop: bool) -> list[dict[str, float]]:
+        """Every rank's window since the last log (``WINDOW_FIELDS``, by name), gathered once: the one agreement of
+        a log step, and its only host synchronisation. ``stop``: this rank's ``trainer.should_stop``."""
+        rows = self.accelerator.gather(self.window.row(stop=stop)).tolist()
+        self.window.restart()
+        return [dict(zip(WINDOW_FIELDS, row, strict=True)) for row in rows]
+
+    def log(self, rows: list[dict[str, float]], state: TrainState, total_steps: int, lr: float,
+            grad_norm: Optional[torch.Tensor], on_log: Callable[[dict[str, Any]], None], progress: Any,
+            ) -> dict[str, float]:  # fmt: skip
+        """The step's figures from the gathered ``rows``: each rank logs its own, the main process adds the global
+        view and the stragglers. Returns the global view."""
+        acc = self.accelerator
+        own, global_view = summarize([[row[key] for key in WINDOW_FIELDS] for row in rows], acc.process_index)
+        metrics = {"step": state.step, "epoch": round(state.epoch_progress, 4),
+                   "train_loss": global_view["global/train_loss"], "lr": float(lr),
+                   "examples_per_s": global_view["global/examples_per_s"]}  # fmt: skip
+        if "global/tokens_per_s" in global_view:
+            metrics["tokens_per_s"] = global_view["global/tokens_per_s"]
+        if grad_norm is not None:  # the norm before clipping of this step's gradients, the same on every rank
+            whole = getattr(grad_norm, "full_tensor", lambda: grad_norm)()  # a sharded model's: summed from the shards
+            metrics["grad_norm"] = global_view["global/grad_norm"] = float(whole)
+        metrics.update(self.figures.take())  # trainer.log's: this rank's own
+        self.log_history.append(metrics)
+        own.update({"rank/lr": metrics["lr"], "rank/epoch": metrics["epoch"], "rank/memory_gb": memory_gb(acc.device)})
+        if acc.is_main_process:
+            progress.set_postfix(loss=f"{metrics['train_loss']:.4g}", lr=f"{metrics['lr']:.3g}",
+                                 ex_s=f"{metrics['examples_per_s']:.4g}", refresh=False)  # fmt: skip
+        on_log(metrics)  # before the line: figures a callback adds go on it (gpt2.py: MFU)
+        added = {key: value for key, value in metrics.items() if key not in self.figures.reserved}
+        shown = global_view if acc.is_main_process else {}
+        self.write({**own, **shown, **added}, state.step)  # yours stored as the trainer's are
+        say(step_line(metrics, total_steps))
+        return global_view
+
+    def log_evaluation(self, metrics: dict[str, float], step: int) -> None:
+        """An evaluation's figures (the same reduced ones on every rank: the main process's sinks hold them)."""
+        if self.accelerator.is_main_process:
+            self.write({f"eval/{key.removeprefix('eval_')}": value for key, value in metrics.items()}, step)
+
+    def write(self, values: dict[str, Any], step: int) -> None:
+        for sink in self.sinks:
+            sink.log(values, step)
+
+    @contextlib.contextmanager
+    def closing(self) -> Iterator[None]:
+        """Around ``fit()``: the sinks end as it ends, ``finished``, ``preempted`` (the reason said) or ``failed``
+        (an exception on this rank, its wandb run marked failed with the error in it, before it propagates)."""
+        try:
+            yield
+        except Preempted as preempted:
+            self.close("preempted", preempted.message)
+            say(preempted.message)
+            raise
+        except BaseException as err:
+            self.close("failed", err)
+            raise
+        self.close("finished")
+
+    def close(self, status: str, detail: Any = None) -> None:
+        """End every sink: ``finished``, ``failed`` (``detail``: the exception) or ``preempted`` (why)."""
+        close_all(self.sinks, status, detail)
