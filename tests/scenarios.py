@@ -8,6 +8,7 @@
     user_loader   train_data is the user's own DataLoader (--sampler none|distributed|own_part: a self-splitting stream)
     predict       evaluate() with a metrics_fn and predict() on 9 examples, printed by every rank
     stop          rank 1 alone sets should_stop after --stop_at, or (--stop_at 0) EarlyStopping on a flat eval loss
+    patience      EarlyStopping(patience=3) and a user's stateful callback, preempted (--signal_at) and resumed
     best          keep_best on a metric that peaks at step 4, keep_last=1
     noisy         every rank logs the same library warnings at every step, and the main process prints in pieces
     faults        one bad input (--fault): an unused parameter, a loss_fn returning float / None / a vector, no eval
@@ -278,6 +279,44 @@ def stop(args) -> None:
     say(f"STOPPED rank{trainer.accelerator.process_index} " + json.dumps(result))
 
 
+class Remembers:
+    """A user's callback with state (a count and a tensor): it gets both back at a resume."""
+
+    def __init__(self):
+        self.seen, self.total = 0, torch.zeros(1)
+
+    def on_evaluate(self, trainer, metrics) -> None:
+        self.seen += 1
+        self.total += metrics["eval_loss"]
+
+    def state_dict(self) -> dict:
+        return {"seen": self.seen, "total": self.total}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seen, self.total = state["seen"], state["total"]
+
+
+def patience(args) -> None:
+    """EarlyStopping(patience=3) on an eval loss that cannot improve (lr 0), evaluated every 2 steps: the best is
+    step 2's, steps 4 and 6 wait. With --signal_at 5, rank 1 alone is signalled after step 5: the periodic save of
+    step 6 asks every rank first, so the run is preempted with a checkpoint of step 6. Started again, it resumes
+    there and must stop at the next log after one more evaluation (step 8's, asked; the log of step 10)."""
+    from trainer import EarlyStopping
+
+    torch.manual_seed(0)
+    config = TrainConfig(output_dir=args.output_dir, max_steps=40, batch_size=4, log_every=2, save_every=2,
+                         eval_every=2, lr=0.0, resume="auto")  # fmt: skip
+    stopping, remembers = EarlyStopping(monitor="eval_loss", patience=3), Remembers()
+    callbacks = [stopping, remembers] + ([SignalAfter(args.signal_at, 1, "SIGUSR1")] if args.signal_at else [])
+    trainer = Trainer(TinyClassifier(), config, train_data=Examples(48), eval_data=Examples(9, seed=1),
+                      callbacks=callbacks)  # fmt: skip
+    rank = trainer.accelerator.process_index
+    say(f"BEGIN rank{rank} " + json.dumps({"step": trainer.global_step, "waited": stopping.waited,
+                                            "best_step": stopping.best_step, "seen": remembers.seen,
+                                            "total": remembers.total.item()}))  # fmt: skip
+    say(f"STOPPED rank{rank} " + json.dumps(trainer.fit()))
+
+
 def best(args) -> None:
     """keep_best on a figure that peaks at step 4 whatever the model does; keep_last=1."""
     trainer = None
@@ -362,7 +401,7 @@ def world_guard(args) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("case", choices=["job", "resume", "hf_export", "user_loader", "too_small", "world_guard",
-                                         "predict", "stop", "best", "noisy", "faults"])
+                                         "predict", "stop", "patience", "best", "noisy", "faults"])
     parser.add_argument("--resume", default="auto", type=lambda v: None if v == "none" else v)
     parser.add_argument("--crash_at", type=int, default=0)
     parser.add_argument("--crash_rank", type=int, default=1)

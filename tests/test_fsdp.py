@@ -32,6 +32,9 @@ VARIANTS = {
     "ddp, straight": [*RESUMED, "--ddp"],
     # New processes' view of a checkpoint is all a crash leaves: continued from step 4 in this same launch.
     "fsdp, resumed at step 4": [*RESUMED, "--resume_from", "{straight}/checkpoints/step-00000004"],
+    # A DDP checkpoint continued sharded, and a sharded one continued as DDP.
+    "fsdp, resumed from ddp's step 4": [*RESUMED, "--resume_from", "{ddp}/checkpoints/step-00000004"],
+    "ddp, resumed from fsdp's step 4": [*RESUMED, "--ddp", "--resume_from", "{straight}/checkpoints/step-00000004"],
     "fsdp, saved in the background": [*RESUMED, "--save_async"],
     "fsdp, resumed from a background save": [*RESUMED, "--save_async", "--resume_from",
                                               "{background}/checkpoints/step-00000004"],
@@ -48,7 +51,8 @@ def fsdp(tmp_path_factory):
     """Every job of VARIANTS, in one FSDP2 launch of 2 processes: {name: (summary, output folder)}, and its stdout."""
     out = tmp_path_factory.mktemp("fsdp")
     keys = {name: f"v{i}" for i, name in enumerate(VARIANTS)}
-    folders = {"straight": out / keys["fsdp, straight"], "background": out / keys["fsdp, saved in the background"]}
+    folders = {"straight": out / keys["fsdp, straight"], "background": out / keys["fsdp, saved in the background"],
+               "ddp": out / keys["ddp, straight"]}  # fmt: skip
     variants = {keys[name]: [flag.format(**folders) for flag in flags] for name, flags in VARIANTS.items()}
     result = launch(out, "--variants", json.dumps(variants))
     runs = {name: (json.loads((out / key / "ragged.json").read_text()), out / key) for name, key in keys.items()}
@@ -154,6 +158,57 @@ def test_a_sharded_checkpoint_holds_each_processs_shards_and_resumes_bit_identic
     resumed = runs["fsdp, resumed at step 4"][0]
     assert resumed["weights"] == straight["weights"]
     assert resumed["losses"] == straight["losses"][4:]
+
+
+def test_a_ddp_checkpoint_resumes_sharded_and_a_sharded_one_as_ddp(fsdp):
+    """Each format read into the other: DDP's whole tensors (model.safetensors, optimizer.bin keyed by position) into
+    every process's shards, FSDP2's shards (DCP) back whole into DDP's model. The same updates as the uninterrupted
+    run of the resuming kind, to the float floor (at 2 processes FSDP2 adds DDP's gradients in DDP's order)."""
+    runs, result = fsdp
+    for resumed, written_by, straight in (("fsdp, resumed from ddp's step 4", "ddp", "fsdp, straight"),
+                                          ("ddp, resumed from fsdp's step 4", "fsdp", "ddp, straight")):  # fmt: skip
+        checkpoint = runs[f"{written_by}, straight"][1] / "checkpoints" / "step-00000004"
+        assert f"resumed from {checkpoint}: step 4, epoch 0, batch 8" in result.stdout, resumed
+        summary, reference = runs[resumed][0], runs[straight][0]
+        np.testing.assert_allclose(summary["losses"], reference["losses"][4:], rtol=1e-6, err_msg=resumed)
+        for name, values in reference["weights"].items():
+            np.testing.assert_allclose(summary["weights"][name], values, rtol=0, atol=1e-6, err_msg=resumed + name)
+
+
+def test_a_crafted_shard_index_is_refused_by_name_on_resume_and_in_export_and_runs_nothing(fsdp, tmp_path):
+    """DCP's index (.metadata) is a pickle: one that names anything but DCP's metadata classes (here os.system, with
+    the manifest's size and CRC-32 made to match) is refused in one line, on a resume by path and in the export, and
+    the command it carries never runs."""
+    import os
+    import pickle
+    import shutil
+    import zlib
+
+    source = fsdp[0]["fsdp, straight"][1] / "checkpoints" / "step-00000004"
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000004"
+    shutil.copytree(source, checkpoint)
+    ran = tmp_path / "it-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {ran}",)
+
+    index = checkpoint / "shards" / ".metadata"
+    metadata = pickle.loads(index.read_bytes())  # the real index, made by this test's own launch
+    metadata.planner_data = Payload()
+    index.write_bytes(pickle.dumps(metadata))
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    state["files"]["shards/.metadata"] = index.stat().st_size
+    state["crc32"]["shards/.metadata"] = f"{zlib.crc32(index.read_bytes()):08x}"
+    (checkpoint / "trainer_state.json").write_text(json.dumps(state))
+    refused = f"trainer: checkpoint {checkpoint}: shards/.metadata names {os.system.__module__}.system, which is " \
+              "not part of a checkpoint's index: the checkpoint is refused, and nothing in it was run"  # fmt: skip
+    exported = run([sys.executable, "-m", "trainer.export", str(checkpoint), str(tmp_path / "out")], expect_ok=False)
+    assert exported.stderr.strip().splitlines() == [refused]
+    resumed = run([sys.executable, str(RAGGED), "--out", str(tmp_path / "resumed"), *RESUMED, "--ddp",
+                   "--resume_from", str(checkpoint)], expect_ok=False)  # fmt: skip
+    assert refused in resumed.stderr and "Traceback" not in resumed.stderr, resumed.stderr[-2000:]
+    assert not ran.exists(), "the crafted index ran its command"
 
 
 def test_save_async_writes_the_same_checkpoints_while_training_goes_on(fsdp):

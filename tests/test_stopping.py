@@ -1,6 +1,7 @@
 """Stopping early through real processes (tests/scenarios.py `stop`, 2 CPU processes): one rank's should_stop stops
-every rank after the same step, with a checkpoint; EarlyStopping on an eval loss that cannot improve; keep_best
-keeps the best evaluation's checkpoint apart from keep_last, also across a resume."""
+every rank after the same step, with a checkpoint; EarlyStopping on an eval loss that cannot improve, and across a
+preemption and a resume (its patience and a user's stateful callback checkpointed); keep_best keeps the best
+evaluation's checkpoint apart from keep_last, also across a resume."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import json
 from pathlib import Path
 
 import torch
+
+from trainer import PREEMPTED_EXIT
 
 from conftest import SCENARIOS, accelerate_launch
 
@@ -38,6 +41,28 @@ def test_early_stopping_ends_a_run_whose_eval_loss_does_not_improve(tmp_path):
     assert result["global_step"] == 9
     assert "EarlyStopping: eval_loss has not improved on 1.15853 (step 2)" in result["stopped"]
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step-00000009"
+
+
+def test_early_stopping_and_a_users_callback_keep_their_state_across_a_preemption(tmp_path):
+    """EarlyStopping(patience=3) had waited 2 evaluations (steps 4 and 6 after step 2's best) when the job was
+    preempted at step 6: resumed, it stops after 1 more evaluation (step 8's, agreed at the log of step 10), not 3
+    more (which a patience started again from zero would take: step 16). A user's callback with state_dict gets its
+    count and its tensor back."""
+    preempted = accelerate_launch(SCENARIOS, "patience", "--output_dir", tmp_path, "--signal_at", 5, expect_ok=False)
+    assert "trainer: preempted (SIGUSR1) at step 6 of 40" in preempted.stdout, preempted.stdout[-2000:]
+    assert f"exitcode  : {PREEMPTED_EXIT}" in preempted.stderr
+    resumed = accelerate_launch(SCENARIOS, "patience", "--output_dir", tmp_path)
+    begin = {line.split(" ", 2)[1]: json.loads(line.split(" ", 2)[2])
+             for line in resumed.stdout.splitlines() if line.startswith("BEGIN ")}  # fmt: skip
+    assert begin["rank0"] == begin["rank1"]
+    assert {key: begin["rank0"][key] for key in ("step", "waited", "best_step", "seen")} == \
+        {"step": 6, "waited": 2, "best_step": 2, "seen": 3}  # fmt: skip
+    assert begin["rank0"]["total"] > 0, "the callback's tensor came back too"
+    stopped = [json.loads(line.split(" ", 2)[2]) for line in resumed.stdout.splitlines()
+               if line.startswith("STOPPED ")]  # fmt: skip
+    assert len(stopped) == 2 and all(result["global_step"] == 10 for result in stopped), stopped
+    assert "EarlyStopping: eval_loss has not improved on" in stopped[0]["stopped"]
+    assert "(step 2) for 3 evaluations" in stopped[0]["stopped"]
 
 
 def test_keep_best_keeps_the_best_evaluations_checkpoint_apart_from_keep_last(tmp_path):

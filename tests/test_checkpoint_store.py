@@ -1,0 +1,98 @@
+"""The checkpoint store (trainer/checkpoint.py), in-process: a commit is a rename and a pointer written last, the
+manifest catches a truncated or damaged file, pointers lead nowhere but a step folder beside them, damaged
+checkpoints are set aside, keep_last spares the best. tests/test_checkpoint.py runs the same through real processes,
+crashes and kills included."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from trainer import CheckpointError
+from trainer import checkpoint as store
+
+
+def commit(root: Path, step: int, keep_last: int = 2, best: bool = False, payload: bytes = b"weights") -> Path:
+    staging = store.staging_folder(root, step)
+    staging.mkdir(parents=True)
+    (staging / "model.safetensors").write_bytes(payload)
+    state = {"train": {"global_step": step, "epoch": 0, "batches_into_epoch": step, "run_id": "x"}}
+    return store.commit(staging, state, keep_last, best)
+
+
+def test_a_commit_renames_the_folder_then_moves_the_pointer_and_lists_every_file(tmp_path):
+    root = tmp_path / "checkpoints"
+    folder = commit(root, 4)
+    assert folder == root / "step-00000004" and (root / "latest").read_text() == "step-00000004"
+    state = store.read_state(folder)
+    assert state["files"] == {"model.safetensors": 7} and set(state["crc32"]) == {"model.safetensors"}
+    assert store.latest_checkpoint(root) == folder and not list(root.glob(".tmp-*"))
+
+
+def test_the_manifest_names_a_truncated_or_damaged_file(tmp_path):
+    folder = commit(tmp_path / "checkpoints", 4)
+    (folder / "model.safetensors").write_bytes(b"weighs!")  # the same size: only the CRC tells
+    with pytest.raises(CheckpointError, match="model.safetensors does not hold what was written"):
+        store.verify(folder)
+    store.verify(folder, contents=False)  # sizes alone: every rank checks those
+    (folder / "model.safetensors").write_bytes(b"w")
+    with pytest.raises(CheckpointError, match="is torn: model.safetensors is missing or truncated"):
+        store.verify(folder, contents=False)
+
+
+def test_a_state_file_that_is_not_a_trainer_state_is_named(tmp_path):
+    folder = commit(tmp_path / "checkpoints", 4)
+    state = json.loads((folder / "trainer_state.json").read_text())
+    del state["train"]["epoch"]
+    (folder / "trainer_state.json").write_text(json.dumps(state))
+    with pytest.raises(CheckpointError, match=r"is not a trainer state \(no valid train.epoch\)"):
+        store.read_state(folder)
+
+
+@pytest.mark.parametrize("raw", [b"../other/checkpoints/step-00000003", b"\xff\xfe", b"", b"step-4; rm -rf /"])
+def test_a_pointer_leads_only_to_a_step_folder_beside_it(tmp_path, raw):
+    pointer = tmp_path / "latest"
+    pointer.write_bytes(raw)
+    with pytest.raises(CheckpointError, match="pointer .* is corrupt"):
+        store.pointed_at(pointer)
+
+
+def test_resume_auto_sets_a_damaged_latest_aside_and_takes_the_newest_whole_one(tmp_path, capsys):
+    root = tmp_path / "checkpoints"
+    commit(root, 4)
+    damaged = commit(root, 8)
+    (damaged / "model.safetensors").write_bytes(b"WEIGHTS")
+    assert store.newest_whole_checkpoint(root) == root / "step-00000004"
+    assert (root / "damaged-step-00000008").is_dir() and not damaged.exists()
+    assert "continuing from the newest whole checkpoint" in capsys.readouterr().err
+
+
+def test_keep_last_prunes_the_oldest_and_spares_the_best(tmp_path):
+    root = tmp_path / "checkpoints"
+    commit(root, 2, keep_last=1, best=True)
+    for step in (4, 6, 8):
+        commit(root, step, keep_last=1)
+    assert sorted(p.name for p in root.iterdir()) == ["best", "latest", "step-00000002", "step-00000008"]
+    assert store.best_checkpoint(root) == root / "step-00000002"
+
+
+def test_saving_a_step_again_keeps_a_whole_checkpoint_named_by_latest(tmp_path):
+    root = tmp_path / "checkpoints"
+    commit(root, 4, payload=b"first")
+    commit(root, 4, payload=b"second!")  # a run resumed from an older checkpoint saves step 4 again
+    assert (root / "step-00000004" / "model.safetensors").read_bytes() == b"second!"
+    assert not (root / ".old-step-00000004").exists()
+
+
+def test_a_checkpoint_written_before_the_registry_still_reads(tmp_path):
+    """A trainer_state.json of the earlier layout (every key at the top) reads as today's."""
+    folder = commit(tmp_path / "checkpoints", 4)
+    state = json.loads((folder / "trainer_state.json").read_text())
+    flat = {"global_step": 4, "epoch": 0, "batches_into_epoch": 4, "run_id": "x", "world_size": 2, "batch_size": 4,
+            "gradient_accumulation_steps": 1, "config": {}, "sharding": "FSDP2", "best": None,
+            "files": state["files"], "crc32": state["crc32"]}  # fmt: skip
+    (folder / "trainer_state.json").write_text(json.dumps(flat))
+    read = store.read_state(folder)
+    assert read["train"]["global_step"] == 4 and read["run"]["world_size"] == 2 and read["sharding"] == "FSDP2"
