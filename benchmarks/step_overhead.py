@@ -3,6 +3,7 @@ steps on one CPU process, against a raw Accelerate loop and a raw PyTorch loop d
 
     python benchmarks/step_overhead.py              # 5 rounds, about 2 minutes on a 2-core CPU
     python benchmarks/step_overhead.py --rounds 9 --steps 4000
+    python benchmarks/step_overhead.py --baseline ../main-before   # + the Trainer of another checkout, in turn
 
 Each variant runs in a fresh process, round after round in turn (raw PyTorch, raw Accelerate, ours), so that the
 machine's drift touches all three alike. Steady step time: the median of the step-to-step times after 200 warm-up
@@ -78,8 +79,8 @@ def hand_written_loop(model, loader, optimizer, backward, steps: int, tick) -> N
             return
 
 
-def run_ours(model, data, steps: int, tick) -> None:
-    sys.path.insert(0, str(ROOT))
+def run_ours(model, data, steps: int, tick, root: Path = ROOT) -> None:
+    sys.path.insert(0, str(root))
     from trainer import TrainConfig, Trainer
 
     class Tick:
@@ -89,6 +90,11 @@ def run_ours(model, data, steps: int, tick) -> None:
     config = TrainConfig(output_dir=tempfile.mkdtemp(), max_steps=steps, batch_size=BATCH, optimizer="sgd", lr=0.01,
                          log_every=LOG_EVERY)  # fmt: skip
     Trainer(model, config, train_data=data, loss_fn=mse, callbacks=[Tick()]).fit()
+
+
+def run_baseline(model, data, steps: int, tick) -> None:
+    """Our Trainer as another checkout has it (``--baseline``): an A/B of a change, round by round."""
+    run_ours(model, data, steps, tick, root=Path(os.environ["BENCH_BASELINE"]))
 
 
 def worker(variant: str, steps: int) -> None:
@@ -102,8 +108,9 @@ def worker(variant: str, steps: int) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def measure(variant: str, steps: int) -> dict:
-    env = {**os.environ, "BENCH_LAUNCHED_AT": repr(time.time()), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+def measure(variant: str, steps: int, baseline: str = "") -> dict:
+    env = {**os.environ, "BENCH_LAUNCHED_AT": repr(time.time()), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled",
+           "BENCH_BASELINE": baseline}  # fmt: skip
     out = subprocess.run([sys.executable, __file__, "--worker", variant, "--steps", str(steps)], env=env,
                          capture_output=True, text=True, check=True)  # fmt: skip
     line = next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))
@@ -114,14 +121,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--worker", choices=VARIANTS)
+    parser.add_argument("--baseline", default="", help="another checkout of this project: its Trainer runs too")
+    parser.add_argument("--worker", choices=[*VARIANTS, "baseline"])
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker, args.steps)
+    if args.baseline:
+        VARIANTS["baseline"] = f"Trainer of {Path(args.baseline).name}"
 
     rounds: list[dict[str, dict]] = []
     for number in range(1, args.rounds + 1):
-        rounds.append({variant: measure(variant, args.steps) for variant in VARIANTS})
+        rounds.append({variant: measure(variant, args.steps, str(Path(args.baseline).resolve()) if args.baseline
+                                        else "") for variant in VARIANTS})  # fmt: skip
         figures = ", ".join(f"{v} {1e6 * r['step_s']:.0f} us" for v, r in rounds[-1].items())
         print(f"round {number}: {figures}", flush=True)
 
