@@ -36,17 +36,19 @@ class Evaluator:
     Args:
         model: the plain module (``Parallelism.unwrap``; a sharded model is its own).
         loss_fn, metrics_fn: the Trainer's (``metrics_fn`` may be None).
-        accelerator: reductions, the device and the launch's autocast (``autocast``).
+        accelerator: the device; ``dp`` the data-parallel processes the sums are summed over
+            (``trainer.parallel.DataParallel``); ``autocast``: the launch's.
         tokens: what a batch's loss weighs (``Weighing.count``: its counted tokens, or None for a batch's examples).
         lockstep: a sharded model's forwards run in lockstep (:func:`in_lockstep`).
         loader: builds the loader of a data set (each process its share, each example once).
     """
 
     def __init__(self, model: torch.nn.Module, loss_fn: LossFn, metrics_fn: Optional[MetricsFn],
-                 accelerator: Accelerator, autocast: Callable[[], ContextManager],
+                 accelerator: Accelerator, dp: Any, autocast: Callable[[], ContextManager],
                  tokens: Callable[[Any], Optional[torch.Tensor]], lockstep: bool,
-                 loader: Callable[[Any, str], DataLoader]):  # fmt: skip
-        self.model, self.loss_fn, self.metrics_fn, self.accelerator = model, loss_fn, metrics_fn, accelerator
+                 loader: Callable[..., DataLoader]):  # fmt: skip
+        self.model, self.loss_fn, self.metrics_fn, self.accelerator, self.dp = (model, loss_fn, metrics_fn,
+                                                                                accelerator, dp)  # fmt: skip
         self.autocast, self.tokens, self.lockstep, self.loader = autocast, tokens, lockstep, loader
 
     def evaluate(self, loader: Optional[DataLoader], step: int) -> dict[str, float]:
@@ -57,8 +59,8 @@ class Evaluator:
         if loader is None:
             raise ValueError("evaluate() needs eval_data: pass eval_data=... to the Trainer")
         with self._in_eval_mode():
-            metrics = evaluate(self.model, loader, self.loss_fn, self.metrics_fn, self.accelerator, self.autocast,
-                               self.tokens, lockstep=self.lockstep)  # fmt: skip
+            metrics = evaluate(self.model, loader, self.loss_fn, self.metrics_fn, self.accelerator, self.dp,
+                               self.autocast, self.tokens, lockstep=self.lockstep)  # fmt: skip
         if self.loss_fn is model_loss and generates(self.model):
             metrics["eval_perplexity"] = perplexity(metrics["eval_loss"])
         say(f"eval at step {step}: " + ", ".join(f"{k} {v:.6g}" for k, v in metrics.items()))
@@ -73,7 +75,7 @@ class Evaluator:
             raise DataError("predict() got a data set with no examples")
         loader = self.loader(data, name="data")
         with self._in_eval_mode():
-            return predict(self.model, loader, predict_fn or model_logits, self.accelerator, self.autocast,
+            return predict(self.model, loader, predict_fn or model_logits, self.accelerator, self.dp, self.autocast,
                            len(data), lockstep=self.lockstep)  # fmt: skip
 
     @contextlib.contextmanager
@@ -88,14 +90,15 @@ class Evaluator:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loader, loss_fn, metrics_fn: Optional[MetricsFn], accelerator: Accelerator,
-             autocast: Callable[[], ContextManager], tokens: Callable[[Any], Optional[torch.Tensor]],
+             dp: Any, autocast: Callable[[], ContextManager], tokens: Callable[[Any], Optional[torch.Tensor]],
              lockstep: bool = False) -> dict[str, float]:  # fmt: skip
     """``eval_loss``, ``eval_examples`` and ``eval_<name>`` for each metric: means over the whole set.
 
-    ``eval_loss`` weighs what the training loss weighs (trainer.accumulation): every counted token once for the
+    ``eval_loss`` weighs what the training loss weighs (trainer.weighing): every counted token once for the
     default loss of a transformers model (``tokens(batch)``), the count of a ``(loss_sum, count)`` loss, else every
     example once. ``metrics_fn(model, batch)`` returns ``{name: tensor}`` with one number per example of the batch
-    (shape ``[batch]``); each metric's mean counts every example once. ``lockstep``: see :func:`in_lockstep`.
+    (shape ``[batch]``); each metric's mean counts every example once. The sums are summed over the data-parallel
+    processes (``dp``, ``trainer.parallel.DataParallel``). ``lockstep``: see :func:`in_lockstep`.
     """
     device = accelerator.device
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -132,7 +135,9 @@ def evaluate(model: torch.nn.Module, loader, loss_fn, metrics_fn: Optional[Metri
         names = shared[0]
     sums = [metric_sums.get(name, torch.zeros((), dtype=torch.float64, device=device)) for name in names]
     totals = torch.stack([loss_sum, loss_weight, torch.tensor(count, dtype=torch.float64, device=device), *sums])
-    loss_total, weight_total, examples, *metric_totals = accelerator.reduce(totals, reduction="sum").tolist()
+    if dp.size > 1:
+        torch.distributed.all_reduce(totals, group=dp.group)
+    loss_total, weight_total, examples, *metric_totals = totals.tolist()
     if examples == 0:
         raise ValueError("eval_data has no examples: evaluate() has nothing to average")
     metrics = {"eval_loss": loss_total / weight_total if weight_total else math.nan, "eval_examples": int(examples)}
@@ -153,14 +158,14 @@ def model_logits(model: torch.nn.Module, batch: Any) -> torch.Tensor:
 
 
 @torch.no_grad()
-def predict(model: torch.nn.Module, loader, predict_fn: PredictFn, accelerator: Accelerator,
+def predict(model: torch.nn.Module, loader, predict_fn: PredictFn, accelerator: Accelerator, dp: Any,
             autocast: Callable[[], ContextManager], num_examples: int, lockstep: bool = False,
             ) -> torch.Tensor:  # fmt: skip
     """Every example's prediction, in dataset order, on every process (on the CPU).
 
-    Process k holds rows for examples k, k+K, ...: each pads its rows to ceil(n / K), one gather brings them all
-    (rank-major), and reading them row by row across ranks restores the order. Every batch's predictions must have
-    the same trailing shape.
+    Data-parallel process k of K (``dp``) holds rows for examples k, k+K, ...: each pads its rows to ceil(n / K),
+    one gather brings them all (rank-major), and reading them row by row across ranks restores the order. Every
+    batch's predictions must have the same trailing shape.
     """
     rows = []
     for batch, counted in in_lockstep(loader, accelerator.device) if lockstep else ((b, True) for b in loader):
@@ -169,7 +174,7 @@ def predict(model: torch.nn.Module, loader, predict_fn: PredictFn, accelerator: 
         if counted:
             rows.append(prediction)
     local = torch.cat(rows) if rows else None
-    world = accelerator.num_processes
+    world = dp.size
     if world == 1:
         return local.cpu()
     # A process with no example (fewer examples than processes) learns the shape from the main process.
@@ -180,8 +185,9 @@ def predict(model: torch.nn.Module, loader, predict_fn: PredictFn, accelerator: 
     padded = torch.zeros((per_process, *trailing), dtype=dtype, device=accelerator.device)
     if local is not None:
         padded[: len(local)] = local
-    gathered = accelerator.gather(padded).view(world, per_process, *trailing)
-    return gathered.transpose(0, 1).reshape(world * per_process, *trailing)[:num_examples].cpu()
+    shares = [torch.empty_like(padded) for _ in range(world)]
+    torch.distributed.all_gather(shares, padded, group=dp.group)
+    return torch.stack(shares, dim=1).reshape(world * per_process, *trailing)[:num_examples].cpu()
 
 
 def in_lockstep(loader, device: torch.device) -> Iterator[tuple[Any, bool]]:

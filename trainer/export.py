@@ -39,7 +39,8 @@ def write_model(state_dict: dict[str, Any], directory: Path, model: Optional[tor
         storage = tensor.untyped_storage().data_ptr()
         tensors[name] = tensor.clone() if storage in seen else tensor.contiguous()
         seen.add(storage)
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    tensors = {name: tensor.cpu() for name, tensor in tensors.items()}  # a DDP model's own, on its device
+    save_file(tensors, str(directory / MODEL_FILE), metadata={"format": "pt"})
 
 
 def export(folder: Path, directory: Path) -> Path:

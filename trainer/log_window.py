@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
@@ -131,8 +131,11 @@ class LoggedFigures:
         return means
 
 
-def summarize(rows: list[list[float]], rank: int) -> tuple[dict[str, float], dict[str, float]]:
-    """Every rank's window (``WINDOW_FIELDS`` rows) -> (this rank's own figures, the global view).
+def summarize(rows: list[list[float]], rank: int, replicas: Optional[int] = None,
+              ) -> tuple[dict[str, float], dict[str, float]]:  # fmt: skip
+    """Every rank's window (``WINDOW_FIELDS`` rows) -> (this rank's own figures, the global view). The job's examples
+    and tokens are the ``replicas``' (the data-parallel processes; all by default): processes that share a batch
+    (a tensor-parallel group) each count it.
 
     A rank's step time is wall time, which the gradient all-reduce makes nearly equal on every rank. What tells a
     straggler apart is the part of a step each rank does alone before that all-reduce: waiting for data and the
@@ -142,7 +145,8 @@ def summarize(rows: list[list[float]], rank: int) -> tuple[dict[str, float], dic
     per_rank = [_rank_figures(w) for w in windows]
     alone = [f["rank/data_wait_s"] + f["rank/forward_s"] for f in per_rank]
     seconds = max(w["seconds"] for w in windows)
-    total = {key: sum(w[key] for w in windows) for key in ("loss_sum", "loss_weight", "examples", "tokens")}
+    share = (replicas or len(rows)) / len(rows)
+    total = {key: sum(w[key] for w in windows) * share for key in ("loss_sum", "loss_weight", "examples", "tokens")}
     global_view = {
         "global/train_loss": total["loss_sum"] / total["loss_weight"] if total["loss_weight"] else 0.0,
         "global/examples_per_s": total["examples"] / seconds,

@@ -31,10 +31,12 @@ from trainer.model_state import ModelState
 
 @dataclass(frozen=True)
 class DataParallel:
-    """This process's place among the data-parallel replicas (each reads its own share of every global batch)."""
+    """This process's place among the data-parallel replicas (each reads its own share of every global batch), and
+    the process group they sum over (None: every process, as long as every process is a replica)."""
 
     rank: int
     size: int
+    group: Any = None
 
 
 class Parallelism:

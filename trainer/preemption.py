@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from datetime import timedelta
@@ -28,6 +27,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from trainer.console import warn
 from trainer.errors import PREEMPTED_EXIT, Preempted
 
 # Slurm signals every process of the job and the launcher forwards its own copy; a terminal's Ctrl-C reaches the
@@ -83,7 +83,7 @@ class PreemptionWatch:
         if self.received and time.monotonic() - self._first_at < SAME_EVENT_S:
             return  # the same event's other copy
         if self.received:  # a second signal: no more waiting
-            sys.stderr.write(f"trainer: second signal ({signal.Signals(number).name}): exiting now\n")
+            warn(f"second signal ({signal.Signals(number).name}): exiting now")
             os._exit(PREEMPTED_EXIT)
         self.received, self._first_at = number, time.monotonic()
         deadline = threading.Timer(self.grace_s, self._out_of_time)
@@ -91,9 +91,8 @@ class PreemptionWatch:
         deadline.start()
 
     def _out_of_time(self) -> None:
-        sys.stderr.write(f"trainer: still not done {self.grace_s:g} s after {signal.Signals(self.received).name} "
-                         "(preemption_grace_s): exiting now\n")  # fmt: skip
-        sys.stderr.flush()
+        warn(f"still not done {self.grace_s:g} s after {signal.Signals(self.received).name} (preemption_grace_s): "
+             "exiting now")
         os._exit(PREEMPTED_EXIT)
 
     def pace(self, seconds_per_step: float) -> None:

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import json
 import socket
-import sys
 import threading
 import time
 
 import torch
 from accelerate import Accelerator
+
+from trainer.console import warn
 
 # What a rank can be doing, in the order one optimizer step goes through them. The rank furthest behind in this
 # order is the one the others wait for: "backward" and later phases hold collectives, earlier ones do not.
@@ -87,9 +88,7 @@ class StallReporter:
         waiting = [r for r, n in notes.items() if now - n["since"] >= self.warning_s]
         if not waiting or self.rank != min(waiting):
             return  # one report per stall
-        line = report(notes, self.world, now, stalled_s)
-        sys.stderr.write(line + "\n")
-        sys.stderr.flush()
+        warn(report(notes, self.world, now, stalled_s))
 
 
 def report(notes: dict[int, dict], world: int, now: float, stalled_s: float) -> str:
@@ -100,7 +99,7 @@ def report(notes: dict[int, dict], world: int, now: float, stalled_s: float) -> 
     silent = [r for r in range(world) if r not in notes]
     ranks = ", ".join(f"rank {r} ({n['host']}) {n['phase']} at step {n['step']} since {now - n['since']:.0f} s"
                       for r, n in sorted(notes.items()))  # fmt: skip
-    line = f"trainer: stalled for {stalled_s:.0f} s: {ranks}."
+    line = f"stalled for {stalled_s:.0f} s: {ranks}."
     if silent:
         return line + f" Never heard from rank(s) {', '.join(map(str, silent))}: waiting for them."
     behind = min(position(n) for n in notes.values())

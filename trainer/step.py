@@ -105,7 +105,7 @@ class StepRunner:
                  stream_group: Any = None):  # fmt: skip
         self.model, self.optimizer, self.scheduler, self.parallel, self.window = (model, optimizer, scheduler,
                                                                                   parallel, window)  # fmt: skip
-        self.weighing = Weighing(parallel.dp.size, parallel.unwrap(model), loss_fn)  # what each loss counts for
+        self.weighing = Weighing(parallel.dp, parallel.unwrap(model), loss_fn)  # what each loss counts for
         self.nonfinite = NonFiniteGuard(parallel.accelerator, config.nan_policy)
         self.accumulation, self.max_grad_norm = config.gradient_accumulation_steps, config.max_grad_norm
         self.schedule_moves = optimization.schedule_moves

@@ -23,8 +23,8 @@ from trainer.state import TrainState
 class Telemetry:
     """This process's reporting; its sinks are opened once the run's id is known (:meth:`open`)."""
 
-    def __init__(self, accelerator: Accelerator):
-        self.accelerator = accelerator
+    def __init__(self, accelerator: Accelerator, replicas: int):
+        self.accelerator, self.replicas = accelerator, replicas  # replicas: the data-parallel processes
         self.window = LogWindow(accelerator.device)
         self.figures = LoggedFigures(reserved=(*STEP_FIGURES, "grad_norm"))  # trainer.log's, until the next log
         self.sinks: list[Any] = []
@@ -47,7 +47,8 @@ class Telemetry:
         """The step's figures from the gathered ``rows``: each rank logs its own, the main process adds the global
         view and the stragglers. Returns the global view."""
         acc = self.accelerator
-        own, global_view = summarize([[row[key] for key in WINDOW_FIELDS] for row in rows], acc.process_index)
+        table = [[row[key] for key in WINDOW_FIELDS] for row in rows]
+        own, global_view = summarize(table, acc.process_index, self.replicas)
         metrics = {"step": state.step, "epoch": round(state.epoch_progress, 4),
                    "train_loss": global_view["global/train_loss"], "lr": float(lr),
                    "examples_per_s": global_view["global/examples_per_s"]}  # fmt: skip

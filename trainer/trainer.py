@@ -95,11 +95,11 @@ class Trainer:
         self.eval_loader = acc.prepare(eval_loader) if eval_loader is not None else None
         self.host = host_group(acc.num_processes, config.collective_timeout_s)  # agreements off the device
         self.stream = self.train_loader.dataset if isinstance(self.train_loader.dataset, StreamShard) else None
-        self.telemetry = Telemetry(acc)
+        self.telemetry = Telemetry(acc, self.parallel.dp.size)
         self.steps = StepRunner(self.model, self.optimizer, self.lr_scheduler, self.loss_fn, self.parallel,
                                 self.telemetry.window, config, self.optimization, self.host if self.stream else None)
         self.weighing, self.nonfinite, self.autocast = self.steps.weighing, self.steps.nonfinite, self.steps.autocast
-        self.evaluator = Evaluator(self.unwrapped_model, self.loss_fn, metrics_fn, acc, self.autocast,
+        self.evaluator = Evaluator(self.unwrapped_model, self.loss_fn, metrics_fn, acc, self.parallel.dp, self.autocast,
                                    self.weighing.count, self.parallel.lockstep,
                                    functools.partial(loader, model=self.unwrapped_model, evaluation=True))  # fmt: skip
         self.keep_best = hooks.KeepBest(config.keep_best, config.keep_best_mode, config.load_best_at_end is not False)

@@ -16,10 +16,10 @@ The gradient of every optimizer step is that of the mean loss over the whole glo
 - **Any other scalar loss**: the mean over the window's micro-batches, as before. The last window of an epoch, when
   ``gradient_accumulation_steps`` does not divide its batches, is divided by what it holds, not by the full window.
 
-DDP averages gradients over the K processes; each of these is a share of one global mean, so each is multiplied by
-K before backward. Only the window's last backward all-reduces (DDP's ``no_sync`` before it). On several processes
-the token counts' all-reduce is issued a window ahead (the next window is read before this one trains), so no step
-waits for it.
+DDP averages gradients over the K data-parallel processes (``trainer.parallel.DataParallel``); each of these is a
+share of one global mean, so each is multiplied by K before backward. Only the window's last backward all-reduces
+(DDP's ``no_sync`` before it). On several processes the token counts' all-reduce is issued a window ahead (the next
+window is read before this one trains), so no step waits for it.
 
 Every process has the same number of batches per epoch of a map-style data set (DistributedSampler's padding), so
 windows line up by themselves. Streams (``trainer.streams``) can end at different batches on different processes:
@@ -83,8 +83,8 @@ class Weighing:
     :meth:`windows` readies each window; per micro-batch, :meth:`loss` -> (what to call backward on, the loss to log,
     its weight in the logged mean); after the window's last backward, :meth:`finish` (before clipping)."""
 
-    def __init__(self, replicas: int, model: torch.nn.Module, loss_fn: LossFn):
-        self.world = replicas  # data-parallel replicas, whose gradients DDP (or FSDP2) averages
+    def __init__(self, dp: Any, model: torch.nn.Module, loss_fn: LossFn):
+        self.world, self.group = dp.size, dp.group  # the data-parallel replicas, whose gradients are averaged
         self.loss_fn = loss_fn
         self.counts_tokens = loss_fn is model_loss and is_transformers_model(model)
         self.shifted = self.counts_tokens and causal_lm(model)
@@ -128,7 +128,7 @@ class Weighing:
             tokens = torch.stack(counts).sum() if len(counts) > 1 else counts[0]
             if self.world > 1:
                 tokens = tokens.clone() if len(counts) == 1 else tokens  # summed in place: each keeps its own count
-                window.pending = dist.all_reduce(tokens, async_op=True)
+                window.pending = dist.all_reduce(tokens, async_op=True, group=self.group)
             window.tokens, window.counts = tokens, iter(counts)
         return window
 
@@ -167,5 +167,5 @@ class Weighing:
         device = grads[0].device
         count = torch.stack([torch.as_tensor(c, dtype=torch.float32, device=device) for c in window.summed]).sum()
         if self.world > 1:
-            dist.all_reduce(count)
+            dist.all_reduce(count, group=self.group)
         torch._foreach_mul_(grads, self.world / count)  # as torch's clip_grad_norm_ scales gradients
