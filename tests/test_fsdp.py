@@ -239,12 +239,15 @@ def close_to(resumed: dict, straight: dict, split: str, accumulation: int) -> No
 
 def test_a_checkpoint_of_2_processes_continues_on_1_or_4_with_the_same_global_batch(fsdp, tmp_path):
     """2 processes x 2 x accumulation 2 (8 global), checkpoint at step 4, continued as 1 x 2 x 4 (FSDP2 and DDP
-    checkpoints) and as 4 x 1 x 2 (FSDP2): the same examples at every step, the weights of the uninterrupted run."""
+    checkpoints, and the DDP one sharded) and as 4 x 1 x 2 (FSDP2): the same examples at every step, the weights of
+    the uninterrupted run."""
     runs = fsdp[0]
     start = {kind: runs[f"{kind}, straight"][1] / "checkpoints" / "step-00000004" for kind in ("fsdp", "ddp")}
     common = ["--optimizer", "adamw", "--lr", "0.01", "--epochs", "2"]
     one = {"fsdp": [*common, "--batch_size", "2", "--accumulation", "4", "--resume_from", str(start["fsdp"])],
            "ddp": [*common, "--batch_size", "2", "--accumulation", "4", "--resume_from", str(start["ddp"]), "--ddp"],
+           # The DDP checkpoint continued sharded, on 1 process: another format and another split at once.
+           "fsdp from ddp": [*common, "--batch_size", "2", "--accumulation", "4", "--resume_from", str(start["ddp"])],
            # Another global batch (1 x 3): fit() would refuse it, but the weights serve an evaluation.
            "evaluate": ["--optimizer", "adamw", "--batch_size", "3", "--resume_from", str(start["fsdp"]), "--eval",
                         "--evaluate_only"]}
@@ -254,6 +257,8 @@ def test_a_checkpoint_of_2_processes_continues_on_1_or_4_with_the_same_global_ba
     for kind in ("fsdp", "ddp"):
         resumed = json.loads((tmp_path / "one" / kind / "ragged.json").read_text())
         close_to(resumed, runs[f"{kind}, straight"][0], f"{kind} 2 -> 1", accumulation=4)
+    resumed = json.loads((tmp_path / "one" / "fsdp from ddp" / "ragged.json").read_text())
+    close_to(resumed, runs["ddp, straight"][0], "ddp on 2 -> fsdp on 1", accumulation=4)
     evaluated = json.loads((tmp_path / "one" / "evaluate" / "ragged.json").read_text())
     assert evaluated["weights"] == {name: tensor.flatten().tolist() for name, tensor in
                                     read_sharded_weights(start["fsdp"]).items() if name in evaluated["weights"]}

@@ -13,7 +13,7 @@ def note(step: int, phase: str, since: float, host: str = "node-a") -> dict:
 def test_the_rank_furthest_behind_in_the_step_is_the_one_waited_for():
     notes = {0: note(7, "backward", 70.0), 1: note(7, "forward", 69.0, "node-b"), 2: note(7, "backward", 70.0)}
     line = report(notes, 3, now=100.0, stalled_s=30)
-    assert line.startswith("trainer: stalled for 30 s: rank 0 (node-a) backward at step 7 since 30 s, rank 1 "
+    assert line.startswith("stalled for 30 s: rank 0 (node-a) backward at step 7 since 30 s, rank 1 "
                            "(node-b) forward at step 7 since 31 s")  # fmt: skip
     assert line.endswith("Waiting for rank(s) 1 (forward at step 7).")
     behind = report({0: note(8, "data", 70.0), 1: note(7, "checkpoint", 70.0)}, 2, now=100.0, stalled_s=30)
