@@ -111,7 +111,7 @@ def build_accelerator(config: TrainConfig) -> Accelerator:
     window, the last short window of an epoch included, where the trainer weighs each by what the window holds.
     """
     distributed_state(config.collective_timeout_s)
-    with accelerate_without_fsdp():  # a sharded model is the trainer's own (trainer.sharding), on every host alike
+    with accelerate_without_fsdp():  # a sharded model is the trainer's own (trainer.fsdp), on every host alike
         accelerator = Accelerator(
             cpu=_use_cpu(),
             step_scheduler_with_optimizer=False,

@@ -1,6 +1,6 @@
 """What a loss is here: ``loss_fn(model, batch)`` returns one scalar tensor, a mean; or ``(loss_sum, count)``, a
 sum and what it sums over (tokens, examples), to be weighed by that count across the global batch
-(``trainer.accumulation``). The default asks the model for its loss.
+(``trainer.weighing``). The default asks the model for its loss.
 
 A ``loss_fn`` that returns something else (a float, None, a per-example vector) fails far from it in torch
 (``'float' object has no attribute 'backward'``, ``grad can be implicitly created only for scalar outputs``); it is

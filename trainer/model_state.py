@@ -79,18 +79,19 @@ class ModelState:
     def load(self, folder: Path, state: dict[str, Any]) -> None:
         """The weights and optimizer state of checkpoint ``folder`` into this run's, in whichever format its
         ``state`` says they are."""
+        written_as = state.get("sharding", DDP)
+        if written_as == DDP and self.format == DDP:  # (no torch.distributed.checkpoint: its import takes a second)
+            self.load_weights(folder, written_as)
+            saved = torch.load(folder / OPTIMIZER_FILE, map_location=self.device, weights_only=True)
+            self.optimizer.load_state_dict(saved)
+            return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-        written_as = state.get("sharding", DDP)
         if written_as == FULLY_SHARDED:  # DCP reads each process's part now, whatever the processes that wrote it
             state = self._dcp_state()
             _read_shards(state, folder)
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optimizer"])  # fmt: skip
-        elif self.format == DDP:
-            self.load_weights(folder, written_as)
-            self.optimizer.load_state_dict(torch.load(folder / OPTIMIZER_FILE, map_location=self.device,
-                                                      weights_only=True))  # fmt: skip
         else:  # whole tensors into a sharded model: each process keeps its part
             from safetensors.torch import load_file
 
@@ -100,20 +101,17 @@ class ModelState:
 
     def load_weights(self, folder: Path, written_as: str) -> None:
         """The weights alone of checkpoint ``folder`` (the best evaluation's, at the end of training)."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            set_model_state_dict,  # fmt: skip
-        )
+        if written_as == DDP and self.format == DDP:
+            from safetensors.torch import load_model
+
+            load_model(self.model, folder / MODEL_FILE, device=self.device)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
         if written_as == FULLY_SHARDED:
             state = {"model": get_model_state_dict(self.model)}
             _read_shards(state, folder)
             set_model_state_dict(self.model, state["model"])
-        elif self.format == DDP:
-            from safetensors.torch import load_model
-
-            load_model(self.model, folder / MODEL_FILE, device=self.device)
         else:
             from safetensors.torch import load_file
 
