@@ -87,11 +87,6 @@ def _without_alternatives(err: CheckpointError) -> str:
     return str(err).split(". Other checkpoints there")[0]
 
 
-def step_of(path: Path) -> int:
-    """The optimizer step a checkpoint folder holds (``step-00000012`` -> 12)."""
-    return int(path.name.removeprefix(PREFIX))
-
-
 def complete_checkpoints(root: Path) -> list[Path]:
     """Committed checkpoint folders, oldest first (``.tmp-*`` folders are unfinished writes)."""
     if not root.is_dir():
