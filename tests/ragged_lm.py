@@ -45,14 +45,20 @@ def ragged_rows(count: int) -> list[dict]:
     return rows
 
 
-def tiny_gpt2(classifier: bool = False) -> torch.nn.Module:
+def tiny_gpt2(classifier: bool = False, build: str = "cpu", pretrained: str | None = None) -> torch.nn.Module:
     """The language model, or (``classifier``) GPT-2 classifying each sequence into 3 classes: a transformers
-    model whose forward takes **kwargs but computes its loss inline, a mean over its examples."""
-    torch.manual_seed(0)
+    model whose forward takes **kwargs but computes its loss inline, a mean over its examples. ``build``: on the
+    CPU (seed 0), on the meta device, or on the CPU seeded with each process's rank (nanoGPT's way);
+    ``pretrained``: ``from_pretrained`` of that folder (a classifier gets a new head)."""
+    torch.manual_seed(int(os.environ.get("RANK", "0")) if build == "seeded_per_rank" else 0)
+    kind = GPT2ForSequenceClassification if classifier else GPT2LMHeadModel
+    if pretrained:
+        return kind.from_pretrained(pretrained, num_labels=3)
     config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
                         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0,
                         num_labels=3)  # fmt: skip
-    return GPT2ForSequenceClassification(config) if classifier else GPT2LMHeadModel(config)
+    with torch.device("meta" if build == "meta" else "cpu"):
+        return kind(config)
 
 
 class TorchStream(torch.utils.data.IterableDataset):
@@ -129,7 +135,7 @@ def ours(args) -> dict:
                          keep_best="eval_loss" if args.best else None, keep_best_mode="max",
                          resume=args.resume_from or ("auto" if args.save_every else None))  # fmt: skip
     seen = Seen()
-    model = tiny_gpt2(args.model == "classifier")
+    model = tiny_gpt2(args.model == "classifier", args.build, args.pretrained)
     if args.bf16_model:
         model.to(torch.bfloat16)
     computed = set()  # the dtype of the weights a matmul of the first block sees in forward
@@ -139,6 +145,7 @@ def ours(args) -> dict:
                       eval_data=rows[: args.eval_examples] if args.eval else None,
                       loss_fn=pair_loss if args.loss == "pair" else None,
                       callbacks=[CrashAfter(args.crash_at)] if args.crash_at else [])  # fmt: skip
+    initial = weights(trainer.unwrapped_model) if args.initial else None
     result = trainer.evaluate() if args.evaluate_only else trainer.fit()
     from accelerate.utils import gather_object
 
@@ -150,6 +157,10 @@ def ours(args) -> dict:
                "dtypes": sorted({str(local(p).dtype) for p in trainer.model.parameters()}),
                "optimizer_dtypes": sorted({str(local(v).dtype) for state in trainer.optimizer.state.values()
                                            for v in state.values() if v.dim() > 0})}  # fmt: skip
+    if initial is not None:
+        summary["initial"] = initial
+        plain = trainer.unwrapped_model  # weights tied before are one weight still (GPT-2's embeddings and head)
+        summary["tied"] = plain.get_input_embeddings().weight is getattr(plain.get_output_embeddings(), "weight", 0)
     if args.eval:  # the eval loss over every counted token once, and the same figure computed here directly
         summary["eval_loss"] = result["eval_loss"]
         summary["eval_reference"] = token_mean_loss(trainer.unwrapped_model, rows[: args.eval_examples])
@@ -239,16 +250,27 @@ def main() -> None:
     parser.add_argument("--ddp", action="store_true", help="under an FSDP launch: this job as DDP (the reference)")
     parser.add_argument("--bf16_model", action="store_true", help="build the model in bf16")
     parser.add_argument("--best", action="store_true", help="keep_best the highest eval loss (the first, as it falls)")
+    parser.add_argument("--build", choices=["cpu", "meta", "seeded_per_rank"], default="cpu", help="see tiny_gpt2")
+    parser.add_argument("--pretrained", default=None, help="from_pretrained of this folder (see tiny_gpt2)")
+    parser.add_argument("--initial", action="store_true", help="also write the weights before training")
+    parser.add_argument("--env", action="append", default=[], help="NAME=VALUE set for this job (an FSDP setting)")
     parser.add_argument("--variants", default="{}", help='JSON {"name": [flags]}: one job each, in <out>/<name>')
     args, rest = parser.parse_known_args()
     variants = json.loads(args.variants) or {"": []}  # several jobs in one launch: the start-up paid once
     for name, flags in variants.items():
-        job = parser.parse_args(rest + flags, namespace=argparse.Namespace(**vars(args)))
+        job = parser.parse_args(rest + flags, namespace=argparse.Namespace(**{**vars(args), "env": list(args.env)}))
         job.out = str(Path(args.out, name))
-        sharding = os.environ.pop("ACCELERATE_USE_FSDP", None) if job.ddp else None
+        saved = dict(os.environ)
+        if job.ddp:
+            os.environ.pop("ACCELERATE_USE_FSDP", None)
+        os.environ.update(setting.split("=", 1) for setting in job.env)
+        if job.pretrained:  # the process group up before from_pretrained, as the examples have it
+            from trainer import distributed_state
+
+            distributed_state()
         summary = ours(job) if job.trainer == "ours" else hf(job)
-        if sharding is not None:
-            os.environ["ACCELERATE_USE_FSDP"] = sharding
+        os.environ.clear()
+        os.environ.update(saved)
         if int(os.environ.get("RANK", "0")) == 0:
             Path(job.out).mkdir(parents=True, exist_ok=True)
             Path(job.out, "ragged.json").write_text(json.dumps(summary))

@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from trainer.export import read_sharded_weights
 
@@ -19,6 +20,8 @@ pytestmark = pytest.mark.xdist_group("fsdp")  # one worker runs the module: its 
 RAGGED = ROOT / "tests" / "ragged_lm.py"
 ADAMW = ["--batch_size", "2", "--accumulation", "2", "--optimizer", "adamw", "--lr", "0.01"]
 RESUMED = [*ADAMW, "--save_every", "2", "--epochs", "2", "--keep_last", "6"]
+SHORT = ["--batch_size", "4", "--max_steps", "3", "--optimizer", "adamw", "--lr", "0.01"]
+BY_SIZE = ["--env", "FSDP_AUTO_WRAP_POLICY=SIZE_BASED_WRAP", "--env", "FSDP_MIN_NUM_PARAMS=1000"]
 VARIANTS = {
     # 45 evaluation rows: 23 and 22 per process, 12 and 11 batches of 2; a sharded model's forwards run in lockstep.
     "fsdp": [*ADAMW, "--eval", "--eval_examples", "45", "--predict"],
@@ -39,6 +42,21 @@ VARIANTS = {
     "fsdp, resumed from a background save": [*RESUMED, "--save_async", "--resume_from",
                                               "{background}/checkpoints/step-00000004"],
     "fsdp, the highest eval loss kept as best": [*RESUMED, "--eval", "--eval_examples", "8", "--best"],
+    # Where the weights come from: built on meta (initialised shard by shard), each process's own (the first's
+    # win, as under DDP), from_pretrained with the other processes' new head left on meta.
+    "fsdp, built on meta": [*ADAMW, "--build", "meta", "--initial"],
+    "ddp, built on meta": [*ADAMW, "--build", "meta", "--initial", "--ddp"],
+    "ddp, 3 steps": [*SHORT, "--ddp"],
+    "fsdp, seeded differently on each process": [*SHORT, "--build", "seeded_per_rank"],
+    "fsdp, wrapped by size": [*SHORT, *BY_SIZE],
+    "fsdp, not wrapped": [*SHORT, "--env", "FSDP_AUTO_WRAP_POLICY=NO_WRAP"],
+    "ddp, a model built in bf16": ["--bf16_model", "--batch_size", "4", "--optimizer", "adamw", "--max_steps", "2",
+                                   "--ddp"],
+    "fsdp, a pretrained classifier loaded cpu-ram-efficiently": [
+        *SHORT, "--model", "classifier", "--pretrained", "{ddp}/final", "--env", "FSDP_CPU_RAM_EFFICIENT_LOADING=true",
+        "--env", "FSDP_SYNC_MODULE_STATES=true", "--initial"],
+    "ddp, a pretrained classifier": [*SHORT, "--model", "classifier", "--pretrained", "{ddp}/final", "--ddp",
+                                     "--initial"],
 }
 
 
@@ -250,7 +268,9 @@ def test_a_checkpoint_of_2_processes_continues_on_1_or_4_with_the_same_global_ba
            "fsdp from ddp": [*common, "--batch_size", "2", "--accumulation", "4", "--resume_from", str(start["ddp"])],
            # Another global batch (1 x 3): fit() would refuse it, but the weights serve an evaluation.
            "evaluate": ["--optimizer", "adamw", "--batch_size", "3", "--resume_from", str(start["fsdp"]), "--eval",
-                        "--evaluate_only"]}
+                        "--evaluate_only"],
+           # A model built on meta starts from the same weights on 1 process as on 2.
+           "meta": ["--build", "meta", "--initial", "--batch_size", "2", "--max_steps", "1"]}
     result = launch(tmp_path / "one", "--variants", json.dumps(one), num_processes=1)
     assert "split 2 process(es) x batch 2 x accumulation 2 = 8 global -> 1 process(es) x batch 2 x accumulation " \
            "4 = 8 global: the same global batch, the same examples" in result.stdout  # fmt: skip
@@ -263,6 +283,8 @@ def test_a_checkpoint_of_2_processes_continues_on_1_or_4_with_the_same_global_ba
     assert evaluated["weights"] == {name: tensor.flatten().tolist() for name, tensor in
                                     read_sharded_weights(start["fsdp"]).items() if name in evaluated["weights"]}
     assert evaluated["eval_loss"] == pytest.approx(evaluated["eval_reference"], rel=1e-6)
+    on_one = json.loads((tmp_path / "one" / "meta" / "ragged.json").read_text())
+    assert on_one["initial"] == runs["fsdp, built on meta"][0]["initial"]
     result = launch(tmp_path / "four", *common, "--batch_size", "1", "--accumulation", "2", "--resume_from",
                     start["fsdp"], num_processes=4)  # fmt: skip
     assert "rank(s) 2, 3 had no saved random state (the checkpoint has 2 processes'): they start from seed + rank" \
@@ -308,3 +330,80 @@ def test_the_preflight_reads_an_fsdp_config_as_a_sharded_launch_of_its_processes
     refused = run([sys.executable, "-m", "trainer.check", "--config_file", str(version_1)], expect_ok=False)
     assert "PROBLEM: fsdp_version 1: the trainer shards with FSDP2; convert the file with `accelerate to-fsdp2 " \
            "--config_file <yours> --output_file <new>`" in refused.stdout  # fmt: skip
+
+
+def test_a_model_built_on_meta_is_initialised_shard_by_shard_as_ddp_initialises_it_whole(fsdp):
+    """``with torch.device("meta")``: no process ever builds the whole model. Each module is made and initialised
+    under a seed of its own, so FSDP2's shards and DDP's whole model start from the same weights and train to the
+    same ones, bit for bit (the process count changing nothing: the one-process launch below checks that)."""
+    runs, result = fsdp
+    assert "(2 sharded blocks + root); built on meta, each process initialised its shards" in result.stdout
+    sharded, ddp = runs["fsdp, built on meta"][0], runs["ddp, built on meta"][0]
+    assert sharded["initial"] == ddp["initial"]
+    assert sharded["weights"] == ddp["weights"] and sharded["losses"] == ddp["losses"]
+    initial = {name: np.array(values) for name, values in sharded["initial"].items()}
+    assert np.all(initial["transformer.h.0.ln_1.weight"] == 1.0)  # the model's own initialisation, not torch.empty
+    assert 0.015 < initial["transformer.h.0.mlp.c_fc.weight"].std() < 0.025  # GPT-2's N(0, 0.02)
+    assert 0.005 < initial["transformer.h.0.mlp.c_proj.weight"].std() < 0.015  # its residual scaling, 0.02/sqrt(4)
+    assert sharded["tied"] and ddp["tied"]
+
+
+def test_every_process_starts_from_the_first_processs_weights_as_under_ddp(fsdp):
+    """A model seeded differently on each process (nanoGPT's way) trains from the first process's weights, as DDP
+    makes it by broadcasting when it wraps; a from_pretrained classifier loaded with fsdp_cpu_ram_efficient_loading
+    (transformers leaves the new head on meta on the other processes) gets the first process's head."""
+    runs, result = fsdp
+    reference = runs["ddp, 3 steps"][0]
+    assert runs["fsdp, seeded differently on each process"][0]["weights"] == reference["weights"]
+    loaded = runs["fsdp, a pretrained classifier loaded cpu-ram-efficiently"][0]
+    ddp = runs["ddp, a pretrained classifier"][0]
+    assert loaded["initial"] == ddp["initial"] and loaded["weights"] == ddp["weights"]
+    pretrained = runs["ddp, straight"][0]["weights"]
+    assert loaded["initial"]["transformer.h.1.mlp.c_fc.weight"] == pretrained["transformer.h.1.mlp.c_fc.weight"]
+
+
+def test_wrap_policies_are_applied_as_accelerate_applies_them(fsdp):
+    """SIZE_BASED_WRAP: every module over min_num_params its own group, nested; GPT-2's tied embeddings stay
+    together in the root (FSDP2 refuses a tied weight in two groups). NO_WRAP: one group. The same updates as DDP."""
+    runs, result = fsdp
+    reference = runs["ddp, 3 steps"][0]
+    for name in ("fsdp, wrapped by size", "fsdp, not wrapped"):
+        assert runs[name][0]["weights"] == reference["weights"], name
+    assert "held by this process (15 sharded blocks + root)" in result.stdout  # blocks, attention, MLPs, Conv1Ds
+    assert "held by this process (0 sharded blocks + root)" in result.stdout
+
+
+def test_ddp_trains_a_low_precision_model_over_fp32_masters_as_fsdp2_does(fsdp):
+    summary = fsdp[0]["ddp, a model built in bf16"][0]
+    assert summary["dtypes"] == summary["optimizer_dtypes"] == ["torch.float32"]
+    assert "| 28 low-precision trainable tensors upcast to fp32 masters" in fsdp[1].stdout
+
+
+TIED = """
+import torch, trainer as t
+class Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight
+    def forward(self, x):
+        return self.head(self.embed(x))
+loss = lambda model, batch: torch.nn.functional.cross_entropy(model(batch).flatten(0, 1), batch.flatten())
+config = t.TrainConfig(output_dir={out!r}, batch_size=4, max_steps=2, save_every=2)
+t.Trainer(Tied(), config, [torch.tensor([i % 10]) for i in range(8)], loss_fn=loss).fit()
+"""
+
+
+def test_a_plain_module_with_tied_weights_exports_loadable_with_load_state_dict(tmp_path):
+    """accelerate's model file keeps one name of a tied weight; final/ and python -m trainer.export write every
+    name, so that the plain module loads its export with load_state_dict (a transformers model ties its own)."""
+    from safetensors.torch import load_file
+
+    from trainer.export import export
+
+    run([sys.executable, "-c", TIED.format(out=str(tmp_path / "run"))])
+    export(tmp_path / "run" / "checkpoints" / "step-00000002", tmp_path / "exported")
+    for folder in (tmp_path / "run" / "final", tmp_path / "exported"):
+        weights = load_file(folder / "model.safetensors")
+        assert sorted(weights) == ["embed.weight", "head.weight"], folder
+        assert torch.equal(weights["embed.weight"], weights["head.weight"])

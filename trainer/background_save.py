@@ -66,8 +66,9 @@ class BackgroundSaves:
 
     def __init__(self, main: bool, world_size: int, errors_group: Any):
         self.main, self.errors_group = main, errors_group
-        # The writes' own collectives, from their own thread: never a group the main thread uses too.
-        self.group = torch.distributed.new_group(backend="gloo") if world_size > 1 else None  # collective, once
+        # The writes' own collectives, from their own thread: never a group the main thread uses too. A gloo group
+        # even for one process: DCP's background save refuses a group without a CPU backend (NCCL on one GPU).
+        self.group = writers_group(world_size)
         self.in_flight: Optional[BackgroundSave] = None
 
     def start(self, future: Future, staging: Path, commit: Callable[[], Path]) -> None:
@@ -88,6 +89,14 @@ class BackgroundSaves:
                 raise write_failed(save.staging, save.staging.parent, RuntimeError(f"rank {rank}: {text}"))
             raise CheckpointError(f"checkpoint {save.staging.name} could not be written (rank {rank}: {text})")
         return save.staging.parent / save.staging.name.removeprefix(".tmp-")
+
+
+def writers_group(world_size: int) -> Any:
+    """A gloo group of every process for the background writes (collective, once), or None without a process group
+    (one process, nothing to agree with)."""
+    if world_size == 1 and not torch.distributed.is_initialized():
+        return None
+    return torch.distributed.new_group(backend="gloo")
 
 
 def background_saves(save_async: bool, sharded: bool, main: bool, world_size: int,

@@ -11,6 +11,7 @@ tensors) and a DDP one's. The checkpoint is verified first (every file's size an
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch
 
 from trainer import checkpoint
 from trainer.hf import no_progress_bars_off_a_terminal
-from trainer.model_state import MODEL_CONFIG, MODEL_FILE, SHARDS, read_sharded_weights
+from trainer.model_state import MODEL_CONFIG, MODEL_FILE, SHARDS, TIED_WEIGHTS, read_sharded_weights
 
 
 def write_model(state_dict: dict[str, Any], directory: Path, model: Optional[torch.nn.Module] = None) -> None:
@@ -49,6 +50,14 @@ def export(folder: Path, directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     if (folder / SHARDS).is_dir():
         write_model(read_sharded_weights(folder), directory)
+    elif (folder / TIED_WEIGHTS).is_file():  # a plain module's tied weights, each under every name it has
+        from safetensors.torch import load_file
+
+        weights = load_file(folder / MODEL_FILE)
+        for names in json.loads((folder / TIED_WEIGHTS).read_text()):
+            kept = next(weights[name] for name in names if name in weights)
+            weights.update({name: weights.get(name, kept) for name in names})
+        write_model(weights, directory)
     else:
         shutil.copyfile(folder / MODEL_FILE, directory / MODEL_FILE)
     if (folder / MODEL_CONFIG).is_file():

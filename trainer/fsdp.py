@@ -29,9 +29,12 @@ import torch
 from accelerate.utils import FullyShardedDataParallelPlugin, parse_flag_from_env
 
 from trainer.activation_checkpointing import checkpoint_activations, outermost
+from trainer.console import say
 from trainer.errors import ShardingError
+from trainer.materialize import META, built_on_meta, fill, first_process_says, from_first_process, initialise, region
 
 FULLY_SHARDED = "FSDP2"
+FROM_META, FROM_FIRST = "meta", "first process"  # where a sharded model's weights come from
 
 @dataclass
 class ShardedModel:
@@ -43,9 +46,11 @@ class ShardedModel:
     groups: int  # FSDP groups besides the root
     upcast: list[str]  # trainable parameters upcast to fp32 master weights
     activation_checkpointing: bool
+    built_on_meta: bool = False  # initialised as it was sharded, rather than sent by the first process
 
     def describe(self) -> str:
         upcast = f"; {len(self.upcast)} low-precision trainable tensors upcast to fp32 masters" if self.upcast else ""
+        upcast += "; built on meta, each process initialised its shards" if self.built_on_meta else ""
         checkpointed = ", activation checkpointing" if self.activation_checkpointing else ""
         return (f"{FULLY_SHARDED} over {self.processes} processes: {self.parameters:,} parameters, {self.held:,} "
                 f"held by this process ({self.groups} sharded blocks + root{checkpointed}){upcast}")  # fmt: skip
@@ -85,40 +90,108 @@ def accelerate_without_fsdp() -> Iterator[None]:
             os.environ["ACCELERATE_USE_FSDP"] = saved
 
 
-def shard(model: torch.nn.Module, plugin: FullyShardedDataParallelPlugin, mesh: Any, mixed_precision: str,
-          recompute: bool = False) -> ShardedModel:  # fmt: skip
-    """Shard ``model`` in place over ``mesh`` (its blocks, then the root), on the mesh's device; with ``recompute``
-    (or the config's fsdp_activation_checkpointing) its blocks checkpoint their activations."""
-    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+def shard(model: torch.nn.Module, plugin: FullyShardedDataParallelPlugin, mesh: Any, device: torch.device,
+          mixed_precision: str, recompute: bool = False, seed: int = 0) -> ShardedModel:  # fmt: skip
+    """Shard ``model`` in place over ``mesh``, one FSDP group at a time (its blocks, then the root with the rest):
+    each group's tensors are made whole on ``device`` (from the first process's weights, or initialised for a model
+    built on meta: ``trainer.materialize``), then sharded, so no process ever holds more than its shards and one
+    group whole. With ``recompute`` (or the config's fsdp_activation_checkpointing) blocks checkpoint activations."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    rank, world = mesh.get_rank(), mesh.size()
+    start = first_process_says(how_to_start(model), world)  # every process takes the first one's path
+    if start not in (FROM_META, FROM_FIRST):
+        raise ShardingError(start)
     upcast = [name for name, p in model.named_parameters() if p.requires_grad and p.dtype != torch.float32]
-    for name, parameter in model.named_parameters():
-        if name in upcast:
-            parameter.data = parameter.data.float()  # fp32 masters: the optimizer state follows the parameter's dtype
-    model.to(mesh.device_type)
-    try:
-        wraps = fsdp2_prepare_auto_wrap_policy(plugin, model) or (lambda module: False)
-    except ValueError as err:  # a block class the model does not have
-        raise ShardingError(f"fsdp_transformer_layer_cls_to_wrap: {err}") from None
-    blocks = outermost([module for module in model.modules() if module is not model and wraps(module)])
+    upcast_ids = {id(p) for p in model.parameters() if p.requires_grad and p.dtype != torch.float32}
+    groups = wrap_groups(model, plugin)
     recompute = recompute or bool(plugin.activation_checkpointing)
     if recompute:
-        blocks = checkpoint_activations(model, blocks)
+        wrappers = {id(w._checkpoint_wrapped_module): w for w in checkpoint_activations(model, outermost(groups))}
+        groups = [wrappers.get(id(group), group) for group in groups]
     precision = {}
     if mixed_precision == "bf16":
         precision["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=bool(plugin.reshard_after_forward), **precision)
-    fully_shard(model, mesh=mesh, **precision)  # the rest, tied embeddings included, in one group
+    source = None if start == FROM_META else from_first_process(rank, world)
+    done: set[int] = set()
+    for group in [*groups, model]:  # children before parents; the root last, holding the rest (tied embeddings)
+        modules = region(group, done)
+        fill(modules, device, source, upcast_ids)
+        if start == FROM_META:
+            initialise(model, modules, seed, device)
+        after = {} if group is model else {"reshard_after_forward": bool(plugin.reshard_after_forward)}
+        fully_shard(group, mesh=mesh, **after, **precision)
+        done.add(id(group))
     return ShardedModel(
-        processes=mesh.size(),
+        processes=world,
         parameters=sum(_global_numel(p) for p in model.parameters()),
         held=sum(_local_numel(p) for p in model.parameters()),
-        groups=len(blocks),
+        groups=len(groups),
         upcast=upcast,
         activation_checkpointing=recompute,
+        built_on_meta=start == FROM_META,
     )
+
+
+def wrap_groups(model: torch.nn.Module, plugin: FullyShardedDataParallelPlugin) -> list[torch.nn.Module]:
+    """The modules that become FSDP groups of their own, children before parents, as accelerate applies the
+    config's policy: TRANSFORMER_BASED_WRAP the block classes (named, else the model's ``_no_split_modules``, else
+    the children of its largest ModuleList, said in a line), SIZE_BASED_WRAP every module over ``min_num_params``,
+    nested (a ModuleList, a container without forward, is no group), NO_WRAP none. A module holding a weight tied
+    to one outside it is left to the group around it: FSDP2 keeps a tied weight in one group."""
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    try:
+        policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+    except ValueError as err:  # a block class the model does not have
+        raise ShardingError(f"fsdp_transformer_layer_cls_to_wrap: {err}") from None
+    if policy is None:  # NO_WRAP
+        return []
+    candidates = [module for _, module in region(model, set())
+                  if module is not model and policy(module) and type(module).forward is not torch.nn.Module.forward]
+    by_class = getattr(plugin.auto_wrap_policy, "func", plugin.auto_wrap_policy) is transformer_auto_wrap_policy
+    if not candidates and by_class and not plugin.transformer_cls_names_to_wrap:
+        candidates = repeated_blocks(model)
+    holders: dict[int, set[int]] = {}
+    for module in model.modules():
+        for parameter in module._parameters.values():
+            if parameter is not None:
+                holders.setdefault(id(parameter), set()).add(id(module))
+    return [module for module in candidates if not _tied_outside(module, holders)]
+
+
+def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """For a model that names no block class: the children of its largest ModuleList (nanoGPT's ``transformer.h``,
+    torchtitan's ``layers``), said in a line; none (one group) when it has no ModuleList, also said."""
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
+    how = "name its block class in fsdp_transformer_layer_cls_to_wrap to choose the groups"
+    if not lists:
+        say(f"FSDP2: {type(model).__name__} names no block class (_no_split_modules) and has no ModuleList: the "
+            f"whole model is one group, gathered whole for every forward; {how}", once=True)  # fmt: skip
+        return []
+    name, blocks = max(lists, key=lambda item: sum(p.numel() for p in item[1].parameters()))
+    say(f"FSDP2: {type(model).__name__} names no block class (_no_split_modules): each of the {len(blocks)} "
+        f"modules of {name} ({type(blocks[0]).__name__}) is one group; {how}", once=True)  # fmt: skip
+    return list(blocks)
+
+
+def _tied_outside(module: torch.nn.Module, holders: dict[int, set[int]]) -> bool:
+    inside = {id(sub) for sub in module.modules()}
+    return any(not holders[id(p)] <= inside for p in module.parameters())
+
+
+def how_to_start(model: torch.nn.Module) -> str:
+    """This process's model as a starting point: built on meta (initialised as it is sharded), or weights the first
+    process sends; a first process with some weights on meta gets the refusal's text."""
+    if built_on_meta(model):
+        return FROM_META
+    missing = [name for name, p in model.named_parameters() if p.device == META]
+    if missing:
+        return (f"{len(missing)} parameter(s) of the model are on the meta device on the first process "
+                f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}), which sends every process its "
+                "weights: build the model wholly on meta, or wholly on a device")  # fmt: skip
+    return FROM_FIRST
 
 
 def _global_numel(parameter: torch.Tensor) -> int:

@@ -21,6 +21,7 @@ else by name, and the values DCP keeps as pickled bytes (an optimizer's settings
 from __future__ import annotations
 
 import functools
+import json
 import pickle
 from concurrent.futures import Future
 from pathlib import Path
@@ -31,6 +32,7 @@ import torch
 from trainer.errors import CheckpointError
 
 MODEL_CONFIG = "config.json"  # a transformers model's config, saved in each checkpoint for the export
+TIED_WEIGHTS = "tied_weights.json"  # a plain module's tied weights' names: accelerate's model file keeps one of each
 SHARDS = "shards"  # the folder of a checkpoint that holds a sharded model's weights and optimizer state
 DDP, FULLY_SHARDED = "DDP", "FSDP2"  # how a checkpoint's weights are stored (its trainer_state.json's "sharding")
 MODEL_FILE, OPTIMIZER_FILE = "model.safetensors", "optimizer.bin"  # accelerate's names, in a DDP checkpoint
@@ -164,9 +166,19 @@ def save_model_config(model: torch.nn.Module, folder: Path) -> None:
     so that the export loads with ``from_pretrained``."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_json_file"):
+        if ties := tied_weights(model):  # from_pretrained ties a transformers model again; load_state_dict does not
+            (folder / TIED_WEIGHTS).write_text(json.dumps(ties))
         return
     config.architectures = [type(model).__name__.removeprefix("FSDP")]
     config.to_json_file(str(folder / MODEL_CONFIG))
+
+
+def tied_weights(model: torch.nn.Module) -> list[list[str]]:
+    """The names of each weight ``model`` holds under several (tied embeddings), as the state dict names them."""
+    names: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name.replace("_checkpoint_wrapped_module.", ""))
+    return [group for group in names.values() if len(group) > 1]
 
 
 def _read_shards(state: dict[str, Any], folder: Path) -> None:

@@ -26,6 +26,7 @@ from trainer.config import TrainConfig
 from trainer.errors import ShardingError, UnusedParameters
 from trainer.fsdp import FULLY_SHARDED, ShardedModel, requested_plugin, shard
 from trainer.launch import build_accelerator, num_machines
+from trainer.materialize import built_on_meta, fill, initialise, region
 from trainer.model_state import ModelState
 
 
@@ -47,7 +48,8 @@ class Parallelism:
         self.plugin = requested_plugin(config)  # an FSDP accelerate config, or None: DDP
         self.accelerator = build_accelerator(config)
         self.dp = DataParallel(self.accelerator.process_index, self.accelerator.num_processes)
-        self.recompute = config.activation_checkpointing
+        self.recompute, self.seed = config.activation_checkpointing, config.seed
+        self.upcast: list[str] = []  # DDP's trainable tensors upcast to fp32 masters (a sharded model's say theirs)
         self.sharded: Optional[ShardedModel] = None  # what sharding did, once it has
 
     @property
@@ -68,9 +70,10 @@ class Parallelism:
         refused, as transformers' Trainer refuses one under FSDP; the config's is built over the shards."""
         acc = self.accelerator
         if self.plugin is None:
+            self.upcast = whole_on_device(model, acc.device, self.seed)
             if self.recompute:
                 checkpoint_activations(model, transformer_blocks(model))
-            return model.to(acc.device)
+            return model
         if own_optimizer:
             raise ShardingError("with FSDP2 the optimizer must be built over the sharded parameters, after the Trainer "
                                 "shards the model: leave optimizer= and lr_scheduler= out and choose them in the "
@@ -78,7 +81,7 @@ class Parallelism:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(acc.device.type, (self.dp.size,))  # 1-D: every process a shard of one replica
-        self.sharded = shard(model, self.plugin, mesh, acc.mixed_precision, self.recompute)
+        self.sharded = shard(model, self.plugin, mesh, acc.device, acc.mixed_precision, self.recompute, self.seed)
         return model
 
     def prepare(self, model: torch.nn.Module, optimizer: Any, loader: Any, scheduler: Any) -> tuple:
@@ -134,7 +137,26 @@ class Parallelism:
         threads = f", {torch.get_num_threads()} CPU threads per process" if device.type == "cpu" else ""
         launch = (f"{acc.num_processes} process(es) on {num_machines(acc)} machine(s), device {device.type} ({kind})"
                   f"{threads}, mixed precision {acc.mixed_precision}")  # fmt: skip
-        return launch, self.sharded.describe() if self.sharded else "", self.dp.size
+        upcast = f"{len(self.upcast)} low-precision trainable tensors upcast to fp32 masters" if self.upcast else ""
+        return launch, self.sharded.describe() if self.sharded else upcast, self.dp.size
+
+
+def whole_on_device(model: torch.nn.Module, device: torch.device, seed: int) -> list[str]:
+    """A model for DDP, whole on ``device`` with fp32 master weights (AdamW state in bf16 stalls training without an
+    error; fp16 weights cannot be unscaled): a model built on meta is initialised as a sharded one is
+    (``trainer.materialize``: the same weights, whatever the process count). Returns the names upcast."""
+    upcast = [name for name, p in model.named_parameters() if p.requires_grad and p.dtype != torch.float32]
+    upcast_ids = {id(p) for p in model.parameters() if p.requires_grad and p.dtype != torch.float32}
+    if built_on_meta(model):
+        modules = region(model, set())
+        fill(modules, device, None, upcast_ids)
+        initialise(model, modules, seed, device)
+        return upcast
+    for parameter in model.parameters():
+        if id(parameter) in upcast_ids:
+            parameter.data = parameter.data.float()
+    model.to(device)
+    return upcast
 
 
 def unused_parameters(err: RuntimeError) -> Optional[UnusedParameters]:

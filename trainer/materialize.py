@@ -1,0 +1,121 @@
+"""Where a model's weights come from when the trainer places it: built on the ``meta`` device (no memory at all), or
+the first process's, sent to the others. One part of the model at a time, so that no process ever holds the whole
+model on its device: under FSDP2 each FSDP group is filled whole, then sharded, before the next is filled.
+
+- **A model built on ``meta``** (``with torch.device("meta"): model = GPT2LMHeadModel(config)``, as torchtitan builds
+  its models): each module's tensors are made whole on the device and initialised by the model's own
+  initialisation (a transformers model's ``_init_weights``, else each module's ``reset_parameters``), under a random
+  seed of the module's own, drawn from the config's ``seed`` and the module's name. Every process makes the same
+  numbers without a message, and the weights do not depend on how many processes there are: the same run on 1, 2
+  or 8 processes starts from the same model, DDP or FSDP2.
+- **Any other model under FSDP2** starts from the first process's weights, as DDP does when it wraps a model:
+  a model seeded differently on each process, or loaded by ``from_pretrained`` with
+  ``fsdp_cpu_ram_efficient_loading`` (the other processes then hold no weights: their new heads are left on
+  ``meta`` by transformers), is sent, tensor by tensor, from the first process. Why a broadcast rather than each
+  process reading its part of the safetensors (DCP's ``HuggingFaceStorageReader``): it serves every way a user
+  builds a model (``from_pretrained``, a config, their own code), and the weights a new head got on the first
+  process are the ones every process trains.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from trainer.errors import ShardingError
+
+META = torch.device("meta")
+
+
+def built_on_meta(model: torch.nn.Module) -> bool:
+    """Whether every parameter of ``model`` is on the meta device (only its shapes exist)."""
+    parameters = list(model.parameters())
+    return bool(parameters) and all(p.device == META for p in parameters)
+
+
+def region(module: torch.nn.Module, done: set[int]) -> list[tuple[str, torch.nn.Module]]:
+    """``module`` and its submodules, children before parents (the order ``model.apply`` initialises in), without
+    those inside a part already placed (``done``: ids of modules)."""
+    found: list[tuple[str, torch.nn.Module]] = []
+
+    def visit(prefix: str, current: torch.nn.Module) -> None:
+        for name, child in current.named_children():
+            if id(child) not in done:
+                visit(f"{prefix}.{name}" if prefix else name, child)
+        found.append((prefix, current))
+
+    visit("", module)
+    return found
+
+
+def _slots(modules: list[tuple[str, torch.nn.Module]]) -> Iterator[tuple[torch.nn.Module, str, str, torch.Tensor]]:
+    """(module, attribute, "parameters" or "buffers", tensor) for every tensor the modules hold directly."""
+    for _, module in modules:
+        for kind in ("_parameters", "_buffers"):
+            for name, tensor in getattr(module, kind).items():
+                if tensor is not None:
+                    yield module, name, kind, tensor
+
+
+Source = Optional[Callable[[torch.Tensor, torch.Tensor], None]]  # (new tensor, the one it replaces): fills it
+
+
+def fill(modules: list[tuple[str, torch.nn.Module]], device: torch.device, source: Source, upcast: set[int]) -> None:
+    """Give every tensor the modules hold a new whole copy on ``device`` (fp32 for the ``upcast`` ones), filled by
+    ``source`` (None: left for :func:`initialise`); a tensor held under two names (tied weights) stays one."""
+    made: dict[int, torch.Tensor] = {}
+    for module, name, kind, tensor in list(_slots(modules)):
+        if id(tensor) not in made:
+            dtype = torch.float32 if id(tensor) in upcast else tensor.dtype
+            new = torch.empty(tensor.shape, dtype=dtype, device=device)
+            if source is not None:
+                source(new, tensor)
+            if kind == "_parameters":
+                new = torch.nn.Parameter(new, requires_grad=tensor.requires_grad)
+            made[id(tensor)] = new
+        getattr(module, kind)[name] = made[id(tensor)]
+
+
+def from_first_process(rank: int, world_size: int) -> Source:
+    """A ``fill`` source: the first process's own tensor, sent to every other process."""
+
+    def source(new: torch.Tensor, mine: torch.Tensor) -> None:
+        if rank == 0:
+            new.copy_(mine.detach())
+        if world_size > 1:
+            torch.distributed.broadcast(new, src=0)
+
+    return source
+
+
+def initialise(model: torch.nn.Module, modules: list[tuple[str, torch.nn.Module]], seed: int,
+               device: torch.device) -> None:  # fmt: skip
+    """The model's own initialisation of ``modules`` (just filled, children first), each under a seed of its own:
+    the same numbers on every process, whatever their number."""
+    own = getattr(model, "_init_weights", None)  # a transformers model's, per module
+    forked = [device] if device.type == "cuda" else []
+    names = {id(module): name.replace("_checkpoint_wrapped_module.", "") for name, module in model.named_modules()}
+    for _, module in modules:
+        name = names[id(module)]  # the module's name in the whole model, wherever its part starts
+        holds = any(t is not None for t in (*module._parameters.values(), *module._buffers.values()))
+        if own is None and not holds:
+            continue
+        if own is None and not hasattr(module, "reset_parameters"):
+            raise ShardingError(f"the model was built on the meta device, and its module {name or '(root)'} "
+                                f"({type(module).__name__}) holds tensors but has no reset_parameters() to "
+                                "initialise them: give it one, or build the model on the CPU")  # fmt: skip
+        with torch.random.fork_rng(devices=forked, device_type=device.type):
+            torch.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+            with torch.no_grad():
+                own(module) if own is not None else module.reset_parameters()
+
+
+def first_process_says(value: object, world_size: int) -> object:
+    """The first process's ``value``, on every process (so that they all take the same path)."""
+    if world_size == 1:
+        return value
+    said = [value]
+    torch.distributed.broadcast_object_list(said, src=0)
+    return said[0]
