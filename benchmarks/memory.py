@@ -1,9 +1,12 @@
-"""What each process holds of the model's weights, gradients and AdamW state, DDP against FSDP2, at 1, 2 and 4
-processes: the trainer's own runs (a GPT-2 built from a config, two steps), each process measuring the tensors it
-holds after a step; on a GPU also the peak memory the step allocated.
+"""What each process holds of the model's weights, gradients and AdamW state, and its peak memory, at 1, 2 and 4
+processes, for DDP and three ways into FSDP2: a model built on every process (``cpu``: each process builds it
+whole, the first process's weights are sent), built on the meta device (``meta``: no process ever holds it whole),
+and ``from_pretrained`` with ``fsdp_cpu_ram_efficient_loading``. The trainer's own runs (a GPT-2, two steps), each
+process measuring the tensors it holds after a step, and its peak: the peak RSS on a CPU host (where a process's
+memory is its device's), the CUDA peak on a GPU.
 
-    python benchmarks/memory.py                        # 6 runs of torchrun, about 2 minutes on a 2-core CPU
-    python benchmarks/memory.py --layers 12 --width 768 --processes 1 2 4 8      # GPT-2 124M, on a node of GPUs
+    python benchmarks/memory.py                        # 12 runs of torchrun, a few minutes on a 2-core CPU
+    python benchmarks/memory.py --layers 12 --width 768 --vocab 50257 --processes 1 2 4 8   # GPT-2 124M
 
 FSDP2 holds about 1/K of DDP's 16 bytes a parameter (4 of weights, 4 of gradients, 8 of AdamW state) on each of
 K processes; what it cannot shard (nothing here) and the unsharded weights of the block being computed come on top.
@@ -23,6 +26,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 FSDP2_ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP"}
+KINDS = {"DDP": ("cpu", {}), "FSDP2": ("cpu", FSDP2_ENV), "FSDP2, meta": ("meta", FSDP2_ENV),
+         "FSDP2, pretrained": ("pretrained", {**FSDP2_ENV, "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"})}  # fmt: skip
+
+
+def peak_bytes() -> int:
+    """This process's peak memory so far: CUDA's peak allocation on a GPU, the peak RSS on a CPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated()
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def local_bytes(tensors) -> int:
@@ -38,7 +52,7 @@ class Measure:
     """After the first step: the optimizer state; gradients are the trainable weights' size (zeroed by then)."""
 
     def __init__(self):
-        self.figures = {}
+        self.figures, self.built = {}, 0
 
     def on_step_end(self, trainer) -> None:
         if self.figures:
@@ -47,9 +61,7 @@ class Measure:
         state = [v for s in trainer.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
         self.figures = {"weights": local_bytes(parameters),
                         "gradients": local_bytes(p for p in parameters if p.requires_grad),
-                        "optimizer": local_bytes(state)}  # fmt: skip
-        if torch.cuda.is_available():
-            self.figures["peak"] = torch.cuda.max_memory_allocated()
+                        "optimizer": local_bytes(state), "peak": peak_bytes(), "built": self.built}  # fmt: skip
 
 
 def worker(args) -> None:
@@ -58,11 +70,21 @@ def worker(args) -> None:
     from trainer import TrainConfig, Trainer
 
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=args.width // 64,
-                                       vocab_size=args.vocab, n_positions=args.seq_len))  # fmt: skip
+    config = GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=args.width // 64, vocab_size=args.vocab,
+                        n_positions=args.seq_len)  # fmt: skip
+    if args.start_from == "pretrained":  # the process group up first: transformers' cpu-RAM-efficient loading asks
+        from trainer import distributed_state
+
+        distributed_state()
+        model = GPT2LMHeadModel.from_pretrained(args.pretrained)
+    else:
+        with torch.device("meta" if args.start_from == "meta" else "cpu"):
+            model = GPT2LMHeadModel(config)
+    built = peak_bytes()
     tokens = torch.randint(0, args.vocab, (64, args.seq_len))
     data = [{"input_ids": row, "labels": row} for row in tokens]
     measure = Measure()
+    measure.built = built
     config = TrainConfig(output_dir=args.out, max_steps=2, batch_size=args.batch_size, log_every=2,
                          preemption_signals="")  # fmt: skip
     trainer = Trainer(model, config, train_data=data, callbacks=[measure])
@@ -71,15 +93,21 @@ def worker(args) -> None:
 
     rows = gather_object([measure.figures])
     if trainer.accelerator.is_main_process:
-        print("MEASURED " + json.dumps({"parameters": sum(p.numel() for p in model.parameters()), "ranks": rows}))
+        print("MEASURED " + json.dumps({"parameters": trainer.parallel.sharded.parameters if trainer.parallel.sharded
+                                        else sum(p.numel() for p in model.parameters()), "ranks": rows}))
 
 
 def run(kind: str, processes: int, args) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", **(FSDP2_ENV if kind == "FSDP2" else {})}
-    out = Path(args.out) / f"{kind}-{processes}"
+    start, settings = KINDS[kind]
+    # A fixed mmap threshold: glibc's default raises it as large blocks are freed and then keeps freed memory, so
+    # the RSS would count tensors long gone (a GPU allocator's peak would not).
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "MALLOC_MMAP_THRESHOLD_": "65536",
+           **settings}  # fmt: skip
+    out = Path(args.out) / f"{kind.replace(', ', '-')}-{processes}"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
                __file__, "--worker", "--out", str(out), "--layers", str(args.layers), "--width", str(args.width),
-               "--vocab", str(args.vocab), "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size)]
+               "--vocab", str(args.vocab), "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
+               "--start-from", start, "--pretrained", str(Path(args.out) / "pretrained")]
     result = subprocess.run(command, env=env, capture_output=True, text=True)
     line = next((line for line in result.stdout.splitlines() if line.startswith("MEASURED ")), None)
     if line is None:
@@ -96,25 +124,37 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=10_000)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     parser.add_argument("--out", default="runs/benchmark-memory")
+    parser.add_argument("--start-from", default="cpu", help=argparse.SUPPRESS)
+    parser.add_argument("--pretrained", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args)
+    if "FSDP2, pretrained" in args.kinds:  # the checkpoint from_pretrained reads
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        GPT2LMHeadModel(GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=args.width // 64,
+                                   vocab_size=args.vocab, n_positions=args.seq_len)).save_pretrained(
+            Path(args.out) / "pretrained")  # fmt: skip
     mib = 2**20
-    print("| processes | kind | weights MiB | gradients MiB | AdamW state MiB | total MiB | vs DDP | peak GPU MiB |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    where = "GPU" if torch.cuda.is_available() else "RSS"
+    print(f"| processes | kind | weights MiB | gradients MiB | AdamW state MiB | total MiB | vs DDP | peak {where} "
+          f"MiB, built | peak {where} MiB, after a step | vs DDP |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for processes in args.processes:
-        ddp_total = None
-        for kind in ("DDP", "FSDP2"):
+        ddp_total = ddp_peak = None
+        for kind in args.kinds:
             measured = run(kind, processes, args)
             rank0 = measured["ranks"][0]
             total = rank0["weights"] + rank0["gradients"] + rank0["optimizer"]
-            ddp_total = ddp_total or total
-            peak = f"{rank0['peak'] / mib:,.0f}" if "peak" in rank0 else "-"
+            peak, built = max(r["peak"] for r in measured["ranks"]), max(r["built"] for r in measured["ranks"])
+            ddp_total, ddp_peak = ddp_total or total, ddp_peak or peak
             print(f"| {processes} | {kind} | {rank0['weights'] / mib:,.1f} | {rank0['gradients'] / mib:,.1f} | "
-                  f"{rank0['optimizer'] / mib:,.1f} | {total / mib:,.1f} | {total / ddp_total:.2f} | {peak} |",
-                  flush=True)  # fmt: skip
-    print(f"(rank 0 of each run; GPT-2 {measured['parameters']:,} parameters)")
+                  f"{rank0['optimizer'] / mib:,.1f} | {total / mib:,.1f} | {total / ddp_total:.2f} | "
+                  f"{built / mib:,.0f} | {peak / mib:,.0f} | {peak / ddp_peak:.2f} |", flush=True)  # fmt: skip
+    print(f"(tensors: rank 0 of each run; peaks: the largest over the ranks; GPT-2 {measured['parameters']:,} "
+          "parameters; the first kind of each row group is the baseline)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -45,16 +45,18 @@ def ragged_rows(count: int) -> list[dict]:
     return rows
 
 
-def tiny_gpt2(classifier: bool = False, build: str = "cpu", pretrained: str | None = None) -> torch.nn.Module:
+def tiny_gpt2(classifier: bool = False, build: str = "cpu", pretrained: str | None = None,
+              width: int = 32, layers: int = 2) -> torch.nn.Module:  # fmt: skip
     """The language model, or (``classifier``) GPT-2 classifying each sequence into 3 classes: a transformers
     model whose forward takes **kwargs but computes its loss inline, a mean over its examples. ``build``: on the
     CPU (seed 0), on the meta device, or on the CPU seeded with each process's rank (nanoGPT's way);
-    ``pretrained``: ``from_pretrained`` of that folder (a classifier gets a new head)."""
+    ``pretrained``: ``from_pretrained`` of that folder (a classifier gets a new head). ``width`` and ``layers``: a
+    larger model, where the weights outweigh what every process holds anyway."""
     torch.manual_seed(int(os.environ.get("RANK", "0")) if build == "seeded_per_rank" else 0)
     kind = GPT2ForSequenceClassification if classifier else GPT2LMHeadModel
     if pretrained:
         return kind.from_pretrained(pretrained, num_labels=3)
-    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=width, n_layer=layers, n_head=2, resid_pdrop=0.0,
                         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0,
                         num_labels=3)  # fmt: skip
     with torch.device("meta" if build == "meta" else "cpu"):
@@ -131,11 +133,13 @@ def ours(args) -> dict:
                          lr_scheduler=args.schedule, warmup_steps=args.warmup, max_grad_norm=args.clip,
                          epochs=args.epochs, max_steps=args.max_steps, shuffle=False, log_every=1,
                          save_every=args.save_every, keep_last=args.keep_last, save_async=args.save_async,
-                         activation_checkpointing=args.recompute, eval_every=args.save_every if args.best else None,
+                         activation_checkpointing=args.recompute, reduce_every_micro_batch=args.reduce_every,
+                         eval_every=args.save_every if args.best else None,
                          keep_best="eval_loss" if args.best else None, keep_best_mode="max",
                          resume=args.resume_from or ("auto" if args.save_every else None))  # fmt: skip
     seen = Seen()
-    model = tiny_gpt2(args.model == "classifier", args.build, args.pretrained)
+    floor = reset_peak_memory() if args.peak else None
+    model = tiny_gpt2(args.model == "classifier", args.build, args.pretrained, args.width, args.layers)
     if args.bf16_model:
         model.to(torch.bfloat16)
     computed = set()  # the dtype of the weights a matmul of the first block sees in forward
@@ -147,16 +151,20 @@ def ours(args) -> dict:
                       callbacks=[CrashAfter(args.crash_at)] if args.crash_at else [])  # fmt: skip
     initial = weights(trainer.unwrapped_model) if args.initial else None
     result = trainer.evaluate() if args.evaluate_only else trainer.fit()
+    peak = peak_memory() if args.peak else None  # before the summary gathers whole weights
     from accelerate.utils import gather_object
 
+    kept = "transformer.h.0." if args.peak else ""  # a large model: its first block stands for the rest
     summary = {"losses": [row["train_loss"] for row in trainer.log_history],
-               "lrs": [row["lr"] for row in trainer.log_history], "weights": weights(trainer.unwrapped_model),
+               "lrs": [row["lr"] for row in trainer.log_history], "weights": weights(trainer.unwrapped_model, kept),
                "grad_norms": [row.get("grad_norm") for row in trainer.log_history],
                "seen": gather_object([seen.indices]), "world_size": trainer.accelerator.num_processes,
                "held": sum(local(p).numel() for p in trainer.model.parameters()), "computed": sorted(computed),
                "dtypes": sorted({str(local(p).dtype) for p in trainer.model.parameters()}),
                "optimizer_dtypes": sorted({str(local(v).dtype) for state in trainer.optimizer.state.values()
                                            for v in state.values() if v.dim() > 0})}  # fmt: skip
+    if args.peak:  # every process's peak memory during this job
+        summary["peaks"], summary["floors"] = gather_object([peak]), gather_object([floor])
     if initial is not None:
         summary["initial"] = initial
         plain = trainer.unwrapped_model  # weights tied before are one weight still (GPT-2's embeddings and head)
@@ -169,6 +177,24 @@ def ours(args) -> dict:
             input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.argmax(-1))
         summary["predicted"] = predicted.tolist()
     return summary
+
+
+def reset_peak_memory() -> int:
+    """Start this process's peak memory (VmHWM: the peak RSS, a CPU process's device memory) from what it holds now,
+    freed memory given back first; return that."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")
+    return peak_memory()
+
+
+def peak_memory() -> int:
+    """This process's peak RSS in bytes since :func:`reset_peak_memory`."""
+    status = Path("/proc/self/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:"))) * 1024
 
 
 @torch.no_grad()
@@ -211,10 +237,11 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def weights(model: torch.nn.Module) -> dict[str, list]:
-    """Every weight, whole (a sharded model's gathered from its processes: call it on every process)."""
+def weights(model: torch.nn.Module, only: str = "") -> dict[str, list]:
+    """Every weight (whose name starts with ``only``), whole (a sharded model's gathered from its processes: call it
+    on every process)."""
     whole = {name.replace("_checkpoint_wrapped_module.", ""): p.full_tensor() if hasattr(p, "full_tensor") else p
-             for name, p in model.named_parameters()}  # fmt: skip
+             for name, p in model.named_parameters() if name.startswith(only)}  # fmt: skip
     return {name: p.detach().cpu().flatten().tolist() for name, p in whole.items()}
 
 
@@ -250,6 +277,10 @@ def main() -> None:
     parser.add_argument("--ddp", action="store_true", help="under an FSDP launch: this job as DDP (the reference)")
     parser.add_argument("--bf16_model", action="store_true", help="build the model in bf16")
     parser.add_argument("--best", action="store_true", help="keep_best the highest eval loss (the first, as it falls)")
+    parser.add_argument("--reduce_every", action="store_true", help="reduce_every_micro_batch: true")
+    parser.add_argument("--width", type=int, default=32, help="the model's width (see tiny_gpt2)")
+    parser.add_argument("--layers", type=int, default=2, help="the model's blocks")
+    parser.add_argument("--peak", action="store_true", help="write every process's peak memory during the job")
     parser.add_argument("--build", choices=["cpu", "meta", "seeded_per_rank"], default="cpu", help="see tiny_gpt2")
     parser.add_argument("--pretrained", default=None, help="from_pretrained of this folder (see tiny_gpt2)")
     parser.add_argument("--initial", action="store_true", help="also write the weights before training")

@@ -47,6 +47,7 @@ VARIANTS = {
     "fsdp, built on meta": [*ADAMW, "--build", "meta", "--initial"],
     "ddp, built on meta": [*ADAMW, "--build", "meta", "--initial", "--ddp"],
     "ddp, 3 steps": [*SHORT, "--ddp"],
+    "fsdp, reduced every micro-batch": [*ADAMW, "--reduce_every"],
     "fsdp, seeded differently on each process": [*SHORT, "--build", "seeded_per_rank"],
     "fsdp, wrapped by size": [*SHORT, *BY_SIZE],
     "fsdp, not wrapped": [*SHORT, "--env", "FSDP_AUTO_WRAP_POLICY=NO_WRAP"],
@@ -373,6 +374,16 @@ def test_wrap_policies_are_applied_as_accelerate_applies_them(fsdp):
     assert "held by this process (0 sharded blocks + root)" in result.stdout
 
 
+def test_accumulation_may_reduce_scatter_every_micro_batch_with_the_same_updates(fsdp):
+    """reduce_every_micro_batch: each micro-batch's gradients reduce-scattered at once, the window's accumulated
+    sharded (never the whole model's gradients on a process): DDP's updates, in another float order."""
+    every, ddp = fsdp[0]["fsdp, reduced every micro-batch"][0], fsdp[0]["ddp"][0]
+    np.testing.assert_allclose(every["losses"], ddp["losses"], rtol=1e-6)
+    for name, values in ddp["weights"].items():
+        np.testing.assert_allclose(every["weights"][name], values, rtol=0, atol=1e-6, err_msg=name)
+    assert every["weights"] != ddp["weights"], "reduced at another point: not DDP's float order"
+
+
 def test_ddp_trains_a_low_precision_model_over_fp32_masters_as_fsdp2_does(fsdp):
     summary = fsdp[0]["ddp, a model built in bf16"][0]
     assert summary["dtypes"] == summary["optimizer_dtypes"] == ["torch.float32"]
@@ -407,3 +418,79 @@ def test_a_plain_module_with_tied_weights_exports_loadable_with_load_state_dict(
         weights = load_file(folder / "model.safetensors")
         assert sorted(weights) == ["embed.weight", "head.weight"], folder
         assert torch.equal(weights["embed.weight"], weights["head.weight"])
+
+
+def test_background_saves_get_a_gloo_group_of_their_own_even_for_one_process(tmp_path):
+    """DCP's background save refuses a group without a CPU backend: on one GPU the default group is NCCL, so one
+    process needs its gloo group too (tests/test_gpu.py runs the save there)."""
+    script = ("import torch.distributed as dist; from trainer.background_save import writers_group; "
+              f"dist.init_process_group('gloo', init_method='file://{tmp_path}/store', rank=0, world_size=1); "
+              "group = writers_group(1); print(group is not None and dist.get_backend(group))")  # fmt: skip
+    assert run([sys.executable, "-c", script]).stdout.strip() == "gloo"
+
+
+def test_four_processes_each_hold_a_fraction_of_what_ddp_needs_while_training_resuming_and_exporting(tmp_path):
+    """A GPT-2 of 19M parameters built on meta, on 4 processes: the memory each process needs while it trains,
+    checkpoints, resumes and exports (its peak RSS above what it held when the job began: on this host a process's
+    memory is its device's) stays well under what each DDP process needs for the same model, measured in the same
+    launch; the weights are DDP's to the float floor, and the resumed run's the uninterrupted run's, bit for bit.
+    glibc's malloc keeps a fixed mmap threshold here, so that a freed tensor leaves the RSS as it leaves a GPU
+    allocator's count (its default raises the threshold as large blocks are freed, then keeps freed memory)."""
+    from transformers import GPT2LMHeadModel
+
+    big = ["--width", "512", "--layers", "6", "--batch_size", "1", "--optimizer", "adamw", "--lr", "0.001",
+           "--max_steps", "3", "--build", "meta", "--peak"]  # fmt: skip
+    folder = tmp_path / "fsdp"
+    variants = {"ddp": [*big, "--ddp"],  # first: what it leaves behind could only raise the others' peaks
+                "fsdp": [*big, "--save_every", "2", "--keep_last", "3"],
+                "resumed": [*big, "--save_every", "2", "--resume_from", f"{folder}/checkpoints/step-00000002"]}
+    result = launch(tmp_path, "--variants", json.dumps(variants), num_processes=4,
+                    env=clean_env(MALLOC_MMAP_THRESHOLD_="65536"))  # fmt: skip
+    runs = {name: json.loads((tmp_path / name / "ragged.json").read_text()) for name in variants}
+    assert "FSDP2 over 4 processes: 18,964,480 parameters, 4,741,120 held by this process" in result.stdout
+    needed = {name: [peak - floor for peak, floor in zip(run["peaks"], run["floors"], strict=True)]
+              for name, run in runs.items()}  # fmt: skip
+    sharded = max(needed["fsdp"] + needed["resumed"])
+    assert sharded < 0.5 * min(needed["ddp"]), {name: [n // 2**20 for n in mib] for name, mib in needed.items()}
+    assert runs["resumed"]["weights"] == runs["fsdp"]["weights"]
+    for name, values in runs["ddp"]["weights"].items():  # AdamW's first steps move a weight by about lr whatever
+        # its gradient's size: another float order in a near-zero gradient shows (3 steps of 1e-3: 1.3e-6 seen)
+        np.testing.assert_allclose(runs["fsdp"]["weights"][name], values, rtol=0, atol=1e-5, err_msg=name)
+    exported = GPT2LMHeadModel.from_pretrained(tmp_path / "resumed" / "final")
+    for name, parameter in exported.named_parameters():
+        if name in runs["fsdp"]["weights"]:
+            assert parameter.flatten().tolist() == runs["fsdp"]["weights"][name], name
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class PlainGPT(torch.nn.Module):
+    """nanoGPT's shape: no _no_split_modules, its blocks in a ModuleList, the head tied to the embeddings."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte, self.h = torch.nn.Embedding(10, 4), torch.nn.ModuleList(Block() for _ in range(3))
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        self.head.weight = self.wte.weight
+
+
+def test_a_model_naming_no_block_class_is_sharded_by_the_children_of_its_largest_module_list(capsys):
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from trainer.fsdp import wrap_groups
+
+    model = PlainGPT()
+    by_class = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
+    assert wrap_groups(model, by_class) == list(model.h)
+    assert "FSDP2: PlainGPT names no block class (_no_split_modules): each of the 3 modules of h (Block) is one " \
+           "group; name its block class in fsdp_transformer_layer_cls_to_wrap" in capsys.readouterr().out  # fmt: skip
+    # By size, nested, every module over 15 parameters but the tied embeddings and head (they stay in the root).
+    by_size = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="size_based_wrap", min_num_params=15)
+    assert wrap_groups(model, by_size) == [module for block in model.h for module in (block.fc, block)]

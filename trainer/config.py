@@ -64,6 +64,11 @@ class TrainConfig:
     # Each transformer block recomputes its activations in backward instead of keeping them (DDP and FSDP2): less
     # memory for about a third more compute; the same updates.
     activation_checkpointing: bool = False
+    # FSDP2 with gradient accumulation: reduce-scatter every micro-batch's gradients, so that a process never holds
+    # the whole model's unsharded gradients during the window (1/K of them), for one reduce-scatter per micro-batch
+    # instead of one per step. Off: the gradients are reduced once, at the window's end, as DDP does (and in DDP's
+    # float order: at 2 processes the same weights bit for bit). No effect under DDP.
+    reduce_every_micro_batch: bool = False
     # DDP: parameters that get no gradient in some step (a branch not taken, a frozen head used only sometimes) must
     # be looked for after each forward, at some cost; without it such a model fails at its second step.
     find_unused_parameters: bool = False

@@ -11,11 +11,14 @@ it drops the plugin without a word and the model trains as DDP. The path here is
 gloo, so what the CPU tests exercise is what a GPU user runs. Accelerate still launches the processes, joins the
 process group, shards the data and holds the mixed precision; it just never sees the model.
 
-What is sharded: each transformer block (the classes the config names, else the model's ``_no_split_modules``; a
-size-based policy wraps every module over ``min_num_params``) is one FSDP group, and the root module holds the rest,
-input and output embeddings together (weights tied between them must live in one group). Master weights are fp32
-always: trainable parameters of a lower precision are upcast, and the banner says how many, since AdamW state in
-bf16 stalls training without an error. Mixed precision bf16 computes in bf16 and reduces gradients in fp32.
+What is sharded: each transformer block (the classes the config names, else the model's ``_no_split_modules``, else
+the children of its largest ModuleList; a size-based policy makes every module over ``min_num_params`` a group,
+nested) is one FSDP group, and the root module holds the rest, input and output embeddings together (weights tied
+between them must live in one group). The groups are placed one at a time, each made whole on the device and then
+sharded (``trainer.materialize``: from the first process's weights, or initialised for a model built on meta), so
+no process ever holds the whole model on its device. Master weights are fp32 always: trainable parameters of a
+lower precision are upcast, and the banner says how many, since AdamW state in bf16 stalls training without an
+error. Mixed precision bf16 computes in bf16 and reduces gradients in fp32.
 """
 
 from __future__ import annotations

@@ -49,6 +49,7 @@ class Parallelism:
         self.accelerator = build_accelerator(config)
         self.dp = DataParallel(self.accelerator.process_index, self.accelerator.num_processes)
         self.recompute, self.seed = config.activation_checkpointing, config.seed
+        self.reduce_every_micro_batch = config.reduce_every_micro_batch
         self.upcast: list[str] = []  # DDP's trainable tensors upcast to fp32 masters (a sharded model's say theirs)
         self.sharded: Optional[ShardedModel] = None  # what sharding did, once it has
 
@@ -103,9 +104,10 @@ class Parallelism:
 
     def gradient_sync(self, model: torch.nn.Module, sync: bool) -> ContextManager:
         """The context of one micro-batch's backward: gradients reduced across processes only when ``sync`` (the
-        window's last micro-batch). DDP's ``no_sync``; a sharded model's ``set_requires_gradient_sync``."""
+        window's last micro-batch). DDP's ``no_sync``; a sharded model's ``set_requires_gradient_sync``, or every
+        micro-batch's reduce-scatter with ``reduce_every_micro_batch`` (sharded gradients accumulate in place)."""
         if self.sharded is not None:
-            model.set_requires_gradient_sync(sync)
+            model.set_requires_gradient_sync(sync or self.reduce_every_micro_batch)
             return contextlib.nullcontext()
         return contextlib.nullcontext() if sync else self.accelerator.no_sync(model)
 
