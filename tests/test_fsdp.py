@@ -47,7 +47,9 @@ VARIANTS = {
     "fsdp, built on meta": [*ADAMW, "--build", "meta", "--initial"],
     "ddp, built on meta": [*ADAMW, "--build", "meta", "--initial", "--ddp"],
     "ddp, 3 steps": [*SHORT, "--ddp"],
-    "fsdp, reduced every micro-batch": [*ADAMW, "--reduce_every"],
+    # SGD: AdamW would magnify the float noise of gradients that are 0 in exact arithmetic (GPT-2's key biases).
+    "fsdp, reduced every micro-batch": ["--batch_size", "2", "--accumulation", "2", "--reduce_every"],
+    "ddp, accumulated": ["--batch_size", "2", "--accumulation", "2", "--ddp"],
     "fsdp, seeded differently on each process": [*SHORT, "--build", "seeded_per_rank"],
     "fsdp, wrapped by size": [*SHORT, *BY_SIZE],
     "fsdp, not wrapped": [*SHORT, "--env", "FSDP_AUTO_WRAP_POLICY=NO_WRAP"],
@@ -142,6 +144,28 @@ def test_any_checkpoint_exports_to_a_loadable_model_on_one_process(fsdp, tmp_pat
     last = out / "checkpoints" / "step-00000012"
     result = run([sys.executable, "-m", "trainer.export", str(last), str(tmp_path)])
     assert f"exported {last} to {tmp_path}/model.safetensors (AutoModel*.from_pretrained)" in result.stdout
+    exported = GPT2LMHeadModel.from_pretrained(tmp_path)
+    for name, parameter in exported.named_parameters():
+        assert parameter.flatten().tolist() == summary["weights"][name], name
+
+
+def test_a_large_export_is_written_a_file_at_a_time_with_an_index_from_pretrained_reads(fsdp, tmp_path):
+    """The export never holds more than one file's tensors: over the size limit (here 40 kB, 5 GB by default) the
+    weights go into numbered files with transformers' index, read back whole by from_pretrained."""
+    import shutil
+
+    from transformers import GPT2LMHeadModel
+
+    from trainer.export import write_streamed
+    from trainer.model_state import sharded_weights
+
+    summary, out = fsdp[0]["fsdp, straight"]
+    checkpoint = out / "checkpoints" / "step-00000012"
+    entries, fetch = sharded_weights(checkpoint)
+    written = write_streamed(entries, fetch, tmp_path, max_file_bytes=40_000)
+    shutil.copyfile(checkpoint / "config.json", tmp_path / "config.json")
+    index = json.loads(written.read_text())
+    assert written.name == "model.safetensors.index.json" and len(set(index["weight_map"].values())) > 2
     exported = GPT2LMHeadModel.from_pretrained(tmp_path)
     for name, parameter in exported.named_parameters():
         assert parameter.flatten().tolist() == summary["weights"][name], name
@@ -377,7 +401,7 @@ def test_wrap_policies_are_applied_as_accelerate_applies_them(fsdp):
 def test_accumulation_may_reduce_scatter_every_micro_batch_with_the_same_updates(fsdp):
     """reduce_every_micro_batch: each micro-batch's gradients reduce-scattered at once, the window's accumulated
     sharded (never the whole model's gradients on a process): DDP's updates, in another float order."""
-    every, ddp = fsdp[0]["fsdp, reduced every micro-batch"][0], fsdp[0]["ddp"][0]
+    every, ddp = fsdp[0]["fsdp, reduced every micro-batch"][0], fsdp[0]["ddp, accumulated"][0]
     np.testing.assert_allclose(every["losses"], ddp["losses"], rtol=1e-6)
     for name, values in ddp["weights"].items():
         np.testing.assert_allclose(every["weights"][name], values, rtol=0, atol=1e-6, err_msg=name)
@@ -453,9 +477,11 @@ def test_four_processes_each_hold_a_fraction_of_what_ddp_needs_while_training_re
     sharded = max(needed["fsdp"] + needed["resumed"])
     assert sharded < 0.5 * min(needed["ddp"]), {name: [n // 2**20 for n in mib] for name, mib in needed.items()}
     assert runs["resumed"]["weights"] == runs["fsdp"]["weights"]
-    for name, values in runs["ddp"]["weights"].items():  # AdamW's first steps move a weight by about lr whatever
-        # its gradient's size: another float order in a near-zero gradient shows (3 steps of 1e-3: 1.3e-6 seen)
-        np.testing.assert_allclose(runs["fsdp"]["weights"][name], values, rtol=0, atol=1e-5, err_msg=name)
+    # AdamW moves a weight by about lr whatever its gradient's size, so the float noise of gradients that are 0 in
+    # exact arithmetic (GPT-2's key biases: softmax ignores them) differs by up to lr between float orders.
+    for name, values in runs["ddp"]["weights"].items():
+        tolerance = 3 * 1e-3 if name.endswith("c_attn.bias") else 1e-5
+        np.testing.assert_allclose(runs["fsdp"]["weights"][name], values, rtol=0, atol=tolerance, err_msg=name)
     exported = GPT2LMHeadModel.from_pretrained(tmp_path / "resumed" / "final")
     for name, parameter in exported.named_parameters():
         if name in runs["fsdp"]["weights"]:

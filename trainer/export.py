@@ -4,8 +4,9 @@
     # exported/model.safetensors (+ config.json for a transformers model: AutoModel*.from_pretrained("exported"))
 
 Works on the checkpoints of any run: a sharded model's (FSDP2: the shards of every process read back into whole
-tensors) and a DDP one's. The checkpoint is verified first (every file's size and CRC-32). The trainer writes
-``<output_dir>/final`` the same way at the end of ``fit()``.
+tensors, one file's worth at a time: past 5 GB the weights go into numbered files with transformers' index) and a
+DDP one's. The checkpoint is verified first (every file's size and CRC-32). The trainer writes
+``<output_dir>/final`` the same way at the end of ``fit()``, gathering a sharded model one tensor at a time.
 """
 
 from __future__ import annotations
@@ -15,41 +16,90 @@ import json
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from trainer import checkpoint
-from trainer.hf import no_progress_bars_off_a_terminal
-from trainer.model_state import MODEL_CONFIG, MODEL_FILE, SHARDS, TIED_WEIGHTS, read_sharded_weights
+from trainer.model_state import (
+    MODEL_CONFIG,
+    MODEL_FILE,
+    SHARDS,
+    TIED_WEIGHTS,
+    read_sharded_weights,
+    save_model_config,
+    sharded_weights,
+)
+
+__all__ = ["export", "read_sharded_weights", "write_model", "write_streamed"]
+MAX_FILE_BYTES = 5 * 2**30  # an export's safetensors files: at most this much each, the most held at once
+INDEX = "model.safetensors.index.json"  # the files of an export written as several, as transformers names them
 
 
-def write_model(state_dict: dict[str, Any], directory: Path, model: Optional[torch.nn.Module] = None) -> None:
-    """``state_dict`` (whole tensors) as ``save_pretrained`` writes it when ``model`` is a transformers model, else
-    as ``model.safetensors``."""
-    if hasattr(model, "save_pretrained"):
-        with no_progress_bars_off_a_terminal():
-            model.save_pretrained(directory, state_dict=state_dict)
-        return
-    from safetensors.torch import save_file
-
-    directory.mkdir(parents=True, exist_ok=True)
+def write_model(state_dict: dict[str, Any], directory: Path, model: Optional[torch.nn.Module] = None) -> Path:
+    """Whole tensors already in memory (a DDP checkpoint's, with its tied names), written as :func:`write_streamed`
+    writes them; a tensor held under two names is written under both (safetensors stores each storage once)."""
     seen: set[int] = set()
     tensors = {}
-    for name, tensor in state_dict.items():  # weights tied in the model: safetensors stores each storage once
+    for name, tensor in state_dict.items():
         storage = tensor.untyped_storage().data_ptr()
         tensors[name] = tensor.clone() if storage in seen else tensor.contiguous()
         seen.add(storage)
-    tensors = {name: tensor.cpu() for name, tensor in tensors.items()}  # a DDP model's own, on its device
-    save_file(tensors, str(directory / MODEL_FILE), metadata={"format": "pt"})
+    entries = [(name, tensor.numel() * tensor.element_size()) for name, tensor in tensors.items()]
+    return write_streamed(entries, lambda names: {name: tensors[name].cpu() for name in names}, directory, model)
+
+
+def write_streamed(entries: list[tuple[str, int]], fetch: Callable[[list[str]], dict[str, torch.Tensor]],
+                   directory: Path, model: Optional[torch.nn.Module] = None, main: bool = True,
+                   max_file_bytes: int = MAX_FILE_BYTES) -> Path:  # fmt: skip
+    """Write a model's weights into ``directory`` one safetensors file at a time, so that no process ever holds more
+    than one file's tensors: ``entries`` names each tensor and its bytes, in order; ``fetch(names)`` returns one
+    file's tensors whole on the CPU (on the main process; others may return {}: a sharded model's gather is
+    collective, so every process calls it). Over ``max_file_bytes`` the files are numbered with an index beside
+    them, as ``save_pretrained`` writes them; ``from_pretrained`` reads either (with ``model``'s config, which a
+    transformers model writes too). Returns the weights file, or the index."""
+    from safetensors.torch import save_file
+
+    files: list[list[str]] = [[]]
+    size = 0
+    for name, nbytes in entries:
+        if files[-1] and size + nbytes > max_file_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(name)
+        size += nbytes
+    names = [MODEL_FILE] if len(files) == 1 else [f"model-{i:05d}-of-{len(files):05d}.safetensors"
+                                                   for i in range(1, len(files) + 1)]  # fmt: skip
+    if main:
+        directory.mkdir(parents=True, exist_ok=True)
+    for tensors_of, file in zip(files, names, strict=True):
+        tensors = fetch(tensors_of)
+        if main:
+            save_file(tensors, str(directory / file), metadata={"format": "pt"})
+        del tensors
+    if not main:
+        return directory / names[0]
+    if model is not None:
+        save_model_config(model, directory)
+        generation = getattr(model, "generation_config", None)  # what save_pretrained writes beside a generator's
+        if generation is not None and getattr(model, "can_generate", lambda: False)():
+            generation.save_pretrained(directory)
+    if len(files) == 1:
+        return directory / MODEL_FILE
+    weight_map = {name: file for tensors_of, file in zip(files, names, strict=True) for name in tensors_of}
+    index = {"metadata": {"total_size": sum(nbytes for _, nbytes in entries)}, "weight_map": weight_map}
+    (directory / INDEX).write_text(json.dumps(index, indent=2))
+    return directory / INDEX
 
 
 def export(folder: Path, directory: Path) -> Path:
     """Write checkpoint ``folder``'s model into ``directory``; return the weights file."""
     checkpoint.verify(folder)
     directory.mkdir(parents=True, exist_ok=True)
-    if (folder / SHARDS).is_dir():
-        write_model(read_sharded_weights(folder), directory)
+    written = directory / MODEL_FILE
+    if (folder / SHARDS).is_dir():  # read a file's worth at a time
+        entries, fetch = sharded_weights(folder)
+        written = write_streamed(entries, fetch, directory)
     elif (folder / TIED_WEIGHTS).is_file():  # a plain module's tied weights, each under every name it has
         from safetensors.torch import load_file
 
@@ -57,12 +107,12 @@ def export(folder: Path, directory: Path) -> Path:
         for names in json.loads((folder / TIED_WEIGHTS).read_text()):
             kept = next(weights[name] for name in names if name in weights)
             weights.update({name: weights.get(name, kept) for name in names})
-        write_model(weights, directory)
+        written = write_model(weights, directory)
     else:
         shutil.copyfile(folder / MODEL_FILE, directory / MODEL_FILE)
     if (folder / MODEL_CONFIG).is_file():
         shutil.copyfile(folder / MODEL_CONFIG, directory / MODEL_CONFIG)
-    return directory / MODEL_FILE
+    return written
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -77,8 +77,8 @@ class LossFunctionProbe:
 
 @contextlib.contextmanager
 def no_progress_bars_off_a_terminal() -> Iterator[None]:
-    """transformers' progress bars (save_pretrained's "Writing model shards") off while the output is a log file
-    rather than a terminal (in a file they are lines of carriage returns)."""
+    """transformers' progress bars (datasets' and tokenizers' loading, "Writing model shards") off while the output
+    is a log file rather than a terminal (in a file they are lines of carriage returns)."""
     from transformers.utils import logging as hf_logging
 
     was_on = hf_logging.is_progress_bar_enabled()

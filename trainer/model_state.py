@@ -121,19 +121,30 @@ class ModelState:
                                  options=StateDictOptions(full_state_dict=True))  # fmt: skip
 
     def export(self, directory: Path, barrier: Callable[[], None]) -> None:
-        """The whole model, written once into ``directory`` by the main process (``trainer.export.write_model``):
-        a DDP model is whole on every process already; a sharded one's weights are gathered onto the main
-        process's CPU a tensor at a time, never whole elsewhere. Every rank returns once it is written."""
-        from trainer.export import write_model
+        """The whole model, written into ``directory`` by the main process one file at a time
+        (``trainer.export.write_streamed``): a sharded model's tensors gathered one at a time, a file's worth kept
+        on the main process's CPU, never the whole model anywhere. Every rank returns once it is written."""
+        from trainer.export import write_model, write_streamed
 
         if self.format == DDP:  # (no torch.distributed.checkpoint here: its import costs a DDP run a second)
-            weights = self.model.state_dict() if self.main else {}
-        else:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+            if self.main:
+                write_model(_once_each(self.model.state_dict(), self.model), directory, self.model)
+            barrier()
+            return
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-            weights = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if self.main:
-            write_model(weights, directory, self.model)
+        state = _once_each(get_model_state_dict(self.model), self.model)  # this process's shards, by name
+
+        def gather(names: list[str]) -> dict[str, torch.Tensor]:  # collective: every process gathers each tensor
+            whole = {}
+            for name in names:
+                tensor = state[name].full_tensor() if hasattr(state[name], "full_tensor") else state[name]
+                if self.main:
+                    whole[name] = tensor.detach().to("cpu", copy=True)
+            return whole
+
+        entries = [(name, tensor.numel() * tensor.element_size()) for name, tensor in state.items()]
+        write_streamed(entries, gather, directory, self.model, self.main)
         barrier()
 
     def _dcp_state(self, folder: Path | None = None) -> dict[str, Any]:
@@ -173,6 +184,20 @@ def save_model_config(model: torch.nn.Module, folder: Path) -> None:
     config.to_json_file(str(folder / MODEL_CONFIG))
 
 
+def _once_each(state: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
+    """A transformers model's state without the second name of a tied weight (``from_pretrained`` ties it again,
+    as ``save_pretrained`` leaves it out); a plain module's whole (``load_state_dict`` wants every name)."""
+    if not hasattr(model, "save_pretrained"):
+        return state
+    seen: set[int] = set()
+    kept = {}
+    for name, tensor in state.items():
+        if id(tensor) not in seen:
+            kept[name] = tensor
+        seen.add(id(tensor))
+    return kept
+
+
 def tied_weights(model: torch.nn.Module) -> list[list[str]]:
     """The names of each weight ``model`` holds under several (tied embeddings), as the state dict names them."""
     names: dict[int, list[str]] = {}
@@ -199,19 +224,32 @@ def _read_shards(state: dict[str, Any], folder: Path) -> None:
 def read_sharded_weights(folder: Path) -> dict[str, torch.Tensor]:
     """The whole model's tensors from a sharded checkpoint's ``shards/``, read on this one process (no process
     group)."""
-    import warnings
+    entries, fetch = sharded_weights(folder)
+    return fetch([name for name, _ in entries])
 
-    import torch.distributed.checkpoint as dcp
+
+def sharded_weights(folder: Path) -> tuple[list[tuple[str, int]], Callable[[list[str]], dict[str, torch.Tensor]]]:
+    """A sharded checkpoint's model tensors on this one process (no process group): each name and its bytes, and a
+    function that reads the named ones whole (and nothing else)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     reader, prefix = safe_reader(folder), "model."
-    state = {name: torch.empty(entry.size, dtype=entry.properties.dtype)
-             for name, entry in reader.read_metadata().state_dict_metadata.items()
-             if name.startswith(prefix) and isinstance(entry, TensorStorageMetadata)}  # fmt: skip
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=reader, planner=_safe_planner(), no_dist=True)
-    return {name.removeprefix(prefix): tensor for name, tensor in state.items()}
+    shapes = {name.removeprefix(prefix): entry for name, entry in reader.read_metadata().state_dict_metadata.items()
+              if name.startswith(prefix) and isinstance(entry, TensorStorageMetadata)}  # fmt: skip
+
+    def fetch(names: list[str]) -> dict[str, torch.Tensor]:
+        import warnings
+
+        import torch.distributed.checkpoint as dcp
+
+        state = {prefix + name: torch.empty(shapes[name].size, dtype=shapes[name].properties.dtype) for name in names}
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=safe_reader(folder), planner=_safe_planner(), no_dist=True)
+        return {name.removeprefix(prefix): tensor for name, tensor in state.items()}
+
+    entries = [(name, entry.size.numel() * entry.properties.dtype.itemsize) for name, entry in shapes.items()]
+    return entries, fetch
 
 
 def safe_reader(folder: Path) -> Any:

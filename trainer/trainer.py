@@ -164,7 +164,8 @@ class Trainer:
 
     def save_model(self, directory: str | Path | None = None) -> Path:
         """Export the weights once, from the global main process, to ``<output_dir>/final`` by default:
-        ``save_pretrained`` (safetensors) for transformers models, ``model.safetensors`` otherwise."""
+        ``model.safetensors`` (past 5 GB numbered files and an index) and a transformers model's config, written a
+        file at a time (``trainer.export``)."""
         directory = Path(directory or Path(self.config.output_dir) / "final")
         self.model_state.export(directory, self.accelerator.wait_for_everyone)
         return directory
