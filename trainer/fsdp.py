@@ -151,7 +151,7 @@ def wrap_groups(model: torch.nn.Module, plugin: FullyShardedDataParallelPlugin) 
         raise ShardingError(f"fsdp_transformer_layer_cls_to_wrap: {err}") from None
     if policy is None:  # NO_WRAP
         return []
-    candidates = [module for _, module in region(model, set())
+    candidates = [module for module in region(model, set())
                   if module is not model and policy(module) and type(module).forward is not torch.nn.Module.forward]
     by_class = getattr(plugin.auto_wrap_policy, "func", plugin.auto_wrap_policy) is transformer_auto_wrap_policy
     if not candidates and by_class and not plugin.transformer_cls_names_to_wrap:

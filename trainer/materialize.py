@@ -35,24 +35,24 @@ def built_on_meta(model: torch.nn.Module) -> bool:
     return bool(parameters) and all(p.device == META for p in parameters)
 
 
-def region(module: torch.nn.Module, done: set[int]) -> list[tuple[str, torch.nn.Module]]:
+def region(module: torch.nn.Module, done: set[int]) -> list[torch.nn.Module]:
     """``module`` and its submodules, children before parents (the order ``model.apply`` initialises in), without
     those inside a part already placed (``done``: ids of modules)."""
-    found: list[tuple[str, torch.nn.Module]] = []
+    found: list[torch.nn.Module] = []
 
-    def visit(prefix: str, current: torch.nn.Module) -> None:
-        for name, child in current.named_children():
+    def visit(current: torch.nn.Module) -> None:
+        for child in current.children():
             if id(child) not in done:
-                visit(f"{prefix}.{name}" if prefix else name, child)
-        found.append((prefix, current))
+                visit(child)
+        found.append(current)
 
-    visit("", module)
+    visit(module)
     return found
 
 
-def _slots(modules: list[tuple[str, torch.nn.Module]]) -> Iterator[tuple[torch.nn.Module, str, str, torch.Tensor]]:
-    """(module, attribute, "parameters" or "buffers", tensor) for every tensor the modules hold directly."""
-    for _, module in modules:
+def _slots(modules: list[torch.nn.Module]) -> Iterator[tuple[torch.nn.Module, str, str, torch.Tensor]]:
+    """(module, attribute, "_parameters" or "_buffers", tensor) for every tensor the modules hold directly."""
+    for module in modules:
         for kind in ("_parameters", "_buffers"):
             for name, tensor in getattr(module, kind).items():
                 if tensor is not None:
@@ -62,7 +62,7 @@ def _slots(modules: list[tuple[str, torch.nn.Module]]) -> Iterator[tuple[torch.n
 Source = Optional[Callable[[torch.Tensor, torch.Tensor], None]]  # (new tensor, the one it replaces): fills it
 
 
-def fill(modules: list[tuple[str, torch.nn.Module]], device: torch.device, source: Source, upcast: set[int]) -> None:
+def fill(modules: list[torch.nn.Module], device: torch.device, source: Source, upcast: set[int]) -> None:
     """Give every tensor the modules hold a new whole copy on ``device`` (fp32 for the ``upcast`` ones), filled by
     ``source`` (None: left for :func:`initialise`); a tensor held under two names (tied weights) stays one."""
     made: dict[int, torch.Tensor] = {}
@@ -90,14 +90,14 @@ def from_first_process(rank: int, world_size: int) -> Source:
     return source
 
 
-def initialise(model: torch.nn.Module, modules: list[tuple[str, torch.nn.Module]], seed: int,
+def initialise(model: torch.nn.Module, modules: list[torch.nn.Module], seed: int,
                device: torch.device) -> None:  # fmt: skip
     """The model's own initialisation of ``modules`` (just filled, children first), each under a seed of its own:
     the same numbers on every process, whatever their number."""
     own = getattr(model, "_init_weights", None)  # a transformers model's, per module
     forked = [device] if device.type == "cuda" else []
     names = {id(module): name.replace("_checkpoint_wrapped_module.", "") for name, module in model.named_modules()}
-    for _, module in modules:
+    for module in modules:
         name = names[id(module)]  # the module's name in the whole model, wherever its part starts
         holds = any(t is not None for t in (*module._parameters.values(), *module._buffers.values()))
         if own is None and not holds:
@@ -109,7 +109,10 @@ def initialise(model: torch.nn.Module, modules: list[tuple[str, torch.nn.Module]
         with torch.random.fork_rng(devices=forked, device_type=device.type):
             torch.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
             with torch.no_grad():
-                own(module) if own is not None else module.reset_parameters()
+                if own is not None:
+                    own(module)
+                else:
+                    module.reset_parameters()
 
 
 def first_process_says(value: object, world_size: int) -> object:
