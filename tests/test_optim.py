@@ -47,3 +47,33 @@ def test_the_groups_and_the_banner():
     yours = torch.optim.RMSprop(model.parameters(), lr=0.01)
     step = torch.optim.lr_scheduler.StepLR(yours, 5)
     assert describe(yours, step, TrainConfig(), False, False) == "your RMSprop (lr 0.01), your StepLR"
+
+
+FP16_STEPS = """
+import torch
+from accelerate import Accelerator
+from trainer.step import Stepper
+accelerator = Accelerator(cpu=True)
+accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=16.0)  # what fp16 gets on a GPU; the CPU's own here
+model = torch.nn.Linear(4, 4)
+model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.1, fused=True))
+stepper = Stepper(accelerator, optimizer)
+for factor in (1.0, float("inf"), 1.0):
+    before = model.weight.detach().clone()
+    stepper.backward((model(torch.ones(1, 4)) * factor).sum())
+    stepper.step()
+    print(stepper.step_was_skipped, torch.equal(model.weight, before))
+    stepper.zero_grad()
+"""
+
+
+def test_an_fp16_overflow_skipped_inside_a_fused_adamw_is_reported_as_skipped():
+    """A fused AdamW (the CUDA default) is always called by fp16's loss scaler and skips an overflowed step inside
+    its kernel; the step must still count as skipped, or the schedule moves on without an update."""
+    import subprocess
+    import sys
+
+    from conftest import clean_env
+
+    result = subprocess.run([sys.executable, "-c", FP16_STEPS], capture_output=True, text=True, env=clean_env())
+    assert result.stdout.split() == ["False", "False", "True", "True", "False", "False"], result.stderr[-2000:]

@@ -69,7 +69,8 @@ class Stepper:
         self.prepared = optimizer  # accelerate's AcceleratedOptimizer (a sharded model's: the optimizer itself)
         inner = getattr(optimizer, "optimizer", optimizer)
         plain = inner is optimizer or accelerator.scaler is None and accelerator.distributed_type in PLAIN_TYPES
-        self.step = inner.step if plain else optimizer.step
+        self._step = inner.step if plain else optimizer.step
+        self.skipped = False  # the last step's: fp16's loss scaler found an overflow and skipped it
         self.zero_grad = inner.zero_grad if plain else optimizer.zero_grad
         self.backward: Callable[[torch.Tensor], None] = accelerator.backward
         if plain:
@@ -90,10 +91,22 @@ class Stepper:
             return torch.nn.utils.get_total_norm(grads)
         return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
 
+    def step(self) -> None:
+        """The optimizer step; under fp16, whether the loss scaler skipped it, read off the scale it backed off.
+        Not accelerate's ``step_was_skipped``: that asks whether ``optimizer.step`` was called, and a fused AdamW
+        (the CUDA default) is always called, skipping inside its kernel (huggingface/accelerate#4242). One host
+        read per step under fp16, where the unfused path reads the overflow flag anyway."""
+        scaler = self.accelerator.scaler
+        if scaler is None or not scaler.is_enabled():
+            return self._step()
+        before = scaler._scale.clone() if scaler._scale is not None else None  # set at the first scale()
+        self._step()
+        self.skipped = before is not None and bool(scaler._scale < before)
+
     @property
     def step_was_skipped(self) -> bool:
-        """fp16's loss scaler skipped the step (an overflow)."""
-        return getattr(self.prepared, "step_was_skipped", False)
+        """fp16's loss scaler skipped the last step (an overflow): its scale backed off."""
+        return self.skipped
 
 
 class StepRunner:
