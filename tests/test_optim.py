@@ -77,3 +77,28 @@ def test_an_fp16_overflow_skipped_inside_a_fused_adamw_is_reported_as_skipped():
 
     result = subprocess.run([sys.executable, "-c", FP16_STEPS], capture_output=True, text=True, env=clean_env())
     assert result.stdout.split() == ["False", "False", "True", "True", "False", "False"], result.stderr[-2000:]
+
+
+TENSOR_LR = """
+import torch, trainer as t
+model = torch.nn.Linear(2, 1)
+optimizer = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01))
+schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: (step + 1) / 4)
+trainer = t.Trainer(model, t.TrainConfig(output_dir={out!r}, batch_size=2, max_steps=3, log_every=1),
+                    [torch.ones(2)] * 6, loss_fn=lambda m, b: m(b).pow(2).mean(), optimizer=optimizer,
+                    lr_scheduler=schedule)
+trainer.fit()
+print(*[row["lr"] for row in trainer.log_history])
+"""
+
+
+def test_a_tensor_lr_is_logged_as_the_step_used_it_not_as_the_schedule_moved_it_after(tmp_path):
+    """A tensor lr (fused or capturable optimizers) is moved in place by the scheduler: the log keeps a copy."""
+    import subprocess
+    import sys
+
+    from conftest import clean_env
+
+    script = TENSOR_LR.format(out=str(tmp_path))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=clean_env())
+    assert [round(float(lr), 6) for lr in result.stdout.split()[-3:]] == [0.0025, 0.005, 0.0075], result.stderr[-2000:]

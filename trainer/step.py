@@ -155,7 +155,8 @@ class StepRunner:
                 self.weighing.finish(window, self.model.parameters())
                 self.grad_norm = self.stepper.clip(self.model.parameters(), self.max_grad_norm, measure=measure_norm)
                 self.stepper.step()
-                self.lr = self.optimizer.param_groups[0]["lr"]  # before the scheduler moves it on
+                lr = self.optimizer.param_groups[0]["lr"]  # before the scheduler moves it on: a tensor lr (fused or
+                self.lr = lr.clone() if torch.is_tensor(lr) else lr  # capturable optimizers) it moves in place
                 if self.schedule_moves and not self.stepper.step_was_skipped:
                     self.scheduler.step()  # fp16 overflow skips the step, so the schedule waits too
         self.stepper.zero_grad()
