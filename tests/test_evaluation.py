@@ -48,3 +48,21 @@ def test_predictions_come_back_in_dataset_order_on_every_process(one_process, tw
         assert len(report["logits"]) == 9
         for row, reference in zip(report["logits"], one_process["logits"], strict=True):
             assert row == pytest.approx(reference, rel=1e-5)
+
+
+def test_predictions_made_in_bf16_come_back_as_fp32_on_the_cpu():
+    """Under mixed precision a model's outputs are bf16 (or fp16), which numpy cannot read: predict() returns fp32,
+    row by row off the device."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from trainer.evaluation import predict
+
+    model = torch.nn.Linear(3, 2)
+    loader = [torch.ones(2, 3), torch.ones(1, 3)]
+    autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+    single = SimpleNamespace(size=1, rank=0, group=None)
+    rows = predict(model, loader, lambda m, batch: m(batch), SimpleNamespace(device=torch.device("cpu")), single,
+                   autocast, num_examples=3)  # fmt: skip
+    assert rows.dtype == torch.float32 and rows.device.type == "cpu" and rows.numpy().shape == (3, 2)

@@ -40,16 +40,18 @@ class Evaluator:
             (``trainer.parallel.DataParallel``); ``autocast``: the launch's.
         tokens: what a batch's loss weighs (``Weighing.count``: its counted tokens, or None for a batch's examples).
         lockstep: a sharded model's forwards run in lockstep (:func:`in_lockstep`).
+        host: the job's gloo group (``trainer.agreement.host_group``; None with one process): ``predict()``
+            gathers its rows on the CPU over it, never on a device.
         loader: builds the loader of a data set (each process its share, each example once).
     """
 
     def __init__(self, model: torch.nn.Module, loss_fn: LossFn, metrics_fn: Optional[MetricsFn],
                  accelerator: Accelerator, dp: Any, autocast: Callable[[], ContextManager],
-                 tokens: Callable[[Any], Optional[torch.Tensor]], lockstep: bool,
+                 tokens: Callable[[Any], Optional[torch.Tensor]], lockstep: bool, host: Any,
                  loader: Callable[..., DataLoader]):  # fmt: skip
         self.model, self.loss_fn, self.metrics_fn, self.accelerator, self.dp = (model, loss_fn, metrics_fn,
                                                                                 accelerator, dp)  # fmt: skip
-        self.autocast, self.tokens, self.lockstep, self.loader = autocast, tokens, lockstep, loader
+        self.autocast, self.tokens, self.lockstep, self.host, self.loader = autocast, tokens, lockstep, host, loader
 
     def evaluate(self, loader: Optional[DataLoader], step: int) -> dict[str, float]:
         """Mean loss (and each ``metrics_fn`` figure) over the whole eval set, every example counted once whatever
@@ -76,7 +78,7 @@ class Evaluator:
         loader = self.loader(data, name="data")
         with self._in_eval_mode():
             return predict(self.model, loader, predict_fn or model_logits, self.accelerator, self.dp, self.autocast,
-                           len(data), lockstep=self.lockstep)  # fmt: skip
+                           len(data), lockstep=self.lockstep, host=self.host)  # fmt: skip
 
     @contextlib.contextmanager
     def _in_eval_mode(self):
@@ -160,34 +162,38 @@ def model_logits(model: torch.nn.Module, batch: Any) -> torch.Tensor:
 @torch.no_grad()
 def predict(model: torch.nn.Module, loader, predict_fn: PredictFn, accelerator: Accelerator, dp: Any,
             autocast: Callable[[], ContextManager], num_examples: int, lockstep: bool = False,
-            ) -> torch.Tensor:  # fmt: skip
-    """Every example's prediction, in dataset order, on every process (on the CPU).
+            host: Any = None) -> torch.Tensor:  # fmt: skip
+    """Every example's prediction, in dataset order, on every process, on the CPU (fp32 for predictions computed in
+    bf16 or fp16 under mixed precision, which numpy cannot read).
 
-    Data-parallel process k of K (``dp``) holds rows for examples k, k+K, ...: each pads its rows to ceil(n / K),
-    one gather brings them all (rank-major), and reading them row by row across ranks restores the order. Every
-    batch's predictions must have the same trailing shape.
+    Each batch's rows leave the device as they are made (a language model's logits are examples x tokens x
+    vocabulary: kept on the device, 1,000 GPT-2 sequences of 1,024 tokens would be 206 GB). Data-parallel process k
+    of K (``dp``) holds rows for examples k, k+K, ...: each pads its rows to ceil(n / K), one gather over the
+    ``host`` gloo group brings them all (rank-major), and reading them row by row across ranks restores the order.
+    Every batch's predictions must have the same trailing shape.
     """
     rows = []
     for batch, counted in in_lockstep(loader, accelerator.device) if lockstep else ((b, True) for b in loader):
         with autocast():
             prediction = predict_fn(model, batch).detach()
         if counted:
-            rows.append(prediction)
+            low = prediction.is_floating_point() and prediction.element_size() < 4
+            rows.append((prediction.float() if low else prediction).cpu())
     local = torch.cat(rows) if rows else None
     world = dp.size
     if world == 1:
-        return local.cpu()
+        return local
     # A process with no example (fewer examples than processes) learns the shape from the main process.
     template = [(tuple(local.shape[1:]), local.dtype) if local is not None else None]
     broadcast_object_list(template)
     trailing, dtype = template[0]
     per_process = math.ceil(num_examples / world)
-    padded = torch.zeros((per_process, *trailing), dtype=dtype, device=accelerator.device)
+    padded = torch.zeros((per_process, *trailing), dtype=dtype)
     if local is not None:
         padded[: len(local)] = local
     shares = [torch.empty_like(padded) for _ in range(world)]
-    torch.distributed.all_gather(shares, padded, group=dp.group)
-    return torch.stack(shares, dim=1).reshape(world * per_process, *trailing)[:num_examples].cpu()
+    torch.distributed.all_gather(shares, padded, group=host)  # on the CPU: every process's rows, on none's device
+    return torch.stack(shares, dim=1).reshape(world * per_process, *trailing)[:num_examples]
 
 
 def in_lockstep(loader, device: torch.device) -> Iterator[tuple[Any, bool]]:

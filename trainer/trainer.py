@@ -100,7 +100,7 @@ class Trainer:
                                 self.telemetry.window, config, self.optimization, self.host if self.stream else None)
         self.weighing, self.nonfinite, self.autocast = self.steps.weighing, self.steps.nonfinite, self.steps.autocast
         self.evaluator = Evaluator(self.unwrapped_model, self.loss_fn, metrics_fn, acc, self.parallel.dp, self.autocast,
-                                   self.weighing.count, self.parallel.lockstep,
+                                   self.weighing.count, self.parallel.lockstep, self.host,
                                    functools.partial(loader, model=self.unwrapped_model, evaluation=True))  # fmt: skip
         self.keep_best = hooks.KeepBest(config.keep_best, config.keep_best_mode, config.load_best_at_end is not False)
         self.should_stop, self.stop_reason, self.stopped = False, None, None  # stop_reason: said with the stop
