@@ -114,6 +114,11 @@ def test_preflight_reads_a_config_and_names_each_problem():
     assert "2 machine(s) x 8 process(es) = 16 processes" in shipped.stdout
     assert "rendezvous: static at 127.0.0.1:29500" in shipped.stdout
     assert "PROBLEM: main_process_ip 127.0.0.1 is a loopback address" in shipped.stdout
+    # gloo's interface: the trainer's CPU groups hang where the hostname resolves to one the other nodes cannot reach.
+    assert "network: GLOO_SOCKET_IFNAME is not set" in shipped.stdout
+    named = run([sys.executable, "-m", "trainer.check", "--config_file", CONFIGS / "multi_node.yaml"],
+                expect_ok=False, env=clean_env(GLOO_SOCKET_IFNAME="eth7"))  # fmt: skip
+    assert "  network: gloo on eth7" in named.stdout
 
 
 @pytest.mark.parametrize("shared", [True, False])

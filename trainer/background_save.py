@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -64,11 +65,11 @@ class BackgroundSaves:
         errors_group: the host group every process learns the others' errors on (``trainer.agreement``).
     """
 
-    def __init__(self, main: bool, world_size: int, errors_group: Any):
+    def __init__(self, main: bool, world_size: int, errors_group: Any, timeout_s: Optional[float] = None):
         self.main, self.errors_group = main, errors_group
         # The writes' own collectives, from their own thread: never a group the main thread uses too. A gloo group
         # even for one process: DCP's background save refuses a group without a CPU backend (NCCL on one GPU).
-        self.group = writers_group(world_size)
+        self.group = writers_group(world_size, timeout_s)
         self.in_flight: Optional[BackgroundSave] = None
 
     def start(self, future: Future, staging: Path, commit: Callable[[], Path]) -> None:
@@ -91,16 +92,18 @@ class BackgroundSaves:
         return save.staging.parent / save.staging.name.removeprefix(".tmp-")
 
 
-def writers_group(world_size: int) -> Any:
+def writers_group(world_size: int, timeout_s: Optional[float] = None) -> Any:
     """A gloo group of every process for the background writes (collective, once), or None without a process group
-    (one process, nothing to agree with)."""
+    (one process, nothing to agree with). Its collectives give up after ``timeout_s`` (the config's
+    ``collective_timeout_s``), not torch's 30 minutes."""
     if world_size == 1 and not torch.distributed.is_initialized():
         return None
-    return torch.distributed.new_group(backend="gloo")
+    timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+    return torch.distributed.new_group(backend="gloo", **timeout)
 
 
-def background_saves(save_async: bool, sharded: bool, main: bool, world_size: int,
-                     errors_group: Any) -> Optional[BackgroundSaves]:  # fmt: skip
+def background_saves(save_async: bool, sharded: bool, main: bool, world_size: int, errors_group: Any,
+                     timeout_s: Optional[float] = None) -> Optional[BackgroundSaves]:  # fmt: skip
     """The background saves of a run with ``save_async``; None without. Only a sharded model's checkpoint is written
     by torch.distributed.checkpoint, which can write in the background: on a DDP run it is refused."""
     if not save_async:
@@ -109,4 +112,4 @@ def background_saves(save_async: bool, sharded: bool, main: bool, world_size: in
         raise CheckpointError("save_async: true writes a sharded (FSDP2) model's checkpoints in the background, and "
                               "this run is DDP: launch with an FSDP config (accelerate_configs/fsdp.yaml) or set "
                               "save_async: false")  # fmt: skip
-    return BackgroundSaves(main, world_size, errors_group)
+    return BackgroundSaves(main, world_size, errors_group, timeout_s)

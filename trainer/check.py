@@ -76,6 +76,11 @@ def describe_config(path: str, launched: bool, num_processes: Optional[int] = No
     if machines > 1:
         lines.append(f"  rendezvous: {config.rdzv_backend} at {config.main_process_ip}:{config.main_process_port}; "
                      "each node passes its own --machine_rank")  # fmt: skip
+        interface = os.environ.get("GLOO_SOCKET_IFNAME")
+        unset = ("  network: GLOO_SOCKET_IFNAME is not set: gloo (the trainer's CPU agreements) uses the interface "
+                 "this host's name resolves to; where that one does not reach the other nodes, export "
+                 "GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME)")  # fmt: skip
+        lines.append(f"  network: gloo on {interface}" if interface else unset)
         if not launched:
             problems += _rendezvous_problems(config.main_process_ip, config.main_process_port)
     return lines, problems, processes

@@ -67,7 +67,7 @@ class Checkpointer:
         if stream is not None:
             parts["data"] = StreamPositions(stream, state, acc.process_index, host)
         saves = background_saves(config.save_async, model.format != "DDP", acc.is_main_process, acc.num_processes,
-                                 host)  # fmt: skip
+                                 host, config.collective_timeout_s)  # fmt: skip
         return cls(acc, config.output_dir, config.keep_last, saves, setup, parts)
 
     def register(self, name: str, part: Any) -> None:
