@@ -257,13 +257,17 @@ def _destroy_process_group_at_exit() -> None:
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             return
         error = getattr(sys, "last_exc", getattr(sys, "last_value", None))
+        nccl = torch.distributed.get_backend() == "nccl"
         if error is None or isinstance(error, Refusal) and error.job_wide:
-            work = torch.distributed.barrier(async_op=True)  # every rank's collectives are done before teardown
+            # On NCCL the barrier names this process's GPU (without it torch warns, guessing the device).
+            on = {"device_ids": [torch.cuda.current_device()]} if nccl else {}
+            work = torch.distributed.barrier(async_op=True, **on)  # every rank's collectives are done first
             _TEARDOWN_WORK.append(work)
             try:
                 work.wait() if error is None else work.wait(timedelta(seconds=30))
-            except RuntimeError:  # a peer that did not come: tear down anyway
-                pass
+            except RuntimeError:  # a peer that did not come: tear down anyway, but not NCCL, whose teardown after
+                if nccl:  # a timed-out collective can hang until its watchdog aborts (pytorch/pytorch#141510)
+                    return
         torch.distributed.destroy_process_group()
 
     atexit.register(destroy)
