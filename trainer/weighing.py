@@ -165,7 +165,14 @@ class Weighing:
             return
         grads = [p.grad for p in parameters if p.grad is not None]
         device = grads[0].device
-        count = torch.stack([torch.as_tensor(c, dtype=torch.float32, device=device) for c in window.summed]).sum()
+        # Counts given as numbers are summed here and added as a scalar: a number made a device tensor is a blocking
+        # host-to-device copy each (a GPU waits for it); counts given as tensors stay where they are.
+        tensors = [c.to(device=device, dtype=torch.float32) for c in window.summed if torch.is_tensor(c)]
+        numbers = float(sum(c for c in window.summed if not torch.is_tensor(c)))
+        if tensors:
+            count = torch.stack(tensors).sum() + numbers if numbers else torch.stack(tensors).sum()
+        else:
+            count = torch.full((), numbers, dtype=torch.float32, device=device)
         if self.world > 1:
             dist.all_reduce(count, group=self.group)
         torch._foreach_mul_(grads, self.world / count)  # as torch's clip_grad_norm_ scales gradients
