@@ -58,3 +58,18 @@ def test_a_step_asks_importlib_and_inspect_nothing():
     # 0.2 ms a step, a quarter of a small model's step on this CPU.
     result = run([sys.executable, "-c", COUNT_PER_STEP_CHECKS.format(root=str(ROOT))])
     assert "COUNTS {'find_spec': 0, 'signature': 0}" in result.stdout
+
+
+def test_steps_that_do_not_log_read_nothing_back_from_the_device(tmp_path):
+    """The README's "no host synchronisation except on steps that log", counted: every host read of a tensor the
+    trainer makes during fit() (item, tolist, bool, float, int, numpy, cpu; tests/host_reads.py), under FSDP2 with the
+    model's token-weighted loss and under DDP with a (loss_sum, count) loss, both with accumulation and clipping, 2
+    processes. Steps 1, 2, 4, 5 do not log: none there. A log step reads its figures once (and the last one checks
+    for NaN and exports)."""
+    accelerate_launch(ROOT / "tests" / "host_reads.py", "--out", tmp_path, config="fsdp.yaml")
+    for job, found in json.loads((tmp_path / "reads.json").read_text()).items():
+        assert found["logging_steps"] == [3, 6], job
+        silent = {step: reads for step, reads in found["reads"].items() if int(step) not in found["logging_steps"]}
+        assert silent == {}, job
+        log_step = found["reads"]["3"]  # the window's figures in one read, the throughput's figure
+        assert len(log_step) <= 2 and all(read.startswith("telemetry.py:") for read in log_step), (job, log_step)
