@@ -66,3 +66,26 @@ def test_predictions_made_in_bf16_come_back_as_fp32_on_the_cpu():
     rows = predict(model, loader, lambda m, batch: m(batch), SimpleNamespace(device=torch.device("cpu")), single,
                    autocast, num_examples=3)  # fmt: skip
     assert rows.dtype == torch.float32 and rows.device.type == "cpu" and rows.numpy().shape == (3, 2)
+
+
+def test_a_users_metrics_on_the_cpu_join_the_trainers_sums_on_any_device():
+    """metrics_fn returning numpy or CPU tensors (sklearn, .cpu()) while the trainer's sums live on the device: on
+    a CPU host the meta device stands in for a GPU. Everything is combined on the device; the only failure left is
+    the final read, which a meta tensor cannot give (a GPU's can)."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    from trainer.evaluation import evaluate
+
+    meta = torch.device("meta")
+    batches = [torch.ones(2, 3), torch.ones(1, 3)]
+    loss_fn = lambda model, batch: torch.zeros((), device=meta)  # noqa: E731
+    metrics_fn = lambda model, batch: {"numpy": np.ones(len(batch)), "cpu": torch.ones(len(batch))}  # noqa: E731
+    single = SimpleNamespace(size=1, rank=0, group=None)
+    accelerator = SimpleNamespace(device=meta, num_processes=1)
+    with pytest.raises(NotImplementedError, match="meta"):  # "Cannot copy out of meta tensor": the final read
+        evaluate(torch.nn.Identity(), batches, loss_fn, metrics_fn, accelerator, single, contextlib.nullcontext,
+                 lambda batch: None)  # fmt: skip
