@@ -59,8 +59,11 @@ EXAMPLE_DEFAULTS = dict(output_dir="runs/gpt2", experiment_name="gpt2", batch_si
 GPU_BATCH_SIZE = 32
 
 # Dense bf16/fp16 peak FLOP/s of common GPUs, for MFU; override with --peak-flops.
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12,
-              "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12, "T4": 65e12}  # fmt: skip
+# Dense bf16/fp16 peaks. The first name found in the device's name counts, so a name that contains another comes
+# first ("H100 PCIe" before "H100", "L40S" and "L40" before "L4", "A100" before "A10").
+PEAK_FLOPS = {"H200": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "A100": 312e12,
+              "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10": 125e12, "RTX 4090": 165e12, "RTX 3090": 71e12,
+              "V100": 125e12, "T4": 65e12}  # fmt: skip
 
 
 @dataclass
@@ -207,9 +210,11 @@ class Throughput:
 
 
 def gpu_peak_flops(device: torch.device) -> Optional[float]:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
+    return peak_flops_of(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+
+
+def peak_flops_of(name: str) -> Optional[float]:
+    """The peak of the GPU called ``name`` (``torch.cuda.get_device_name``), None for one not in the table."""
     return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
 
 

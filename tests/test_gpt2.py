@@ -116,3 +116,11 @@ def test_model_name_and_train_file_take_local_paths(tmp_path):
     assert re.search(r"^gpt2 \| [\d,]+ parameters, \d+ train and \d+ eval sequences of 32 tokens$", result.stdout, re.M)
     assert re.search(r"^step 4/4 \| .* examples/s \| [\d,]+ tokens/s \| MFU [\d.]+%$", result.stdout, re.M)
     assert not (tmp_path / "second" / "tokenizer").exists(), "a --model-name run uses that model's tokenizer"
+
+
+def test_mfu_reads_the_peak_of_the_card_named_not_of_one_whose_name_it_contains():
+    example = load_example()
+    peaks = {name: example.peak_flops_of(name) for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe",
+                                                            "NVIDIA L40", "NVIDIA L4", "NVIDIA A10G", "NVIDIA B200")}
+    assert peaks == {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA L40": 181e12,
+                     "NVIDIA L4": 121e12, "NVIDIA A10G": 125e12, "NVIDIA B200": None}  # fmt: skip
