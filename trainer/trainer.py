@@ -137,7 +137,7 @@ class Trainer:
         return metrics
 
     def predict(self, data: Dataset, predict_fn: Optional[PredictFn] = None) -> torch.Tensor:
-        """One row per example of ``data`` (a map-style Dataset), in dataset order, on every process (on the CPU);
+        """One row per example of ``data`` (a map-style Dataset), in dataset order, on every process (CPU, fp32);
         ``predict_fn(model, batch) -> tensor`` (default ``model(**batch).logits``) runs on the plain module in eval
         mode, without gradients, under the launch's autocast (``trainer.evaluation``)."""
         return self.evaluator.predict(data, predict_fn)
