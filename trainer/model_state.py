@@ -186,16 +186,12 @@ def save_model_config(model: torch.nn.Module, folder: Path) -> None:
 
 def _once_each(state: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
     """A transformers model's state without the second name of a tied weight (``from_pretrained`` ties it again,
-    as ``save_pretrained`` leaves it out); a plain module's whole (``load_state_dict`` wants every name)."""
+    as ``save_pretrained`` leaves it out); a plain module's whole (``load_state_dict`` wants every name). The ties
+    come from the module's structure, the same on every process (a sharded export gathers by these names)."""
     if not hasattr(model, "save_pretrained"):
         return state
-    seen: set[int] = set()
-    kept = {}
-    for name, tensor in state.items():
-        if id(tensor) not in seen:
-            kept[name] = tensor
-        seen.add(id(tensor))
-    return kept
+    second = {name for names in tied_weights(model) for name in [n for n in state if n in names][1:]}
+    return {name: tensor for name, tensor in state.items() if name not in second}
 
 
 def tied_weights(model: torch.nn.Module) -> list[list[str]]:
