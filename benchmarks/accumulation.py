@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from memory import FSDP2_ENV, peak_bytes  # noqa: E402
+from memory import FSDP2_ENV, launch_measured, peak_bytes  # noqa: E402
 
 
 class StepTimes:
@@ -66,19 +64,11 @@ def worker(args) -> None:
 
 
 def run(every: bool, args, round_: int) -> list[dict]:
-    # A fixed mmap threshold, so that the RSS forgets freed tensors (see benchmarks/memory.py).
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "MALLOC_MMAP_THRESHOLD_": "65536",
-           **FSDP2_ENV}  # fmt: skip
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.processes),
-               __file__, "--worker", "--out", str(Path(args.out) / f"{every}-{round_}"), "--layers", str(args.layers),
-               "--width", str(args.width), "--vocab", str(args.vocab), "--seq-len", str(args.seq_len),
-               "--batch-size", str(args.batch_size), "--accumulation", str(args.accumulation), "--steps",
-               str(args.steps), *(["--every"] if every else [])]  # fmt: skip
-    result = subprocess.run(command, env=env, capture_output=True, text=True)
-    line = next((line for line in result.stdout.splitlines() if line.startswith("MEASURED ")), None)
-    if line is None:
-        raise SystemExit(f"failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    return json.loads(line.removeprefix("MEASURED "))
+    flags = ["--out", str(Path(args.out) / f"{every}-{round_}"), "--layers", str(args.layers), "--width",
+             str(args.width), "--vocab", str(args.vocab), "--seq-len", str(args.seq_len), "--batch-size",
+             str(args.batch_size), "--accumulation", str(args.accumulation), "--steps", str(args.steps),
+             *(["--every"] if every else [])]  # fmt: skip
+    return launch_measured(__file__, args.processes, flags, FSDP2_ENV, "accumulation")
 
 
 def main() -> None:

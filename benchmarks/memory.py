@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -97,22 +98,28 @@ def worker(args) -> None:
                                         else sum(p.numel() for p in model.parameters()), "ranks": rows}))
 
 
-def run(kind: str, processes: int, args) -> dict:
-    start, settings = KINDS[kind]
-    # A fixed mmap threshold: glibc's default raises it as large blocks are freed and then keeps freed memory, so
-    # the RSS would count tensors long gone (a GPU allocator's peak would not).
+def launch_measured(script: str, processes: int, flags: list[str], settings: dict[str, str], what: str) -> Any:
+    """torchrun of ``script --worker flags`` on ``processes`` CPU processes; what its main process printed after
+    ``MEASURED``. glibc's mmap threshold is fixed: its default raises it as large blocks are freed and then keeps
+    freed memory, so the RSS would count tensors long gone (a GPU allocator's peak would not)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "MALLOC_MMAP_THRESHOLD_": "65536",
            **settings}  # fmt: skip
-    out = Path(args.out) / f"{kind.replace(', ', '-')}-{processes}"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
-               __file__, "--worker", "--out", str(out), "--layers", str(args.layers), "--width", str(args.width),
-               "--vocab", str(args.vocab), "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
-               "--start-from", start, "--pretrained", str(Path(args.out) / "pretrained")]
+               script, "--worker", *flags]  # fmt: skip
     result = subprocess.run(command, env=env, capture_output=True, text=True)
     line = next((line for line in result.stdout.splitlines() if line.startswith("MEASURED ")), None)
     if line is None:
-        raise SystemExit(f"{kind} x {processes} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+        raise SystemExit(f"{what} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return json.loads(line.removeprefix("MEASURED "))
+
+
+def run(kind: str, processes: int, args) -> dict:
+    start, settings = KINDS[kind]
+    out = Path(args.out) / f"{kind.replace(', ', '-')}-{processes}"
+    flags = ["--out", str(out), "--layers", str(args.layers), "--width", str(args.width), "--vocab", str(args.vocab),
+             "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--start-from", start,
+             "--pretrained", str(Path(args.out) / "pretrained")]  # fmt: skip
+    return launch_measured(__file__, processes, flags, settings, f"{kind} x {processes}")
 
 
 def main() -> None:

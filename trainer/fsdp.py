@@ -34,7 +34,17 @@ from accelerate.utils import FullyShardedDataParallelPlugin, parse_flag_from_env
 from trainer.activation_checkpointing import checkpoint_activations, outermost
 from trainer.console import say
 from trainer.errors import ShardingError
-from trainer.materialize import META, built_on_meta, fill, first_process_says, from_first_process, initialise, region
+from trainer.materialize import (
+    META,
+    built_on_meta,
+    fill,
+    first_process_says,
+    from_first_process,
+    initialise,
+    region,
+    to_upcast,
+    upcast_words,
+)
 
 FULLY_SHARDED = "FSDP2"
 FROM_META, FROM_FIRST = "meta", "first process"  # where a sharded model's weights come from
@@ -52,7 +62,7 @@ class ShardedModel:
     built_on_meta: bool = False  # initialised as it was sharded, rather than sent by the first process
 
     def describe(self) -> str:
-        upcast = f"; {len(self.upcast)} low-precision trainable tensors upcast to fp32 masters" if self.upcast else ""
+        upcast = f"; {upcast_words(self.upcast)}" if self.upcast else ""
         upcast += "; built on meta, each process initialised its shards" if self.built_on_meta else ""
         checkpointed = ", activation checkpointing" if self.activation_checkpointing else ""
         return (f"{FULLY_SHARDED} over {self.processes} processes: {self.parameters:,} parameters, {self.held:,} "
@@ -105,8 +115,7 @@ def shard(model: torch.nn.Module, plugin: FullyShardedDataParallelPlugin, mesh: 
     start = first_process_says(how_to_start(model), world)  # every process takes the first one's path
     if start not in (FROM_META, FROM_FIRST):
         raise ShardingError(start)
-    upcast = [name for name, p in model.named_parameters() if p.requires_grad and p.dtype != torch.float32]
-    upcast_ids = {id(p) for p in model.parameters() if p.requires_grad and p.dtype != torch.float32}
+    upcast = to_upcast(model)
     groups = wrap_groups(model, plugin)
     recompute = recompute or bool(plugin.activation_checkpointing)
     if recompute:
@@ -119,7 +128,7 @@ def shard(model: torch.nn.Module, plugin: FullyShardedDataParallelPlugin, mesh: 
     done: set[int] = set()
     for group in [*groups, model]:  # children before parents; the root last, holding the rest (tied embeddings)
         modules = region(group, done)
-        fill(modules, device, source, upcast_ids)
+        fill(modules, device, source, set(upcast))
         if start == FROM_META:
             initialise(model, modules, seed, device)
         after = {} if group is model else {"reshard_after_forward": bool(plugin.reshard_after_forward)}
@@ -130,7 +139,7 @@ def shard(model: torch.nn.Module, plugin: FullyShardedDataParallelPlugin, mesh: 
         parameters=sum(_global_numel(p) for p in model.parameters()),
         held=sum(_local_numel(p) for p in model.parameters()),
         groups=len(groups),
-        upcast=upcast,
+        upcast=list(upcast.values()),
         activation_checkpointing=recompute,
         built_on_meta=start == FROM_META,
     )

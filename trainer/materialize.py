@@ -35,6 +35,17 @@ def built_on_meta(model: torch.nn.Module) -> bool:
     return bool(parameters) and all(p.device == META for p in parameters)
 
 
+def to_upcast(model: torch.nn.Module) -> dict[int, str]:
+    """The trainable parameters of a precision below fp32, by id, with their names: they get fp32 master weights
+    (AdamW state in bf16 stalls training without an error; fp16 weights cannot be unscaled)."""
+    return {id(p): name for name, p in model.named_parameters() if p.requires_grad and p.dtype != torch.float32}
+
+
+def upcast_words(names: list[str]) -> str:
+    """The banner's words for ``names`` upcast ('' for none)."""
+    return f"{len(names)} low-precision trainable tensors upcast to fp32 masters" if names else ""
+
+
 def region(module: torch.nn.Module, done: set[int]) -> list[torch.nn.Module]:
     """``module`` and its submodules, children before parents (the order ``model.apply`` initialises in), without
     those inside a part already placed (``done``: ids of modules)."""

@@ -26,7 +26,7 @@ from trainer.config import TrainConfig
 from trainer.errors import ShardingError, UnusedParameters
 from trainer.fsdp import FULLY_SHARDED, ShardedModel, requested_plugin, shard
 from trainer.launch import build_accelerator, num_machines
-from trainer.materialize import built_on_meta, fill, initialise, region
+from trainer.materialize import built_on_meta, fill, initialise, region, to_upcast, upcast_words
 from trainer.model_state import ModelState
 
 
@@ -139,26 +139,24 @@ class Parallelism:
         threads = f", {torch.get_num_threads()} CPU threads per process" if device.type == "cpu" else ""
         launch = (f"{acc.num_processes} process(es) on {num_machines(acc)} machine(s), device {device.type} ({kind})"
                   f"{threads}, mixed precision {acc.mixed_precision}")  # fmt: skip
-        upcast = f"{len(self.upcast)} low-precision trainable tensors upcast to fp32 masters" if self.upcast else ""
-        return launch, self.sharded.describe() if self.sharded else upcast, self.dp.size
+        return launch, self.sharded.describe() if self.sharded else upcast_words(self.upcast), self.dp.size
 
 
 def whole_on_device(model: torch.nn.Module, device: torch.device, seed: int) -> list[str]:
     """A model for DDP, whole on ``device`` with fp32 master weights (AdamW state in bf16 stalls training without an
     error; fp16 weights cannot be unscaled): a model built on meta is initialised as a sharded one is
     (``trainer.materialize``: the same weights, whatever the process count). Returns the names upcast."""
-    upcast = [name for name, p in model.named_parameters() if p.requires_grad and p.dtype != torch.float32]
-    upcast_ids = {id(p) for p in model.parameters() if p.requires_grad and p.dtype != torch.float32}
+    upcast = to_upcast(model)
     if built_on_meta(model):
         modules = region(model, set())
-        fill(modules, device, None, upcast_ids)
+        fill(modules, device, None, set(upcast))
         initialise(model, modules, seed, device)
-        return upcast
+        return list(upcast.values())
     for parameter in model.parameters():
-        if id(parameter) in upcast_ids:
+        if id(parameter) in upcast:
             parameter.data = parameter.data.float()
     model.to(device)
-    return upcast
+    return list(upcast.values())
 
 
 def unused_parameters(err: RuntimeError) -> Optional[UnusedParameters]:
