@@ -25,6 +25,7 @@ from accelerate.utils import DistributedType, find_batch_size
 
 from trainer.agreement import StreamAgreement
 from trainer.config import TrainConfig
+from trainer.gradients import clip_, total_norm
 from trainer.log_window import LogWindow
 from trainer.nonfinite import NonFiniteGuard
 from trainer.optim import Optimization
@@ -64,8 +65,9 @@ class Phases:
 class Stepper:
     """backward, step and zero_grad of one prepared optimizer, through accelerate only where it does work."""
 
-    def __init__(self, accelerator: Accelerator, optimizer: Any):
+    def __init__(self, accelerator: Accelerator, optimizer: Any, spread: bool = False):
         self.accelerator = accelerator
+        self.spread = spread  # the gradients are DTensors (a sharded or tensor-parallel model): trainer.gradients
         self.prepared = optimizer  # accelerate's AcceleratedOptimizer (a sharded model's: the optimizer itself)
         inner = getattr(optimizer, "optimizer", optimizer)
         plain = inner is optimizer or accelerator.scaler is None and accelerator.distributed_type in PLAIN_TYPES
@@ -80,16 +82,19 @@ class Stepper:
         """Clip the gradients to ``max_norm`` (None: leave them), and return their norm before clipping when
         clipped or ``measure`` (a step that logs), else None: a device tensor, read only when the step logs."""
         if max_norm is not None:
+            if self.spread:
+                return clip_(parameters, max_norm)
             return self.accelerator.clip_grad_norm_(parameters, max_norm)
         if not measure:
             return None
+        if self.spread:
+            grads = [p.grad for p in parameters if p.grad is not None]
+            return total_norm(grads) if grads else None
         self.accelerator.unscale_gradients()  # fp16: the true gradients' norm (the step then takes them unscaled)
         grads = [p.grad for p in parameters if p.grad is not None]
         if not grads:
             return None
-        if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6; sharded (DTensor) gradients too
-            return torch.nn.utils.get_total_norm(grads)
-        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        return torch.nn.utils.get_total_norm(grads)  # whole and the same on every process: no collective
 
     def step(self) -> None:
         """The optimizer step; under fp16, whether the loss scaler skipped it, read off the scale it backed off.
@@ -124,7 +129,7 @@ class StepRunner:
         self.schedule_moves = optimization.schedule_moves
         # A stream on several processes: they agree on each window's micro-batches (streams may end apart).
         self.agree = StreamAgreement(stream_group, parallel.dp.size) if stream_group is not None else None
-        self.stepper = Stepper(parallel.accelerator, optimizer)
+        self.stepper = Stepper(parallel.accelerator, optimizer, spread=parallel.sharded is not None)
         self.autocast = parallel.autocast(model)  # forward and loss run under it
         self.phases = Phases(_NoReporter(), window)
         self.lr: Any = None

@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from trainer.gradients import scale_
 from trainer.hf import LossFunctionProbe, accepts_loss_kwargs, causal_lm, is_transformers_model
 from trainer.losses import LossFn, checked, model_loss
 
@@ -175,4 +176,4 @@ class Weighing:
             count = torch.full((), numbers, dtype=torch.float32, device=device)
         if self.world > 1:
             dist.all_reduce(count, group=self.group)
-        torch._foreach_mul_(grads, self.world / count)  # as torch's clip_grad_norm_ scales gradients
+        scale_(grads, self.world / count)  # each process's pieces (a DTensor's per-parameter dispatch costs more)
