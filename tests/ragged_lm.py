@@ -46,14 +46,23 @@ def ragged_rows(count: int) -> list[dict]:
 
 
 def tiny_gpt2(classifier: bool = False, build: str = "cpu", pretrained: str | None = None,
-              width: int = 32, layers: int = 2) -> torch.nn.Module:  # fmt: skip
+              width: int = 32, layers: int = 2, arch: str = "gpt2") -> torch.nn.Module:  # fmt: skip
     """The language model, or (``classifier``) GPT-2 classifying each sequence into 3 classes: a transformers
     model whose forward takes **kwargs but computes its loss inline, a mean over its examples. ``build``: on the
     CPU (seed 0), on the meta device, or on the CPU seeded with each process's rank (nanoGPT's way);
     ``pretrained``: ``from_pretrained`` of that folder (a classifier gets a new head). ``width`` and ``layers``: a
-    larger model, where the weights outweigh what every process holds anyway."""
+    larger model, where the weights outweigh what every process holds anyway. ``arch="llama"``: a Llama of the same
+    size instead, which has a tensor-parallel plan."""
     torch.manual_seed(int(os.environ.get("RANK", "0")) if build == "seeded_per_rank" else 0)
     kind = GPT2ForSequenceClassification if classifier else GPT2LMHeadModel
+    if arch == "llama":  # a model with a tensor-parallel plan of its own (GPT-2 has none)
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(vocab_size=VOCAB, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
+                             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=SEQ,
+                             tie_word_embeddings=False, pad_token_id=0, bos_token_id=0, eos_token_id=0)  # fmt: skip
+        with torch.device("meta" if build == "meta" else "cpu"):
+            return LlamaForCausalLM(config)
     if pretrained:
         return kind.from_pretrained(pretrained, num_labels=3)
     config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=width, n_layer=layers, n_head=2, resid_pdrop=0.0,
@@ -139,13 +148,14 @@ def ours(args) -> dict:
                          resume=args.resume_from or ("auto" if args.save_every else None))  # fmt: skip
     seen = Seen()
     floor = reset_peak_memory() if args.peak else None
-    model = tiny_gpt2(args.model == "classifier", args.build, args.pretrained, args.width, args.layers)
+    model = tiny_gpt2(args.model == "classifier", args.build, args.pretrained, args.width, args.layers, args.arch)
     if args.bf16_model:
         model.to(torch.bfloat16)
     computed = set()  # the dtype of the weights a matmul of the first block sees in forward
-    first = next(m for m in model.modules() if type(m).__name__ == "Conv1D")
+    first = next(m for m in model.modules() if type(m).__name__ in ("Conv1D", "Linear"))
     first.register_forward_pre_hook(lambda module, inputs: computed.add(str(module.weight.dtype)))
-    trainer = Trainer(model, config, train_data=data, collate_fn=seen,
+    own_split = split_mlps if args.parallelize_fn else None
+    trainer = Trainer(model, config, train_data=data, collate_fn=seen, parallelize_fn=own_split,
                       eval_data=rows[: args.eval_examples] if args.eval else None,
                       loss_fn=pair_loss if args.loss == "pair" else None,
                       callbacks=[CrashAfter(args.crash_at)] if args.crash_at else [])  # fmt: skip
@@ -177,6 +187,15 @@ def ours(args) -> dict:
             input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.argmax(-1))
         summary["predicted"] = predicted.tolist()
     return summary
+
+
+def split_mlps(model: torch.nn.Module, tp_mesh) -> None:
+    """A user's own tensor-parallel split of the Llama: its MLPs only (the attention stays whole)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    for block in model.model.layers:
+        parallelize_module(block.mlp, tp_mesh, {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(),
+                                                "down_proj": RowwiseParallel()})  # fmt: skip
 
 
 def reset_peak_memory() -> int:
@@ -280,6 +299,8 @@ def main() -> None:
     parser.add_argument("--reduce_every", action="store_true", help="reduce_every_micro_batch: true")
     parser.add_argument("--width", type=int, default=32, help="the model's width (see tiny_gpt2)")
     parser.add_argument("--layers", type=int, default=2, help="the model's blocks")
+    parser.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2", help="see tiny_gpt2")
+    parser.add_argument("--parallelize_fn", action="store_true", help="split the Llama's MLPs by split_mlps")
     parser.add_argument("--peak", action="store_true", help="write every process's peak memory during the job")
     parser.add_argument("--build", choices=["cpu", "meta", "seeded_per_rank"], default="cpu", help="see tiny_gpt2")
     parser.add_argument("--pretrained", default=None, help="from_pretrained of this folder (see tiny_gpt2)")

@@ -34,13 +34,16 @@ class StreamAgreement:
     """How many micro-batches each process holds in a stream's accumulation window: ``(fewest, total)``."""
 
     def __init__(self, group: Any, world_size: int):
+        """``group``: every process; ``world_size``: the data-parallel ones (a tensor-parallel group's processes
+        read the same stream, so each holds what the others of its group hold)."""
         self.group = group
-        self.counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
+        self.counts = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+        self.copies = len(self.counts) // world_size
 
     def __call__(self, held: int) -> tuple[int, int]:
         dist.all_gather(self.counts, torch.tensor([held], dtype=torch.int64), group=self.group)
         counts = [int(c) for c in self.counts]
-        return min(counts), sum(counts)
+        return min(counts), sum(counts) // self.copies
 
 
 def gather_objects(mine: Any, group: Any) -> list[Any]:

@@ -95,12 +95,12 @@ def step_line(metrics: dict[str, Any], total_steps: int) -> str:
     return line
 
 
-def banner(launch: tuple[str, str], config: Any, state: Any, total_steps: int, share: Optional[int],
+def banner(launch: tuple[str, str, int, str], config: Any, state: Any, total_steps: int, share: Optional[int],
            weighs_tokens: bool, optimization: str) -> str:  # fmt: skip
     """What a run is about to do, said once at the start of ``fit()``: the launch and what sharding did
     (``Parallelism.describe``), the global batch and how its loss is weighed (``share``: the examples a process
     reads per epoch; fewer than a step takes, each step takes them all), the steps, the optimizer and schedule."""
-    batch, accumulation, processes = config.batch_size, config.gradient_accumulation_steps, launch[2]
+    batch, accumulation, processes, reader = config.batch_size, config.gradient_accumulation_steps, *launch[2:]
     global_batch, short = batch * processes * accumulation, ""
     if share is not None and share < batch * accumulation:
         global_batch = share * processes
@@ -108,7 +108,8 @@ def banner(launch: tuple[str, str], config: Any, state: Any, total_steps: int, s
                  f"batch x accumulation: each step takes them all, {global_batch} global")  # fmt: skip
     weighs = "; the loss weighs every counted token alike" if weighs_tokens else ""
     until = f"max_steps={config.max_steps}" if config.max_steps else f"{config.epochs} epochs"
-    lines = (launch[0], launch[1], f"batch {batch} per process x {processes} processes x {accumulation} accumulation "
+    readers = "processes" if reader == "process" else f"{reader.split(' of ')[0]}s"
+    lines = (launch[0], launch[1], f"batch {batch} per {reader} x {processes} {readers} x {accumulation} accumulation "
              f"= {global_batch} global{weighs}", short, f"{state.steps_per_epoch or 'unknown'} optimizer steps per "
              f"epoch, {total_steps} in all ({until}); {optimization}")  # fmt: skip
     return "trainer | " + "\n        | ".join(line for line in lines if line)

@@ -191,8 +191,9 @@ def predict(model: torch.nn.Module, loader, predict_fn: PredictFn, accelerator: 
     padded = torch.zeros((per_process, *trailing), dtype=dtype)
     if local is not None:
         padded[: len(local)] = local
-    shares = [torch.empty_like(padded) for _ in range(world)]
+    shares = [torch.empty_like(padded) for _ in range(torch.distributed.get_world_size(host))]
     torch.distributed.all_gather(shares, padded, group=host)  # on the CPU: every process's rows, on none's device
+    shares = shares[:: len(shares) // world]  # a tensor-parallel group's processes hold the same rows: one each
     return torch.stack(shares, dim=1).reshape(world * per_process, *trailing)[:num_examples]
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -45,6 +46,7 @@ from trainer.materialize import (
     to_upcast,
     upcast_words,
 )
+from trainer.tensor_parallel import TensorParallel
 
 FULLY_SHARDED = "FSDP2"
 FROM_META, FROM_FIRST = "meta", "first process"  # where a sharded model's weights come from
@@ -54,9 +56,10 @@ class ShardedModel:
     """What sharding did to a model, for the banner and the checkpoints."""
 
     processes: int
+    mesh: str  # the banner's name of the mesh: "FSDP2 over 4 processes", "HSDP 2 x 2 (replicate x shard)"
     parameters: int  # elements of the whole model
     held: int  # elements this process holds
-    groups: int  # FSDP groups besides the root
+    groups: Optional[int]  # FSDP groups besides the root (None: not sharded by FSDP, tensor parallelism alone)
     upcast: list[str]  # trainable parameters upcast to fp32 master weights
     activation_checkpointing: bool
     built_on_meta: bool = False  # initialised as it was sharded, rather than sent by the first process
@@ -65,8 +68,9 @@ class ShardedModel:
         upcast = f"; {upcast_words(self.upcast)}" if self.upcast else ""
         upcast += "; built on meta, each process initialised its shards" if self.built_on_meta else ""
         checkpointed = ", activation checkpointing" if self.activation_checkpointing else ""
-        return (f"{FULLY_SHARDED} over {self.processes} processes: {self.parameters:,} parameters, {self.held:,} "
-                f"held by this process ({self.groups} sharded blocks + root{checkpointed}){upcast}")  # fmt: skip
+        groups = "tensor-parallel modules split" if self.groups is None else f"{self.groups} sharded blocks + root"
+        return (f"{self.mesh}: {self.parameters:,} parameters, {self.held:,} "
+                f"held by this process ({groups}{checkpointed}){upcast}")  # fmt: skip
 
 
 def requested_plugin(config: Any) -> Optional[FullyShardedDataParallelPlugin]:
@@ -92,30 +96,42 @@ def requested_plugin(config: Any) -> Optional[FullyShardedDataParallelPlugin]:
 
 
 @contextlib.contextmanager
-def accelerate_without_fsdp() -> Iterator[None]:
+def accelerate_without_sharding() -> Iterator[None]:
     """While the Accelerator is built: accelerate must not take the model for its own FSDP (it would on a GPU host
-    and not on a CPU one), so it sees a plain multi-process launch; the trainer shards the model itself."""
-    saved = os.environ.pop("ACCELERATE_USE_FSDP", None)
+    and not on a CPU one) nor build its own mesh from the parallelism_config (it refuses one on CPU), so it sees a
+    plain multi-process launch; the trainer shards the model over its own mesh (``trainer.mesh``)."""
+    switches = ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_PARALLELISM_CONFIG")
+    saved = {name: os.environ.pop(name) for name in switches if name in os.environ}
     try:
         yield
     finally:
-        if saved is not None:
-            os.environ["ACCELERATE_USE_FSDP"] = saved
+        os.environ.update(saved)
 
 
 def shard(model: torch.nn.Module, plugin: FullyShardedDataParallelPlugin, mesh: Any, device: torch.device,
-          mixed_precision: str, recompute: bool = False, seed: int = 0) -> ShardedModel:  # fmt: skip
-    """Shard ``model`` in place over ``mesh``, one FSDP group at a time (its blocks, then the root with the rest):
-    each group's tensors are made whole on ``device`` (from the first process's weights, or initialised for a model
-    built on meta: ``trainer.materialize``), then sharded, so no process ever holds more than its shards and one
-    group whole. With ``recompute`` (or the config's fsdp_activation_checkpointing) blocks checkpoint activations."""
+          mixed_precision: str, recompute: bool = False, seed: int = 0, name: str = "",
+          tp: Optional[TensorParallel] = None) -> ShardedModel:  # fmt: skip
+    """Shard ``model`` in place over ``mesh`` (1-D: FSDP; replicate x shard: HSDP; None: tensor parallelism alone),
+    one FSDP group at a time (its blocks, then the root with the rest): each group's tensors are made whole on
+    ``device`` (from the first process's weights, or initialised for a model built on meta: ``trainer.materialize``),
+    split over the tensor-parallel mesh (``tp``), then sharded, so no process ever holds more than its shards and
+    one group whole (a user's ``parallelize_fn`` gets the model whole). With ``recompute`` (or the config's
+    fsdp_activation_checkpointing) blocks checkpoint their activations."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    rank, world = mesh.get_rank(), mesh.size()
+    joined = torch.distributed.is_initialized()  # (the mesh joined every process: broadcasts go to all)
+    rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if joined else (0, 1)
     start = first_process_says(how_to_start(model), world)  # every process takes the first one's path
     if start not in (FROM_META, FROM_FIRST):
         raise ShardingError(start)
     upcast = to_upcast(model)
+    source = None if start == FROM_META else from_first_process(rank, world)
+    if tp is not None and mesh is not None:  # a tensor-parallel output is a view of what torch gathered: FSDP warns
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")  # of in-place ops
+    placed = tp is not None and tp.function is not None  # the user's split wants the model whole: placed first
+    if placed:
+        _place(model, region(model, set()), device, source, set(upcast), start, seed)
+        tp.function(model, tp.mesh)
     groups = wrap_groups(model, plugin)
     recompute = recompute or bool(plugin.activation_checkpointing)
     if recompute:
@@ -124,25 +140,35 @@ def shard(model: torch.nn.Module, plugin: FullyShardedDataParallelPlugin, mesh: 
     precision = {}
     if mixed_precision == "bf16":
         precision["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    source = None if start == FROM_META else from_first_process(rank, world)
     done: set[int] = set()
     for group in [*groups, model]:  # children before parents; the root last, holding the rest (tied embeddings)
         modules = region(group, done)
-        fill(modules, device, source, set(upcast))
-        if start == FROM_META:
-            initialise(model, modules, seed, device)
-        after = {} if group is model else {"reshard_after_forward": bool(plugin.reshard_after_forward)}
-        fully_shard(group, mesh=mesh, **after, **precision)
+        if not placed:
+            _place(model, modules, device, source, set(upcast), start, seed)
+            if tp is not None:
+                tp.split(modules)
+        if mesh is not None:
+            after = {} if group is model else {"reshard_after_forward": bool(plugin.reshard_after_forward)}
+            fully_shard(group, mesh=mesh, **after, **precision)
         done.add(id(group))
     return ShardedModel(
         processes=world,
+        mesh=name or f"{FULLY_SHARDED} over {world} processes",
         parameters=sum(_global_numel(p) for p in model.parameters()),
         held=sum(_local_numel(p) for p in model.parameters()),
-        groups=len(groups),
+        groups=len(groups) if mesh is not None else None,
         upcast=list(upcast.values()),
         activation_checkpointing=recompute,
         built_on_meta=start == FROM_META,
     )
+
+
+def _place(model: torch.nn.Module, modules: list[torch.nn.Module], device: torch.device, source: Any,
+           upcast: set[int], start: str, seed: int) -> None:  # fmt: skip
+    """``modules``' tensors whole on ``device``: the first process's, or initialised (a model built on meta)."""
+    fill(modules, device, source, upcast)
+    if start == FROM_META:
+        initialise(model, modules, seed, device)
 
 
 def wrap_groups(model: torch.nn.Module, plugin: FullyShardedDataParallelPlugin) -> list[torch.nn.Module]:

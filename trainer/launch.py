@@ -29,7 +29,7 @@ from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwa
 from trainer import console
 from trainer.config import TrainConfig
 from trainer.errors import LaunchMismatch, Refusal, WorldSizeMismatch
-from trainer.fsdp import accelerate_without_fsdp
+from trainer.fsdp import accelerate_without_sharding
 
 ELASTIC_RECIPE = (
     "The trainer keeps each attempt's keys apart in the launcher's store (pytorch/pytorch#135712); if restarts "
@@ -111,7 +111,7 @@ def build_accelerator(config: TrainConfig) -> Accelerator:
     window, the last short window of an epoch included, where the trainer weighs each by what the window holds.
     """
     distributed_state(config.collective_timeout_s)
-    with accelerate_without_fsdp():  # a sharded model is the trainer's own (trainer.fsdp), on every host alike
+    with accelerate_without_sharding():  # a sharded model is the trainer's own (trainer.fsdp), on every host alike
         accelerator = Accelerator(
             cpu=_use_cpu(),
             step_scheduler_with_optimizer=False,

@@ -7,10 +7,13 @@ checkpointing, before sharding), gradient sync under accumulation, the model's s
 (``trainer.model_state``), evaluation in lockstep, and the banner's words. The training loop never asks which one
 runs, as in torchtitan's ``parallelize`` and Lightning Fabric's strategies.
 
-It also hands out **data-parallel coordinates**: this process's rank among the replicas that read different data,
+The launch's ``parallelism_config`` (``trainer.mesh``) shapes the device mesh: FSDP2 over a (replicate, shard)
+mesh is HSDP, each replica sharded within a node, the replicas all-reducing across nodes.
+
+It also hands out **data-parallel coordinates**: this process's rank among the processes that read different data,
 and their number. The data loaders, the loss weighting, evaluation and the throughput figures read those, never the
 process index and count, so that a tensor-parallel group (processes that share a batch) is a change here and in
-the launch alone. Today every process is a data replica: the coordinates are the process index and count.
+the launch alone.
 """
 
 from __future__ import annotations
@@ -23,11 +26,14 @@ import torch
 
 from trainer.activation_checkpointing import checkpoint_activations, transformer_blocks
 from trainer.config import TrainConfig
+from trainer.console import say
 from trainer.errors import ShardingError, UnusedParameters
 from trainer.fsdp import FULLY_SHARDED, ShardedModel, requested_plugin, shard
 from trainer.launch import build_accelerator, num_machines
 from trainer.materialize import built_on_meta, fill, initialise, region, to_upcast, upcast_words
+from trainer.mesh import TP, data_mesh, data_parallel_group, requested_layout
 from trainer.model_state import ModelState
+from trainer.tensor_parallel import ParallelizeFn, tensor_parallel
 
 
 @dataclass(frozen=True)
@@ -46,8 +52,12 @@ class Parallelism:
 
     def __init__(self, config: TrainConfig):
         self.plugin = requested_plugin(config)  # an FSDP accelerate config, or None: DDP
-        self.accelerator = build_accelerator(config)
-        self.dp = DataParallel(self.accelerator.process_index, self.accelerator.num_processes)
+        self.accelerator = acc = build_accelerator(config)
+        self.layout = requested_layout(acc.num_processes, self.plugin is not None)  # a refused mesh stops here
+        self.mesh = self.layout.build(acc.device.type) if self.layout.sharded else None
+        tp = self.layout.tp  # a tensor-parallel group (consecutive processes) reads one batch
+        self.dp = DataParallel(acc.process_index // tp, acc.num_processes // tp,
+                               data_parallel_group(self.layout, self.mesh) if self.mesh is not None else None)
         self.recompute, self.seed = config.activation_checkpointing, config.seed
         self.reduce_every_micro_batch = config.reduce_every_micro_batch
         self.upcast: list[str] = []  # DDP's trainable tensors upcast to fp32 masters (a sharded model's say theirs)
@@ -62,15 +72,19 @@ class Parallelism:
         """Whether every process must run as many forwards in evaluation (a sharded model's each gather weights)."""
         return self.plugin is not None
 
-    def apply(self, model: torch.nn.Module, own_optimizer: bool) -> torch.nn.Module:
+    def apply(self, model: torch.nn.Module, own_optimizer: bool,
+              parallelize_fn: Optional[ParallelizeFn] = None) -> torch.nn.Module:  # fmt: skip
         """Ready ``model`` before its optimizer is built: sharded over the processes (FSDP2), or left whole for
         ``prepare`` to wrap in DDP; with ``activation_checkpointing`` its blocks recompute their activations. On the
         device either way, so that the optimizer is built there (AdamW then fuses on a GPU).
 
         Under FSDP2 an optimizer built before (a user's) holds the unsharded parameters, which sharding replaces:
-        refused, as transformers' Trainer refuses one under FSDP; the config's is built over the shards."""
+        refused, as transformers' Trainer refuses one under FSDP; the config's is built over the shards.
+        With ``tp_size`` the model is split by its own plan or by ``parallelize_fn`` (``trainer.tensor_parallel``)."""
         acc = self.accelerator
         if self.plugin is None:
+            if parallelize_fn is not None:
+                say("parallelize_fn is not called: tensor parallelism needs an FSDP config", once=True)
             self.upcast = whole_on_device(model, acc.device, self.seed)
             if self.recompute:
                 checkpoint_activations(model, transformer_blocks(model))
@@ -79,10 +93,11 @@ class Parallelism:
             raise ShardingError("with FSDP2 the optimizer must be built over the sharded parameters, after the Trainer "
                                 "shards the model: leave optimizer= and lr_scheduler= out and choose them in the "
                                 "config (optimizer, lr, weight_decay, lr_scheduler, warmup_steps)")  # fmt: skip
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(acc.device.type, (self.dp.size,))  # 1-D: every process a shard of one replica
-        self.sharded = shard(model, self.plugin, mesh, acc.device, acc.mixed_precision, self.recompute, self.seed)
+        if parallelize_fn is not None and self.layout.tp == 1:
+            say("parallelize_fn is not called: the launch's parallelism_config has no tp_size", once=True)
+        tp = tensor_parallel(model, self.mesh[TP], parallelize_fn) if self.layout.tp > 1 else None
+        self.sharded = shard(model, self.plugin, data_mesh(self.layout, self.mesh), acc.device, acc.mixed_precision,
+                             self.recompute, self.seed, self.layout.describe(), tp)  # fmt: skip
         return model
 
     def prepare(self, model: torch.nn.Module, optimizer: Any, loader: Any, scheduler: Any) -> tuple:
@@ -105,9 +120,14 @@ class Parallelism:
     def gradient_sync(self, model: torch.nn.Module, sync: bool) -> ContextManager:
         """The context of one micro-batch's backward: gradients reduced across processes only when ``sync`` (the
         window's last micro-batch). DDP's ``no_sync``; a sharded model's ``set_requires_gradient_sync``, or every
-        micro-batch's reduce-scatter with ``reduce_every_micro_batch`` (sharded gradients accumulate in place)."""
+        micro-batch's reduce-scatter with ``reduce_every_micro_batch`` (sharded gradients accumulate in place; under
+        HSDP the all-reduce across replicas still waits for the window's end)."""
         if self.sharded is not None:
+            if self.sharded.groups is None:  # tensor parallelism alone: no gradient crosses a data replica
+                return contextlib.nullcontext()
             model.set_requires_gradient_sync(sync or self.reduce_every_micro_batch)
+            if self.layout.hybrid:  # the replicas all-reduce once, at the window's end (the reduce-scatters add up)
+                model.set_requires_all_reduce(sync)
             return contextlib.nullcontext()
         return contextlib.nullcontext() if sync else self.accelerator.no_sync(model)
 
@@ -130,16 +150,18 @@ class Parallelism:
                 inner.forward = original  # a forward the user had set on the instance
         return acc.autocast
 
-    def describe(self, device: torch.device) -> tuple[str, str, int]:
-        """The banner's words: the launch, what sharding did ('' for DDP), and the data-parallel processes."""
+    def describe(self, device: torch.device) -> tuple[str, str, int, str]:
+        """The banner's words: the launch, what sharding did ('' for DDP), how many read different data, and what
+        each of those is (a process, or a tensor-parallel group)."""
         acc = self.accelerator
-        kind = FULLY_SHARDED if self.sharded else acc.distributed_type.value
+        kind = self.layout.kind if self.sharded else acc.distributed_type.value
         if self.recompute and not self.sharded:  # a sharded model's line says it
             kind += ", activation checkpointing"
         threads = f", {torch.get_num_threads()} CPU threads per process" if device.type == "cpu" else ""
         launch = (f"{acc.num_processes} process(es) on {num_machines(acc)} machine(s), device {device.type} ({kind})"
                   f"{threads}, mixed precision {acc.mixed_precision}")  # fmt: skip
-        return launch, self.sharded.describe() if self.sharded else upcast_words(self.upcast), self.dp.size
+        reader = "process" if self.layout.tp == 1 else f"tensor-parallel group of {self.layout.tp}"
+        return launch, self.sharded.describe() if self.sharded else upcast_words(self.upcast), self.dp.size, reader
 
 
 def whole_on_device(model: torch.nn.Module, device: torch.device, seed: int) -> list[str]:

@@ -46,7 +46,7 @@ from trainer.telemetry import Telemetry
 
 class Trainer:
     """Trains ``model`` on ``train_data`` across however many processes were launched: DDP, or the model sharded
-    over them (FSDP2) when the launch's accelerate config asks for FSDP (``trainer.parallel``).
+    over them (FSDP2, HSDP, tensor parallelism) as the launch's accelerate config asks (``trainer.parallel``).
 
     Args:
         model: a plain ``torch.nn.Module``, built the same way on every process.
@@ -68,13 +68,15 @@ class Trainer:
             ``load_state_dict`` gets its state back at a resume. To stop early, a callback on any rank sets
             ``trainer.should_stop = True`` (and ``trainer.stop_reason``): every rank stops after the next step that
             logs, checkpointed when ``save_every`` is set, and ``fit()`` says why (:class:`EarlyStopping`).
+        parallelize_fn: with ``tp_size`` in the launch's parallelism_config, ``parallelize_fn(model, tp_mesh)``
+            splits a model that has no tensor-parallel plan of its own (``trainer.tensor_parallel``).
     """
 
     def __init__(self, model: torch.nn.Module, config: TrainConfig, train_data: Dataset | DataLoader,
                  eval_data: Optional[Dataset | DataLoader] = None, loss_fn: Optional[LossFn] = None,
                  metrics_fn: Optional[MetricsFn] = None, optimizer: Optional[torch.optim.Optimizer] = None,
                  lr_scheduler: Optional[Any] = None, collate_fn: Optional[Callable] = None,
-                 callbacks: Iterable[Any] = ()):  # fmt: skip
+                 callbacks: Iterable[Any] = (), parallelize_fn: Optional[Callable] = None):  # fmt: skip
         self.config, self.collate_fn, self.callbacks = config, collate_fn, list(callbacks)
         self.parallel = Parallelism(config)  # a refused FSDP config stops before anything starts
         acc = self.accelerator = self.parallel.accelerator
@@ -87,7 +89,7 @@ class Trainer:
         eval_loader = loader(eval_data, model, "eval_data", evaluation=True) if eval_data is not None else None
         self.state = TrainState(batches_per_epoch(train_loader), config.gradient_accumulation_steps)
         self.total_steps = config.max_steps or config.epochs * self.state.steps_per_epoch
-        model = self.parallel.apply(model, own_optimizer=optimizer is not None or lr_scheduler is not None)
+        model = self.parallel.apply(model, optimizer is not None or lr_scheduler is not None, parallelize_fn)
         optimizer, lr_scheduler, self.optimization = optim.build(model, config, optimizer, lr_scheduler,
                                                                  self.total_steps)  # fmt: skip
         self.model, self.optimizer, self.train_loader, self.lr_scheduler = self.parallel.prepare(

@@ -1,0 +1,136 @@
+"""The device mesh of a launch: how its processes split into data-parallel replicas, shards of one replica, and
+tensor-parallel groups, as accelerate's ``parallelism_config`` asks.
+
+The sizes come the way accelerate passes them to every worker: the ``parallelism_config:`` section of the accelerate
+YAML, or ``accelerate launch --parallelism_config_dp_replicate_size 2 ...``, both arrive as
+``PARALLELISM_CONFIG_*`` variables (set them yourself under torchrun), read by accelerate's own
+``ParallelismConfig``. A launch that names none gets today's meshes: FSDP over every process for an FSDP config, DDP
+otherwise.
+
+- ``dp_shard_size`` x ``dp_replicate_size`` (HSDP): each replica of the model is sharded over ``dp_shard`` processes
+  (one node, where the fast links are), and the replicas (across nodes) all-reduce their gradients.
+- ``tp_size``: the processes of one tensor-parallel group split each weight matrix and read the same batch.
+
+Processes are laid out row-major, tensor-parallel groups innermost (ranks 0..tp-1 are one group), then shards, then
+replicas: with the launcher's ranks numbered node by node, a shard group of one node's size stays on one node.
+What the trainer cannot do is refused by name before anything is built: context and sequence parallelism, sizes
+whose product is not the launch's processes, sharding asked of a DDP config.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from trainer.errors import ShardingError
+
+REPLICATE, SHARD, TP = "dp_replicate", "dp_shard", "tp"  # accelerate's (and torchtitan's) names for the dimensions
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The sizes of the mesh's dimensions; ``sharded``: the launch's config asks for FSDP."""
+
+    replicate: int = 1
+    shard: int = 1
+    tp: int = 1
+    sharded: bool = False
+
+    @property
+    def data_parallel(self) -> int:
+        """Processes that read different data: the replicas times the shards of each."""
+        return self.replicate * self.shard
+
+    @property
+    def hybrid(self) -> bool:
+        return self.sharded and self.replicate > 1
+
+    def describe(self) -> str:
+        """The banner's name for it: 'FSDP2 over 4 processes', 'HSDP 2 x 2 (replicate x shard)', 'TP 2 x FSDP 2'."""
+        if self.hybrid:
+            data = f"HSDP {self.replicate} x {self.shard} (replicate x shard)"
+        elif self.sharded and self.tp == 1:
+            data = f"FSDP2 over {self.shard} processes"
+        elif self.sharded:
+            data = f"FSDP {self.shard}" if self.shard > 1 else ""
+        else:
+            data = f"DDP over {self.replicate} processes"
+        return data if self.tp == 1 else f"TP {self.tp}" + (f" x {data}" if data else "")
+
+    @property
+    def kind(self) -> str:
+        """A word or two for the launch line: FSDP2, HSDP, TP, TP x FSDP2, TP x HSDP."""
+        data = "HSDP" if self.hybrid else "FSDP2" if self.shard > 1 or self.tp == 1 else ""
+        return data if self.tp == 1 else "TP" + (f" x {data}" if data else "")
+
+    def build(self, device_type: str) -> Any:
+        """The device mesh, its dimensions named REPLICATE, SHARD, TP (those of size 1 left out)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dims = [(name, size) for name, size in ((REPLICATE, self.replicate), (SHARD, self.shard), (TP, self.tp))
+                if size > 1] or [(SHARD, 1)]  # fmt: skip
+        names, sizes = zip(*dims, strict=True)
+        return init_device_mesh(device_type, tuple(sizes), mesh_dim_names=tuple(names))
+
+
+def requested_layout(world: int, sharded: bool) -> Layout:
+    """The layout the launch asks for (see the module docstring), checked against its ``world`` processes."""
+    default = Layout(shard=world, sharded=True) if sharded else Layout(replicate=world)
+    if not _named_at_launch():
+        return default
+    from accelerate.parallelism_config import ParallelismConfig
+
+    try:
+        asked = ParallelismConfig()  # reads the PARALLELISM_CONFIG_* variables of the launch
+    except ValueError as err:
+        raise ShardingError(f"parallelism_config: {err}") from None
+    for name, what in (("cp", "context parallelism"), ("sp", "sequence parallelism")):
+        if getattr(asked, f"{name}_size") > 1:
+            raise ShardingError(f"parallelism_config: {name}_size {getattr(asked, f'{name}_size')} asks for {what}, "
+                                f"which this trainer does not do: set {name}_size to 1")  # fmt: skip
+    layout = Layout(asked.dp_replicate_size, asked.dp_shard_size, asked.tp_size, sharded)
+    product = layout.data_parallel * layout.tp
+    if product == 1:  # every size left at 1: the launch's own mesh
+        return default
+    if product != world:
+        raise ShardingError(f"parallelism_config: dp_replicate_size {layout.replicate} x dp_shard_size {layout.shard} "
+                            f"x tp_size {layout.tp} = {product} processes, but the launch has {world}: make the "
+                            "product the number of processes")  # fmt: skip
+    if not sharded and (layout.shard > 1 or layout.tp > 1):
+        asks = f"dp_shard_size {layout.shard} shards" if layout.shard > 1 else f"tp_size {layout.tp} splits"
+        raise ShardingError(f"parallelism_config: {asks} the model, which needs an FSDP config (distributed_type: "
+                            "FSDP, fsdp_version: 2; accelerate_configs/hsdp.yaml): launch with one, or set only "
+                            "dp_replicate_size for DDP")  # fmt: skip
+    if sharded and layout.shard == 1 and layout.tp == 1:
+        raise ShardingError(f"parallelism_config: dp_shard_size 1 leaves FSDP nothing to shard over "
+                            f"(dp_replicate_size {layout.replicate} alone is DDP): set dp_shard_size, or launch with "
+                            "a DDP config")  # fmt: skip
+    return layout
+
+
+def _named_at_launch() -> bool:
+    """Whether the launch names a parallelism_config: accelerate's switch, or any size set by hand (torchrun)."""
+    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true":
+        return True
+    return any(name.startswith("PARALLELISM_CONFIG_") and name.endswith("_SIZE") for name in os.environ)
+
+
+def data_mesh(layout: Layout, mesh: Any) -> Any:
+    """The part of ``mesh`` FSDP shards over: (replicate, shard) for HSDP, shard for FSDP; None when tensor
+    parallelism takes every process (nothing for FSDP to shard over)."""
+    if layout.hybrid:
+        return mesh[(REPLICATE, SHARD)]
+    if layout.tp > 1 and layout.shard == 1:
+        return None
+    return mesh[SHARD]
+
+
+def data_parallel_group(layout: Layout, mesh: Any) -> Any:
+    """The process group of the processes that read different data: None when that is every process (no tensor
+    parallelism) or only this one."""
+    if layout.tp == 1 or layout.data_parallel == 1:
+        return None
+    if layout.replicate > 1 and layout.shard > 1:
+        return mesh[(REPLICATE, SHARD)]._flatten("dp").get_group()
+    return mesh[REPLICATE if layout.replicate > 1 else SHARD].get_group()
