@@ -1,12 +1,16 @@
 """What each process holds of the model's weights, gradients and AdamW state, and its peak memory, at 1, 2 and 4
 processes, for DDP and three ways into FSDP2: a model built on every process (``cpu``: each process builds it
 whole, the first process's weights are sent), built on the meta device (``meta``: no process ever holds it whole),
-and ``from_pretrained`` with ``fsdp_cpu_ram_efficient_loading``. The trainer's own runs (a GPT-2, two steps), each
-process measuring the tensors it holds after a step, and its peak: the peak RSS on a CPU host (where a process's
-memory is its device's), the CUDA peak on a GPU.
+and ``from_pretrained`` with ``fsdp_cpu_ram_efficient_loading``; and for two meshes of a parallelism_config, HSDP
+(2 replicas, each sharded over K/2 processes) and tensor parallelism 2 under FSDP over K/2. The trainer's own runs
+(a GPT-2, or a Llama of its shape with ``--model llama``; two steps), each process measuring the tensors it holds
+after a step, and its peak: the peak RSS on a CPU host (where a process's memory is its device's), the CUDA peak on
+a GPU.
 
-    python benchmarks/memory.py                        # 12 runs of torchrun, a few minutes on a 2-core CPU
+    python benchmarks/memory.py                        # 13 runs of torchrun, a few minutes on a 2-core CPU
     python benchmarks/memory.py --layers 12 --width 768 --vocab 50257 --processes 1 2 4 8   # GPT-2 124M
+    python benchmarks/memory.py --model llama --processes 4 --kinds DDP "FSDP2, meta" "HSDP 2 x K/2, meta" \
+        "TP 2 x FSDP K/2, meta"                        # the meshes of a launch's parallelism_config
 
 FSDP2 holds about 1/K of DDP's 16 bytes a parameter (4 of weights, 4 of gradients, 8 of AdamW state) on each of
 K processes; what it cannot shard (nothing here) and the unsharded weights of the block being computed come on top.
@@ -28,7 +32,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 FSDP2_ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP"}
 KINDS = {"DDP": ("cpu", {}), "FSDP2": ("cpu", FSDP2_ENV), "FSDP2, meta": ("meta", FSDP2_ENV),
-         "FSDP2, pretrained": ("pretrained", {**FSDP2_ENV, "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"})}  # fmt: skip
+         "FSDP2, pretrained": ("pretrained", {**FSDP2_ENV, "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"}),
+         "HSDP 2 x K/2, meta": ("meta", FSDP2_ENV), "TP 2 x FSDP K/2, meta": ("meta", FSDP2_ENV)}  # fmt: skip
+MESHES = {"HSDP 2 x K/2, meta": (2, 1), "TP 2 x FSDP K/2, meta": (1, 2)}  # (replicas, tensor-parallel size)
+
+
+def mesh_settings(kind: str, processes: int) -> dict[str, str] | None:
+    """The parallelism_config of ``kind`` on ``processes`` (PARALLELISM_CONFIG_*, as accelerate launch sets them):
+    {} for a 1-D kind, None for a mesh that does not fit (its shards would be fewer than 2)."""
+    if kind not in MESHES:
+        return {}
+    replicas, tp = MESHES[kind]
+    if processes % (2 * replicas * tp):
+        return None
+    return {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": str(replicas),
+            "PARALLELISM_CONFIG_DP_SHARD_SIZE": str(processes // (replicas * tp)),
+            "PARALLELISM_CONFIG_TP_SIZE": str(tp)}  # fmt: skip
 
 
 def peak_bytes() -> int:
@@ -73,6 +92,13 @@ def worker(args) -> None:
     torch.manual_seed(0)
     config = GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=args.width // 64, vocab_size=args.vocab,
                         n_positions=args.seq_len)  # fmt: skip
+    if args.model == "llama":  # a model with a tensor-parallel plan (GPT-2 has none), of the same shape
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config, GPT2LMHeadModel = LlamaConfig(  # noqa: N806 - the class the rest of the worker builds
+            hidden_size=args.width, intermediate_size=4 * args.width, num_hidden_layers=args.layers,
+            num_attention_heads=args.width // 64, vocab_size=args.vocab, max_position_embeddings=args.seq_len,
+            tie_word_embeddings=True), LlamaForCausalLM  # fmt: skip
     if args.start_from == "pretrained":  # the process group up first: transformers' cpu-RAM-efficient loading asks
         from trainer import distributed_state
 
@@ -113,12 +139,16 @@ def launch_measured(script: str, processes: int, flags: list[str], settings: dic
     return json.loads(line.removeprefix("MEASURED "))
 
 
-def run(kind: str, processes: int, args) -> dict:
+def run(kind: str, processes: int, args) -> dict | None:
     start, settings = KINDS[kind]
+    mesh = mesh_settings(kind, processes)
+    if mesh is None or mesh.get("PARALLELISM_CONFIG_TP_SIZE", "1") != "1" and args.model != "llama":
+        return None  # a mesh that does not fit these processes; tensor parallelism needs a plan (--model llama)
+    settings = {**settings, **mesh}
     out = Path(args.out) / f"{kind.replace(', ', '-')}-{processes}"
     flags = ["--out", str(out), "--layers", str(args.layers), "--width", str(args.width), "--vocab", str(args.vocab),
              "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--start-from", start,
-             "--pretrained", str(Path(args.out) / "pretrained")]  # fmt: skip
+             "--pretrained", str(Path(args.out) / "pretrained"), "--model", args.model]  # fmt: skip
     return launch_measured(__file__, processes, flags, settings, f"{kind} x {processes}")
 
 
@@ -132,6 +162,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
+    parser.add_argument("--model", choices=["gpt2", "llama"], default="gpt2",
+                        help="llama: the same shape with a tensor-parallel plan (the TP kind runs only with it)")
     parser.add_argument("--out", default="runs/benchmark-memory")
     parser.add_argument("--start-from", default="cpu", help=argparse.SUPPRESS)
     parser.add_argument("--pretrained", default=None, help=argparse.SUPPRESS)
@@ -153,6 +185,8 @@ def main() -> None:
         ddp_total = ddp_peak = None
         for kind in args.kinds:
             measured = run(kind, processes, args)
+            if measured is None:
+                continue
             rank0 = measured["ranks"][0]
             total = rank0["weights"] + rank0["gradients"] + rank0["optimizer"]
             peak, built = max(r["peak"] for r in measured["ranks"]), max(r["built"] for r in measured["ranks"])
@@ -160,7 +194,7 @@ def main() -> None:
             print(f"| {processes} | {kind} | {rank0['weights'] / mib:,.1f} | {rank0['gradients'] / mib:,.1f} | "
                   f"{rank0['optimizer'] / mib:,.1f} | {total / mib:,.1f} | {total / ddp_total:.2f} | "
                   f"{built / mib:,.0f} | {peak / mib:,.0f} | {peak / ddp_peak:.2f} |", flush=True)  # fmt: skip
-    print(f"(tensors: rank 0 of each run; peaks: the largest over the ranks; GPT-2 {measured['parameters']:,} "
+    print(f"(tensors: rank 0 of each run; peaks: the largest over the ranks; {args.model} {measured['parameters']:,} "
           "parameters; the first kind of each row group is the baseline)")  # fmt: skip
 
 

@@ -203,3 +203,21 @@ def test_a_launch_with_context_parallelism_stops_with_one_line(tmp_path):
     assert result.stderr.strip().splitlines() == [
         "trainer: parallelism_config: cp_size 2 asks for context parallelism, which this trainer does not do: set "
         "cp_size to 1"]  # fmt: skip
+
+
+def test_the_preflight_prints_the_mesh_per_machine_and_refuses_one_that_does_not_fit(tmp_path):
+    hsdp = ROOT / "accelerate_configs" / "hsdp.yaml"
+    fine = run([sys.executable, "-m", "trainer.check", "--config_file", str(hsdp)])
+    assert "  model: HSDP 2 x 8 (replicate x shard): each process holds 1/8 of the weights, gradients and optimizer " \
+           "state\n  machine 0: ranks 0-7: replica(s) 0\n  machine 1: ranks 8-15: replica(s) 1\n" in fine.stdout
+    across = tmp_path / "across.yaml"  # FSDP x TP over 16 processes: each replica spans both machines
+    across.write_text(hsdp.read_text().replace("dp_replicate_size: 2", "dp_replicate_size: 1").replace(
+        "dp_shard_size: 8", "dp_shard_size: 8\n  parallelism_config_tp_size: 2"))
+    spans = run([sys.executable, "-m", "trainer.check", "--config_file", str(across)])
+    assert "  model: TP 2 x FSDP 8: each process holds 1/16" in spans.stdout
+    assert "  note: one replica's 16 processes span 2 machines" in spans.stdout
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text(hsdp.read_text().replace("dp_shard_size: 8", "dp_shard_size: 4"))
+    refused = run([sys.executable, "-m", "trainer.check", "--config_file", str(wrong)], expect_ok=False)
+    assert "PROBLEM: parallelism_config: dp_replicate_size 2 x dp_shard_size 4 x tp_size 1 = 8 processes, but the " \
+           "launch has 16" in refused.stdout  # fmt: skip

@@ -4,7 +4,8 @@
     accelerate launch --config_file my.yaml -m trainer.check --output_dir runs/x           # every rank, for real
     accelerate launch --config_file my.yaml -m trainer.check --wandb_project my-project   # ... and wandb from each node
 
-Read alone, the config says machines, processes, backend, mixed precision and rendezvous, checked against this host.
+Read alone, the config says machines, processes, backend, mixed precision, the mesh (what each process holds, which
+replicas each machine runs) and rendezvous, checked against this host.
 Launched, every rank joins the job and reports its host, local rank and device; the check then asks: did the world
 come out as configured, can every rank be reached (a collective with a short timeout), is ``output_dir`` one
 filesystem shared by all nodes (checkpoints are written by one process and read by all), and, for a job that logs to
@@ -24,6 +25,9 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+
+from trainer.errors import ShardingError
+from trainer.mesh import Layout, requested_layout
 
 Problems = list[str]
 
@@ -56,9 +60,16 @@ def describe_config(path: str, launched: bool, num_processes: Optional[int] = No
         f"  mixed precision: {config.mixed_precision}",
     ]
     problems: Problems = []
-    if fsdp_version is not None:
-        lines.append(f"  model: sharded over the processes (FSDP2): each holds 1/{processes} of the weights, gradients "
-                     "and optimizer state")  # fmt: skip
+    section = {k.removeprefix("parallelism_config_"): v for k, v in (config.parallelism_config or {}).items()}
+    sizes = {name: int(value) for name, value in section.items() if name.endswith("_size")}
+    if sizes and fsdp_version is None:
+        problems.append("accelerate launch takes a parallelism_config section only with distributed_type: FSDP "
+                        "(fsdp_version: 2): remove it for DDP, or use an FSDP config (accelerate_configs/hsdp.yaml)")
+    elif fsdp_version is not None:
+        try:
+            lines += mesh_lines(requested_layout(processes, True, sizes), per_machine, processes)
+        except ShardingError as err:
+            problems.append(str(err))
         if fsdp_version != 2:
             problems.append(f"fsdp_version {fsdp_version}: the trainer shards with FSDP2; convert the file with "
                             "`accelerate to-fsdp2 --config_file <yours> --output_file <new>`")  # fmt: skip
@@ -84,6 +95,26 @@ def describe_config(path: str, launched: bool, num_processes: Optional[int] = No
         if not launched:
             problems += _rendezvous_problems(config.main_process_ip, config.main_process_port)
     return lines, problems, processes
+
+
+def mesh_lines(layout: Layout, per_machine: int, processes: int) -> list[str]:
+    """What each process holds, and which replicas and groups each machine runs (the first few machines)."""
+    if layout.data_parallel * layout.tp == processes and not layout.hybrid and layout.tp == 1:
+        return [f"  model: sharded over the processes (FSDP2): each holds 1/{processes} of the weights, gradients "
+                "and optimizer state"]  # fmt: skip
+    lines = [f"  model: {layout.describe()}: each process holds 1/{layout.shard * layout.tp} of the weights, "
+             "gradients and optimizer state"]  # fmt: skip
+    replica = layout.shard * layout.tp  # consecutive processes: one replica, sharded (and split) among them
+    for machine in range(min(processes // max(per_machine, 1), 4)):
+        first, last = machine * per_machine, (machine + 1) * per_machine - 1
+        replicas = sorted({rank // replica for rank in range(first, last + 1)})
+        groups = f", tensor-parallel groups of {layout.tp}" if layout.tp > 1 else ""
+        lines.append(f"  machine {machine}: ranks {first}-{last}: replica(s) {', '.join(map(str, replicas))}{groups}")
+    if replica > per_machine:
+        lines.append(f"  note: one replica's {replica} processes span {-(-replica // per_machine)} machines: its "
+                     "all-gathers and reduce-scatters cross the link between them (HSDP keeps a replica on one "
+                     "machine: dp_shard_size x tp_size = processes per machine)")  # fmt: skip
+    return lines
 
 
 def visible_gpus(gpu_ids: Optional[str]) -> int:

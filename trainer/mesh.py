@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from trainer.errors import ShardingError
 
@@ -74,16 +74,17 @@ class Layout:
         return init_device_mesh(device_type, tuple(sizes), mesh_dim_names=tuple(names))
 
 
-def requested_layout(world: int, sharded: bool) -> Layout:
-    """The layout the launch asks for (see the module docstring), checked against its ``world`` processes."""
+def requested_layout(world: int, sharded: bool, sizes: Optional[dict[str, int]] = None) -> Layout:
+    """The layout the launch asks for (see the module docstring), checked against its ``world`` processes;
+    ``sizes`` (``dp_replicate_size=2, ...``: a config file's section, read by the preflight) instead of the launch's."""
     default = Layout(shard=world, sharded=True) if sharded else Layout(replicate=world)
-    if not _named_at_launch():
+    if sizes is None and not _named_at_launch() or sizes == {}:
         return default
     from accelerate.parallelism_config import ParallelismConfig
 
     try:
-        asked = ParallelismConfig()  # reads the PARALLELISM_CONFIG_* variables of the launch
-    except ValueError as err:
+        asked = ParallelismConfig(**(sizes or {}))  # unset sizes: the PARALLELISM_CONFIG_* variables of the launch
+    except (TypeError, ValueError) as err:
         raise ShardingError(f"parallelism_config: {err}") from None
     for name, what in (("cp", "context parallelism"), ("sp", "sequence parallelism")):
         if getattr(asked, f"{name}_size") > 1:
