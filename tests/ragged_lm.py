@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -140,6 +141,7 @@ def ours(args) -> dict:
     config = TrainConfig(output_dir=args.out, batch_size=args.batch_size, gradient_accumulation_steps=args.accumulation,
                          optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
                          lr_scheduler=args.schedule, warmup_steps=args.warmup, max_grad_norm=args.clip,
+                         min_lr_ratio=args.min_lr_ratio,
                          epochs=args.epochs, max_steps=args.max_steps, shuffle=False, log_every=1,
                          save_every=args.save_every, keep_last=args.keep_last, save_async=args.save_async,
                          activation_checkpointing=args.recompute, reduce_every_micro_batch=args.reduce_every,
@@ -155,7 +157,8 @@ def ours(args) -> dict:
     first = next(m for m in model.modules() if type(m).__name__ in ("Conv1D", "Linear"))
     first.register_forward_pre_hook(lambda module, inputs: computed.add(str(module.weight.dtype)))
     own_split = split_mlps if args.parallelize_fn else None
-    trainer = Trainer(model, config, train_data=data, collate_fn=seen, parallelize_fn=own_split,
+    factories = nanogpt_factories(args.lr, args.warmup, args.max_steps) if args.nanogpt else {}
+    trainer = Trainer(model, config, train_data=data, collate_fn=seen, parallelize_fn=own_split, **factories,
                       eval_data=rows[: args.eval_examples] if args.eval else None,
                       loss_fn=pair_loss if args.loss == "pair" else None,
                       callbacks=[CrashAfter(args.crash_at)] if args.crash_at else [])  # fmt: skip
@@ -187,6 +190,23 @@ def ours(args) -> dict:
             input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.argmax(-1))
         summary["predicted"] = predicted.tolist()
     return summary
+
+
+def nanogpt_lr(step: int, lr: float, warmup: int, steps: int, floor: float = 0.1) -> float:
+    """nanoGPT's get_lr (train.py): linear warm-up from lr / (warmup + 1), then cosine down to floor x lr."""
+    if step < warmup:
+        return lr * (step + 1) / (warmup + 1)
+    ratio = (step - warmup) / (steps - warmup)
+    return floor * lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (lr - floor * lr)
+
+
+def nanogpt_factories(lr: float, warmup: int, steps: int) -> dict:
+    """nanoGPT's optimizer (AdamW, betas 0.9 / 0.95, weight decay 0.1 on the groups the trainer makes) and its exact
+    schedule, as factories the trainer calls once the model is wrapped or sharded."""
+    return {"optimizer": lambda groups: torch.optim.AdamW([{**g, "weight_decay": g.get("weight_decay", 0.1)}
+                                                           for g in groups], lr=lr, betas=(0.9, 0.95)),
+            "lr_scheduler": lambda optimizer, total: torch.optim.lr_scheduler.LambdaLR(
+                optimizer, lambda step: nanogpt_lr(step, lr, warmup, total) / lr)}  # fmt: skip
 
 
 def split_mlps(model: torch.nn.Module, tp_mesh) -> None:
@@ -301,6 +321,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2, help="the model's blocks")
     parser.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2", help="see tiny_gpt2")
     parser.add_argument("--parallelize_fn", action="store_true", help="split the Llama's MLPs by split_mlps")
+    parser.add_argument("--min_lr_ratio", type=float, default=None)
+    parser.add_argument("--nanogpt", action="store_true", help="nanoGPT's optimizer and schedule, as factories")
     parser.add_argument("--peak", action="store_true", help="write every process's peak memory during the job")
     parser.add_argument("--build", choices=["cpu", "meta", "seeded_per_rank"], default="cpu", help="see tiny_gpt2")
     parser.add_argument("--pretrained", default=None, help="from_pretrained of this folder (see tiny_gpt2)")

@@ -21,6 +21,8 @@ RAGGED = ROOT / "tests" / "ragged_lm.py"
 ADAMW = ["--batch_size", "2", "--accumulation", "2", "--optimizer", "adamw", "--lr", "0.01"]
 RESUMED = [*ADAMW, "--save_every", "2", "--epochs", "2", "--keep_last", "6"]
 SHORT = ["--batch_size", "4", "--max_steps", "3", "--optimizer", "adamw", "--lr", "0.01"]
+NANOGPT = ["--batch_size", "4", "--max_steps", "6", "--lr", "0.01", "--warmup", "2", "--weight_decay", "0.1",
+           "--nanogpt"]  # fmt: skip
 BY_SIZE = ["--env", "FSDP_AUTO_WRAP_POLICY=SIZE_BASED_WRAP", "--env", "FSDP_MIN_NUM_PARAMS=1000"]
 VARIANTS = {
     # 45 evaluation rows: 23 and 22 per process, 12 and 11 batches of 2; a sharded model's forwards run in lockstep.
@@ -60,6 +62,12 @@ VARIANTS = {
         "--env", "FSDP_SYNC_MODULE_STATES=true", "--initial"],
     "ddp, a pretrained classifier": [*SHORT, "--model", "classifier", "--pretrained", "{ddp}/final", "--ddp",
                                      "--initial"],
+    # nanoGPT's recipe through factories the trainer calls after sharding: its AdamW (betas 0.9 / 0.95, decay 0.1
+    # on the trainer's groups) and its get_lr; and the config's cosine down to a floor.
+    "fsdp, nanoGPT's optimizer and schedule": NANOGPT,
+    "ddp, nanoGPT's optimizer and schedule": [*NANOGPT, "--ddp"],
+    "fsdp, cosine down to a floor": ["--batch_size", "4", "--max_steps", "6", "--optimizer", "adamw", "--lr", "0.01",
+                                     "--warmup", "2", "--schedule", "cosine_with_min_lr", "--min_lr_ratio", "0.1"],
 }
 
 
@@ -520,3 +528,21 @@ def test_a_model_naming_no_block_class_is_sharded_by_the_children_of_its_largest
     # By size, nested, every module over 15 parameters but the tied embeddings and head (they stay in the root).
     by_size = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="size_based_wrap", min_num_params=15)
     assert wrap_groups(model, by_size) == [module for block in model.h for module in (block.fc, block)]
+
+
+def test_an_optimizer_and_schedule_of_ones_own_are_built_after_sharding_and_a_schedule_decays_to_a_floor(fsdp):
+    """Factories under FSDP2 as under DDP: nanoGPT's AdamW over the trainer's weight-decay groups, and its get_lr to
+    the step; the same weights bit for bit. The config's cosine_with_min_lr is nanoGPT's curve after the warm-up
+    (transformers' warm-up starts at 0, nanoGPT's at lr / (warmup + 1))."""
+    from ragged_lm import nanogpt_lr
+
+    runs, result = fsdp
+    own, ddp = runs["fsdp, nanoGPT's optimizer and schedule"][0], runs["ddp, nanoGPT's optimizer and schedule"][0]
+    expected = [nanogpt_lr(step, 0.01, 2, 6) for step in range(6)]
+    np.testing.assert_allclose(own["lrs"], expected, rtol=1e-12)
+    assert own["weights"] == ddp["weights"] and own["lrs"] == ddp["lrs"]
+    assert "your AdamW (lr 0.01), your LambdaLR" in result.stdout  # the peak lr, not the first warm-up step's
+    floor = runs["fsdp, cosine down to a floor"][0]
+    np.testing.assert_allclose(floor["lrs"][2:], expected[2:], rtol=1e-12)
+    assert floor["lrs"][:2] == [0.0, 0.005]
+    assert "adamw lr 0.01, cosine_with_min_lr schedule after 2 warm-up steps down to 0.1 x lr" in result.stdout

@@ -137,3 +137,21 @@ def test_fsdp2_on_one_gpu_saves_in_the_background_and_builds_a_meta_model_on_the
     assert "built on meta, each process initialised its shards" in result.stdout
     meta = json.loads((tmp_path / "meta" / "ragged.json").read_text())
     assert meta["tied"] and all(loss == loss for loss in meta["losses"])
+
+
+@pytest.mark.skipif(GPUS < 4, reason="needs 4 GPUs")
+def test_hsdp_and_tensor_parallelism_over_nccl_equal_ddp_on_four_gpus(tmp_path):
+    """tests/test_mesh.py's equalities on 4 GPUs over NCCL: HSDP 2 x 2 = FSDP 4 = DDP 4 (GPT-2), TP 2 x FSDP 2 = DDP 4
+    (Llama), to the float floor (TF32 off: torch's default, which the trainer leaves alone)."""
+    from test_mesh import DDP_4, EVALUATED, FOUR, FSDP_4, LLAMA, TP_FSDP, TWO, largest_difference, sizes
+
+    variants = {"hsdp": [*FOUR, *EVALUATED, *sizes(2, 2)], "fsdp": [*FOUR, *EVALUATED, *FSDP_4],
+                "ddp": [*FOUR, *EVALUATED, *DDP_4, "--ddp"], "tp x fsdp": [*LLAMA, *TWO, *EVALUATED, *TP_FSDP],
+                "ddp, llama": [*LLAMA, *FOUR, *EVALUATED, *DDP_4, "--ddp"]}  # fmt: skip
+    result = accelerate_launch(ROOT / "tests" / "ragged_lm.py", "--out", tmp_path, "--variants", json.dumps(variants),
+                               config="fsdp.yaml", num_processes=4, env=gpu_env())  # fmt: skip
+    assert "device cuda (HSDP)" in result.stdout and "device cuda (TP x FSDP2)" in result.stdout
+    runs = {name: json.loads((tmp_path / name / "ragged.json").read_text()) for name in variants}
+    for one, other in (("hsdp", "fsdp"), ("hsdp", "ddp"), ("tp x fsdp", "ddp, llama")):
+        assert largest_difference(runs[one], runs[other]) < 1e-5, (one, other)
+        assert runs[one]["eval_loss"] == pytest.approx(runs[other]["eval_loss"], rel=1e-5)

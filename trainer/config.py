@@ -26,7 +26,9 @@ from trainer.errors import ConfigError
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 NAN_POLICIES = ("raise", "skip")
-LR_SCHEDULERS = ("constant", "linear", "cosine")
+# transformers' step-based schedules (get_scheduler), each after warmup_steps of linear warm-up.
+LR_SCHEDULERS = ("constant", "linear", "cosine", "cosine_with_min_lr", "warmup_stable_decay", "polynomial",
+                 "inverse_sqrt")  # fmt: skip
 
 
 @dataclass
@@ -55,6 +57,11 @@ class TrainConfig:
     eps: float = 1e-8  # adam / adamw
     lr_scheduler: str = "constant"
     warmup_steps: int = 0
+    # The floor a decaying schedule ends at, as a fraction of lr (nanoGPT's 0.1): cosine_with_min_lr,
+    # warmup_stable_decay, polynomial.
+    min_lr_ratio: Optional[float] = None
+    # The schedule's other settings, by transformers' names (warmup_stable_decay: num_decay_steps, decay_type, ...).
+    lr_scheduler_kwargs: dict = dataclasses.field(default_factory=dict)
     max_grad_norm: Optional[float] = None  # clip the global gradient norm when set
 
     shuffle: bool = True
@@ -171,6 +178,10 @@ class TrainConfig:
             raise ConfigError(f"betas must both be in [0, 1), got {self.betas!r}")
         _check_choice("optimizer", self.optimizer, OPTIMIZERS)
         _check_choice("lr_scheduler", self.lr_scheduler, LR_SCHEDULERS)
+        floors = ("cosine_with_min_lr", "warmup_stable_decay", "polynomial")
+        if self.min_lr_ratio is not None and (self.lr_scheduler not in floors or not 0 <= self.min_lr_ratio <= 1):
+            raise ConfigError(f"min_lr_ratio {self.min_lr_ratio!r} is a fraction of lr in [0, 1] that "
+                              f"{', '.join(floors)} end at; lr_scheduler is {self.lr_scheduler!r}")  # fmt: skip
         _check_choice("nan_policy", self.nan_policy, NAN_POLICIES)
         _check_choice("keep_best_mode", self.keep_best_mode, ("min", "max"))
         if self.resume == "":
@@ -296,4 +307,8 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         if not isinstance(value, str):
             raise wrong()
         return value
+    if annotation is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise wrong()
+        return dict(value)
     raise TypeError(f"TrainConfig field {key} has an unsupported annotation {annotation!r}")

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from trainer.config import TrainConfig
+from trainer.errors import ConfigError
 
 NORM_NAMES = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")  # transformers' own patterns
 
@@ -62,18 +63,52 @@ NORM_TYPES = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.modules.batchnorm
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, total_steps: int):
-    """constant / linear / cosine, each after ``warmup_steps`` of linear warm-up; stepped once per optimizer step.
+    """``config.lr_scheduler`` after ``warmup_steps`` of linear warm-up (transformers' ``get_scheduler``), with
+    ``min_lr_ratio`` and ``lr_scheduler_kwargs``; stepped once per optimizer step.
 
     Each is a LambdaLR (the lr a closed form of the step: a resume recomputes it from this run's settings,
     trainer.resume_policy). A constant lr without warm-up is built here: transformers' schedules, the rest, cost
     half a second of import at start-up that a constant lr need not pay.
     """
-    if config.lr_scheduler == "constant" and config.warmup_steps == 0:
+    if config.lr_scheduler == "constant" and config.warmup_steps == 0 and not config.lr_scheduler_kwargs:
         return torch.optim.lr_scheduler.LambdaLR(optimizer, _constant)
     from transformers import get_scheduler
 
     name = "constant_with_warmup" if config.lr_scheduler == "constant" else config.lr_scheduler
-    return get_scheduler(name, optimizer, num_warmup_steps=config.warmup_steps, num_training_steps=total_steps)
+    return get_scheduler(name, optimizer, num_warmup_steps=config.warmup_steps, num_training_steps=total_steps,
+                         scheduler_specific_kwargs=schedule_settings(config, name))  # fmt: skip
+
+
+FLOOR = {"cosine_with_min_lr": "min_lr_rate", "warmup_stable_decay": "min_lr_ratio"}  # min_lr_ratio's name in each
+
+
+def schedule_settings(config: TrainConfig, name: str) -> dict[str, Any]:
+    """The schedule's own settings: ``lr_scheduler_kwargs`` checked by name against transformers' function, and
+    ``min_lr_ratio`` under the name that function gives it (polynomial's ``lr_end`` is an lr). Refused by name."""
+    import inspect
+
+    from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION, SchedulerType
+
+    settings = dict(config.lr_scheduler_kwargs)
+    if config.min_lr_ratio is not None:
+        ratio = config.min_lr_ratio
+        key, value = (FLOOR[name], ratio) if name in FLOOR else ("lr_end", ratio * config.lr)  # polynomial: an lr
+        if key in settings:
+            raise ConfigError(f"min_lr_ratio and lr_scheduler_kwargs.{key} both set the floor: keep one")
+        settings[key] = value
+    function = TYPE_TO_SCHEDULER_FUNCTION[SchedulerType(name)]
+    taken = set(inspect.signature(function).parameters) - {"optimizer", "num_warmup_steps", "num_training_steps",
+                                                           "last_epoch"}  # fmt: skip
+    for key in settings:
+        if key not in taken:
+            raise ConfigError(f"lr_scheduler_kwargs: {key!r} is not a setting of {config.lr_scheduler} (its "
+                              f"settings: {', '.join(sorted(taken)) or 'none'})")  # fmt: skip
+    if name == "cosine_with_min_lr" and not {"min_lr", "min_lr_rate"} & set(settings):
+        raise ConfigError("lr_scheduler cosine_with_min_lr needs its floor: min_lr_ratio (say 0.1, nanoGPT's)")
+    if name == "warmup_stable_decay" and "num_decay_steps" not in settings:
+        raise ConfigError("lr_scheduler warmup_stable_decay needs lr_scheduler_kwargs.num_decay_steps: the steps "
+                          "of its final decay (say a tenth or a fifth of the run)")  # fmt: skip
+    return settings
 
 
 def describe(optimizer: torch.optim.Optimizer, lr_scheduler, config: TrainConfig, built_optimizer: bool,
@@ -88,12 +123,15 @@ def describe(optimizer: torch.optim.Optimizer, lr_scheduler, config: TrainConfig
             where = (f"{decays} of {tensors} tensors (not biases or norm weights)"
                      if decays < tensors else f"all {tensors} tensors")  # fmt: skip
             words += f", weight decay {config.weight_decay:g} on {where}"
-    else:
-        words = f"your {type(optimizer).__name__} (lr {optimizer.param_groups[0]['lr']:g})"
+    else:  # the lr before any schedule scaled it (a warm-up starts it near 0)
+        group = optimizer.param_groups[0]
+        words = f"your {type(optimizer).__name__} (lr {group.get('initial_lr', group['lr']):g})"
     if not built_scheduler:
         return f"{words}, your {type(lr_scheduler).__name__}"
     warmup = f" after {config.warmup_steps} warm-up steps" if config.warmup_steps else ""
-    return f"{words}, {config.lr_scheduler} schedule{warmup}"
+    floor = f" down to {config.min_lr_ratio:g} x lr" if config.min_lr_ratio is not None else ""
+    settings = "".join(f", {key} {value}" for key, value in config.lr_scheduler_kwargs.items())
+    return f"{words}, {config.lr_scheduler} schedule{warmup}{floor}{settings}"
 
 
 def _constant(step: int) -> float:
@@ -112,14 +150,30 @@ class Optimization:
     schedule_moves: bool
 
 
-def build(model: torch.nn.Module, config: TrainConfig, optimizer: Optional[torch.optim.Optimizer],
-          lr_scheduler: Optional[Any], total_steps: int,
+def build(model: torch.nn.Module, config: TrainConfig, optimizer: Any, lr_scheduler: Any, total_steps: int,
           ) -> tuple[torch.optim.Optimizer, Any, Optimization]:  # fmt: skip
     """The user's optimizer and schedule, or the config's in place of each one not given (over ``model``'s
-    parameters as they are now: after sharding, on the device)."""
+    parameters as they are now: after sharding, on the device). Either may be a factory, called here:
+    ``optimizer(parameter_groups)`` (the config's weight-decay groups) and ``lr_scheduler(optimizer, total_steps)``."""
     built = (optimizer is None, lr_scheduler is None)
+    if is_factory(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer(parameter_groups(model, config))
     optimizer = optimizer or build_optimizer(model, config)
-    moves = lr_scheduler is not None or config.lr_scheduler != "constant" or config.warmup_steps > 0
+    if is_factory(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
+        lr_scheduler = lr_scheduler(optimizer, total_steps)
+    moves = lr_scheduler is not None or config.lr_scheduler != "constant" or config.warmup_steps > 0 or bool(
+        config.lr_scheduler_kwargs)
     lr_scheduler = lr_scheduler or build_scheduler(optimizer, config, total_steps)
     words = describe(optimizer, lr_scheduler, config, *built)
     return optimizer, lr_scheduler, Optimization(words, *built, schedule_moves=moves)
+
+
+def is_factory(given: Any, built: type) -> bool:
+    """Whether ``given`` is a function that builds a ``built`` (a class or a lambda), not one already built."""
+    return given is not None and callable(given) and not isinstance(given, built)
+
+
+def prebuilt(optimizer: Any, lr_scheduler: Any) -> bool:
+    """Whether the user passed an optimizer or schedule already built (over the parameters as they were then)."""
+    return (optimizer is not None and not is_factory(optimizer, torch.optim.Optimizer)
+            or lr_scheduler is not None and not is_factory(lr_scheduler, torch.optim.lr_scheduler.LRScheduler))

@@ -79,7 +79,8 @@ class Parallelism:
         device either way, so that the optimizer is built there (AdamW then fuses on a GPU).
 
         Under FSDP2 an optimizer built before (a user's) holds the unsharded parameters, which sharding replaces:
-        refused, as transformers' Trainer refuses one under FSDP; the config's is built over the shards.
+        refused, as transformers' Trainer refuses one under FSDP; the config's, or a user's factory's, is built over
+        the shards.
         With ``tp_size`` the model is split by its own plan or by ``parallelize_fn`` (``trainer.tensor_parallel``)."""
         acc = self.accelerator
         if self.plugin is None:
@@ -91,8 +92,9 @@ class Parallelism:
             return model
         if own_optimizer:
             raise ShardingError("with FSDP2 the optimizer must be built over the sharded parameters, after the Trainer "
-                                "shards the model: leave optimizer= and lr_scheduler= out and choose them in the "
-                                "config (optimizer, lr, weight_decay, lr_scheduler, warmup_steps)")  # fmt: skip
+                                "shards the model: pass a factory the trainer calls then, optimizer=lambda groups: "
+                                "torch.optim.AdamW(groups, ...) (lr_scheduler=lambda optimizer, total_steps: ...), "
+                                "or choose them in the config (optimizer, lr, lr_scheduler, ...)")  # fmt: skip
         if parallelize_fn is not None and self.layout.tp == 1:
             say("parallelize_fn is not called: the launch's parallelism_config has no tp_size", once=True)
         tp = tensor_parallel(model, self.mesh[TP], parallelize_fn) if self.layout.tp > 1 else None

@@ -20,9 +20,10 @@ A checkpoint keeps the whole TrainConfig; a resume compares every field with thi
   would change under it, some examples read twice and others never. ``fit()`` refuses; the weights still load for
   ``evaluate()`` and ``predict()``;
 - **applied from the next step and said in one line**, otherwise: the schedule is recomputed at the step reached from
-  this run's ``lr``, ``lr_scheduler``, ``warmup_steps`` and ``max_steps`` / ``epochs`` together (never the saved
-  base lr under a new schedule), the optimizer's other settings (``betas``, ``eps``, ``momentum``,
-  ``weight_decay``) are this run's, and clipping, cadences (log, eval, save, keep_last) and the rest are read as set.
+  this run's ``lr``, ``lr_scheduler`` (with ``min_lr_ratio`` and ``lr_scheduler_kwargs``), ``warmup_steps`` and
+  ``max_steps`` / ``epochs`` together (never the saved base lr under a new schedule), the optimizer's other settings
+  (``betas``, ``eps``, ``momentum``, ``weight_decay``) are this run's, and clipping, cadences (log, eval, save,
+  keep_last) and the rest are read as set.
 
 How the global batch is split (processes, ``batch_size``, ``gradient_accumulation_steps``) is the rule above;
 where the run writes (``output_dir``, ``resume``) is not compared.

@@ -60,8 +60,12 @@ class Trainer:
             the prepared (DDP) model in training and the plain module in evaluation.
         metrics_fn: ``metrics_fn(model, batch) -> {name: tensor of shape [batch]}``, one number per example (say
             ``(logits.argmax(-1) == labels).float()``); :meth:`evaluate` adds ``eval_<name>``, its mean.
-        optimizer: built from ``config`` when not given (always, for a sharded model: over its shards).
-        lr_scheduler: built from ``config`` when not given (always, for a sharded model); stepped once a step.
+        optimizer: built from ``config`` when not given; or a factory, ``optimizer(parameter_groups)`` (say
+            ``lambda groups: torch.optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.95))``), called with the config's
+            weight-decay groups once the model is wrapped or sharded: a sharded model takes a factory, not an
+            optimizer already built over the unsharded parameters.
+        lr_scheduler: built from ``config`` when not given; or a factory, ``lr_scheduler(optimizer, total_steps)``;
+            stepped once a step.
         collate_fn: how the trainer's loaders batch examples (say ``DataCollatorWithPadding(tokenizer)``); an
             unformatted ``datasets.Dataset`` is readied as transformers' Trainer does (``trainer.columns``).
         callbacks: objects with some of the hooks of ``trainer.callbacks``; one with ``state_dict`` and
@@ -89,7 +93,7 @@ class Trainer:
         eval_loader = loader(eval_data, model, "eval_data", evaluation=True) if eval_data is not None else None
         self.state = TrainState(batches_per_epoch(train_loader), config.gradient_accumulation_steps)
         self.total_steps = config.max_steps or config.epochs * self.state.steps_per_epoch
-        model = self.parallel.apply(model, optimizer is not None or lr_scheduler is not None, parallelize_fn)
+        model = self.parallel.apply(model, optim.prebuilt(optimizer, lr_scheduler), parallelize_fn)
         optimizer, lr_scheduler, self.optimization = optim.build(model, config, optimizer, lr_scheduler,
                                                                  self.total_steps)  # fmt: skip
         self.model, self.optimizer, self.train_loader, self.lr_scheduler = self.parallel.prepare(
