@@ -146,7 +146,8 @@ def ours(args) -> dict:
                          save_every=args.save_every, keep_last=args.keep_last, save_async=args.save_async,
                          activation_checkpointing=args.recompute, reduce_every_micro_batch=args.reduce_every,
                          eval_every=args.save_every if args.best else None,
-                         keep_best="eval_loss" if args.best else None, keep_best_mode="max",
+                         keep_best=("eval_tail_loss" if args.eval_sets else "eval_loss") if args.best else None,
+                         keep_best_mode="max",
                          resume=args.resume_from or ("auto" if args.save_every else None))  # fmt: skip
     seen = Seen()
     floor = reset_peak_memory() if args.peak else None
@@ -159,7 +160,8 @@ def ours(args) -> dict:
     own_split = split_mlps if args.parallelize_fn else None
     factories = nanogpt_factories(args.lr, args.warmup, args.max_steps) if args.nanogpt else {}
     trainer = Trainer(model, config, train_data=data, collate_fn=seen, parallelize_fn=own_split, **factories,
-                      eval_data=rows[: args.eval_examples] if args.eval else None,
+                      eval_data={"head": rows[:10], "tail": rows[10:45]} if args.eval_sets else
+                      rows[: args.eval_examples] if args.eval else None,
                       loss_fn=pair_loss if args.loss == "pair" else None,
                       callbacks=[CrashAfter(args.crash_at)] if args.crash_at else [])  # fmt: skip
     initial = weights(trainer.unwrapped_model) if args.initial else None
@@ -182,6 +184,8 @@ def ours(args) -> dict:
         summary["initial"] = initial
         plain = trainer.unwrapped_model  # weights tied before are one weight still (GPT-2's embeddings and head)
         summary["tied"] = plain.get_input_embeddings().weight is getattr(plain.get_output_embeddings(), "weight", 0)
+    if args.eval_sets:  # each set's figures at the last evaluation
+        summary["evaluations"] = {key: value for key, value in result.items() if key.startswith("eval_")}
     if args.eval:  # the eval loss over every counted token once, and the same figure computed here directly
         summary["eval_loss"] = result["eval_loss"]
         summary["eval_reference"] = token_mean_loss(trainer.unwrapped_model, rows[: args.eval_examples])
@@ -322,6 +326,7 @@ def main() -> None:
     parser.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2", help="see tiny_gpt2")
     parser.add_argument("--parallelize_fn", action="store_true", help="split the Llama's MLPs by split_mlps")
     parser.add_argument("--min_lr_ratio", type=float, default=None)
+    parser.add_argument("--eval_sets", action="store_true", help="evaluate on two named sets, rows 0-9 and 10-44")
     parser.add_argument("--nanogpt", action="store_true", help="nanoGPT's optimizer and schedule, as factories")
     parser.add_argument("--peak", action="store_true", help="write every process's peak memory during the job")
     parser.add_argument("--build", choices=["cpu", "meta", "seeded_per_rank"], default="cpu", help="see tiny_gpt2")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from conftest import SCENARIOS, accelerate_launch, python
 
@@ -89,3 +90,16 @@ def test_a_users_metrics_on_the_cpu_join_the_trainers_sums_on_any_device():
     with pytest.raises(NotImplementedError, match="meta"):  # "Cannot copy out of meta tensor": the final read
         evaluate(torch.nn.Identity(), batches, loss_fn, metrics_fn, accelerator, single, contextlib.nullcontext,
                  lambda batch: None)  # fmt: skip
+
+
+def test_eval_data_as_a_dict_must_name_data_sets():
+    """A dict of named data sets is several eval sets; a dict of columns (a batch) is refused naming its entries."""
+    from trainer.errors import DataError
+    from trainer.evaluation import named_sets
+
+    assert list(named_sets({"val": [{"x": 1}], "test": [{"x": 2}]})) == ["val", "test"]
+    assert named_sets([{"x": 1}]) == {"": [{"x": 1}]} and named_sets(None) == {}
+    with pytest.raises(DataError, match="got 'input_ids': Tensor, 'labels': Tensor"):
+        named_sets({"input_ids": torch.zeros(2, 3), "labels": torch.zeros(2)})
+    with pytest.raises(DataError, match="got 'my set': list"):
+        named_sets({"my set": [1]})

@@ -66,6 +66,10 @@ VARIANTS = {
     # on the trainer's groups) and its get_lr; and the config's cosine down to a floor.
     "fsdp, nanoGPT's optimizer and schedule": NANOGPT,
     "ddp, nanoGPT's optimizer and schedule": [*NANOGPT, "--ddp"],
+    # Two named eval sets, the best of one kept: straight, and resumed at step 4 (after two evaluations).
+    "fsdp, two eval sets": [*RESUMED, "--eval_sets", "--best"],
+    "fsdp, two eval sets, resumed at step 4": [*RESUMED, "--eval_sets", "--best", "--resume_from",
+                                               "{two_sets}/checkpoints/step-00000004"],
     "fsdp, cosine down to a floor": ["--batch_size", "4", "--max_steps", "6", "--optimizer", "adamw", "--lr", "0.01",
                                      "--warmup", "2", "--schedule", "cosine_with_min_lr", "--min_lr_ratio", "0.1"],
 }
@@ -81,7 +85,7 @@ def fsdp(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
     keys = {name: f"v{i}" for i, name in enumerate(VARIANTS)}
     folders = {"straight": out / keys["fsdp, straight"], "background": out / keys["fsdp, saved in the background"],
-               "ddp": out / keys["ddp, straight"]}  # fmt: skip
+               "ddp": out / keys["ddp, straight"], "two_sets": out / keys["fsdp, two eval sets"]}  # fmt: skip
     variants = {keys[name]: [flag.format(**folders) for flag in flags] for name, flags in VARIANTS.items()}
     result = launch(out, "--variants", json.dumps(variants))
     runs = {name: (json.loads((out / key / "ragged.json").read_text()), out / key) for name, key in keys.items()}
@@ -546,3 +550,23 @@ def test_an_optimizer_and_schedule_of_ones_own_are_built_after_sharding_and_a_sc
     np.testing.assert_allclose(floor["lrs"][2:], expected[2:], rtol=1e-12)
     assert floor["lrs"][:2] == [0.0, 0.005]
     assert "adamw lr 0.01, cosine_with_min_lr schedule after 2 warm-up steps down to 0.1 x lr" in result.stdout
+
+
+def test_several_named_eval_sets_each_get_their_figures_and_the_best_of_one_survives_a_resume(fsdp):
+    runs, result = fsdp
+    straight, folder = runs["fsdp, two eval sets"]
+    resumed = runs["fsdp, two eval sets, resumed at step 4"][0]
+    assert "eval at step 2: eval_head_loss" in result.stdout and "eval at step 2: eval_tail_loss" in result.stdout
+    figures = straight["evaluations"]
+    assert figures["eval_head_examples"] == 10 and figures["eval_tail_examples"] == 35
+    assert figures["eval_head_loss"] != figures["eval_tail_loss"]
+    assert resumed["evaluations"] == figures
+    # keep_best on eval_tail_loss, mode max: the first evaluation's (step 2), final/'s weights; the resumed run
+    # (in a folder of its own) carries that record on from step 4 to its last checkpoint.
+    best = {name: tensor.flatten().tolist() for name, tensor in
+            read_sharded_weights(folder / "checkpoints" / "step-00000002").items()}  # fmt: skip
+    assert straight["weights"] == {name: best[name] for name in straight["weights"]}
+    last = "checkpoints/step-00000012/trainer_state.json"
+    record = json.loads((folder / last).read_text())["best"]
+    assert record["figure"] == "eval_tail_loss" and record["step"] == 2
+    assert json.loads((runs["fsdp, two eval sets, resumed at step 4"][1] / last).read_text())["best"] == record

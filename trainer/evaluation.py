@@ -53,20 +53,30 @@ class Evaluator:
                                                                                 accelerator, dp)  # fmt: skip
         self.autocast, self.tokens, self.lockstep, self.host, self.loader = autocast, tokens, lockstep, host, loader
 
-    def evaluate(self, loader: Optional[DataLoader], step: int) -> dict[str, float]:
-        """Mean loss (and each ``metrics_fn`` figure) over the whole eval set, every example counted once whatever
-        the process count: ``eval_loss``, ``eval_examples``, ``eval_<name>``; said in one line. ``eval_perplexity``
-        is added for a language model's own loss (``model(**batch).loss`` of a transformers model that generates):
-        elsewhere exp(loss) means nothing (a classifier's perplexity)."""
-        if loader is None:
-            raise ValueError("evaluate() needs eval_data: pass eval_data=... to the Trainer")
-        with self._in_eval_mode():
-            metrics = evaluate(self.model, loader, self.loss_fn, self.metrics_fn, self.accelerator, self.dp,
-                               self.autocast, self.tokens, lockstep=self.lockstep)  # fmt: skip
-        if self.loss_fn is model_loss and generates(self.model):
-            metrics["eval_perplexity"] = perplexity(metrics["eval_loss"])
-        say(f"eval at step {step}: " + ", ".join(f"{k} {v:.6g}" for k, v in metrics.items()))
+    def evaluate(self, loaders: dict[str, DataLoader], step: int) -> dict[str, float]:
+        """Mean loss (and each ``metrics_fn`` figure) over each whole eval set, every example counted once whatever
+        the process count: ``eval_loss``, ``eval_examples``, ``eval_<metric>``, or for named sets (``loaders``'
+        keys, '' for the one unnamed set) ``eval_<set>_loss``, ... as transformers names them; said in a line
+        each. ``eval_perplexity`` is added for a language model's own loss (``model(**batch).loss`` of a
+        transformers model that generates): elsewhere exp(loss) means nothing (a classifier's perplexity)."""
+        if not loaders:
+            raise ValueError("evaluate() needs eval_data: pass eval_data=... to the Trainer, or a data set here")
+        metrics = {}
+        for name, loader in loaders.items():
+            with self._in_eval_mode():
+                figures = evaluate(self.model, loader, self.loss_fn, self.metrics_fn, self.accelerator, self.dp,
+                                   self.autocast, self.tokens, lockstep=self.lockstep)  # fmt: skip
+            if self.loss_fn is model_loss and generates(self.model):
+                figures["eval_perplexity"] = perplexity(figures["eval_loss"])
+            figures = {key.replace("eval_", f"eval_{name}_", 1) if name else key: v for key, v in figures.items()}
+            say(f"eval at step {step}: " + ", ".join(f"{k} {v:.6g}" for k, v in figures.items()))
+            metrics.update(figures)
         return metrics
+
+    def loaders(self, data: Any) -> dict[str, DataLoader]:
+        """Each set of ``data`` (a data set, or a dict of named ones: :func:`named_sets`) as this process's loader."""
+        return {name: self.loader(part, name=f"eval_data[{name!r}]" if name else "data")
+                for name, part in named_sets(data).items()}  # fmt: skip
 
     def predict(self, data: Any, predict_fn: Optional[PredictFn]) -> torch.Tensor:
         """One row per example of the Dataset ``data``, in dataset order, on every process (on the CPU)."""
@@ -88,6 +98,28 @@ class Evaluator:
             yield
         finally:
             self.model.train(was_training)
+
+
+def named_sets(data: Any) -> dict[str, Any]:
+    """``eval_data`` as ``{name: data set}``: a dict of named data sets (a datasets.DatasetDict too) as it is, one
+    data set as ``{"": it}``, none as ``{}``. A dict whose values are not data sets is refused, naming them."""
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        return {"": data}
+    odd = {name: type(part).__name__ for name, part in data.items()
+           if not isinstance(name, str) or not name.isidentifier() or not _is_data_set(part)}  # fmt: skip
+    if odd or not data:
+        got = ", ".join(f"{name!r}: {kind}" for name, kind in odd.items()) or "an empty dict"
+        raise DataError(f"eval_data is a dict, so each entry must be a named data set (a Dataset, a DataLoader or an "
+                        f"IterableDataset, under a name usable in eval_<name>_loss); got {got}")  # fmt: skip
+    return dict(data)
+
+
+def _is_data_set(part: Any) -> bool:
+    return isinstance(part, (DataLoader, torch.utils.data.IterableDataset)) or (
+        hasattr(part, "__len__") and hasattr(part, "__getitem__")
+        and not isinstance(part, (str, bytes, Mapping, torch.Tensor)))  # a column of a batch is no data set
 
 
 @torch.no_grad()

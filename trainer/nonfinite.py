@@ -91,11 +91,12 @@ class NonFiniteGuard:
 
     def check_evaluation(self, metrics: dict[str, float], step: int, last_good: str = "") -> None:
         """Stop if an evaluation's loss is NaN or inf (the same reduced figure on every rank: all stop together)."""
-        loss = metrics.get("eval_loss", 0.0)
-        if math.isfinite(loss):
+        bad = [(key, value) for key, value in metrics.items()
+               if key.startswith("eval_") and key.endswith("_loss") and not math.isfinite(value)]  # fmt: skip
+        if not bad:
             return
         raise NonFiniteLoss(
-            f"evaluation at step {step} gave eval_loss {loss}: the model's weights or buffers hold NaN or inf, or "
-            "eval_data has an example that makes them. "
+            f"evaluation at step {step} gave {bad[0][0]} {bad[0][1]}: the model's weights or buffers hold NaN or inf, "
+            "or eval_data has an example that makes them. "
             + (f"The last good checkpoint is {last_good}." if last_good else "No checkpoint was written.")
         )

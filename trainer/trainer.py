@@ -31,7 +31,7 @@ from trainer.config import TrainConfig
 from trainer.console import banner, progress_bar, say
 from trainer.data import batches_per_epoch, data_loader, examples_per_process, start_epoch
 from trainer.errors import DataError
-from trainer.evaluation import Evaluator, MetricsFn, PredictFn
+from trainer.evaluation import Evaluator, MetricsFn, PredictFn, named_sets
 from trainer.losses import LossFn, model_loss
 from trainer.parallel import Parallelism
 from trainer.preemption import PreemptionWatch, stop
@@ -53,7 +53,8 @@ class Trainer:
         config: a :class:`TrainConfig`; ``batch_size`` is per process.
         train_data: a map-style Dataset (each process its share, as DistributedSampler deals it), a stream (an
             IterableDataset, with ``max_steps``: ``trainer.streams``) or a DataLoader used as is (``trainer.data``).
-        eval_data: optional Dataset, IterableDataset or DataLoader for :meth:`evaluate`, each example counted once.
+        eval_data: optional Dataset, IterableDataset or DataLoader for :meth:`evaluate`, each example counted once;
+            or a dict of them by name, each evaluated apart (``eval_<name>_loss``, ...).
         loss_fn: ``loss_fn(model, batch) -> scalar tensor`` (a mean), or ``-> (loss_sum, count)`` to weigh every
             item it counts alike across the global batch (``trainer.weighing``); default ``model(**batch).loss``,
             which for a transformers model weighs every counted token alike. It runs under the launch's autocast, on
@@ -90,7 +91,8 @@ class Trainer:
         loader = functools.partial(data_loader, config=config, accelerator=acc, dp=self.parallel.dp,
                                    collate_fn=collate_fn)  # fmt: skip
         train_loader = loader(train_data, model, "train_data")
-        eval_loader = loader(eval_data, model, "eval_data", evaluation=True) if eval_data is not None else None
+        eval_loaders = {name: loader(part, model, f"eval_data[{name!r}]" if name else "eval_data", evaluation=True)
+                        for name, part in named_sets(eval_data).items()}  # fmt: skip
         self.state = TrainState(batches_per_epoch(train_loader), config.gradient_accumulation_steps)
         self.total_steps = config.max_steps or config.epochs * self.state.steps_per_epoch
         model = self.parallel.apply(model, optim.prebuilt(optimizer, lr_scheduler), parallelize_fn)
@@ -98,7 +100,7 @@ class Trainer:
                                                                  self.total_steps)  # fmt: skip
         self.model, self.optimizer, self.train_loader, self.lr_scheduler = self.parallel.prepare(
             model, optimizer, train_loader, lr_scheduler)  # fmt: skip
-        self.eval_loader = acc.prepare(eval_loader) if eval_loader is not None else None
+        self.eval_loaders = {name: acc.prepare(part) for name, part in eval_loaders.items()}  # '': the one set
         self.host = host_group(acc.num_processes, config.collective_timeout_s)  # agreements off the device
         self.stream = self.train_loader.dataset if isinstance(self.train_loader.dataset, StreamShard) else None
         self.telemetry = Telemetry(acc, self.parallel.dp.size)
@@ -131,11 +133,13 @@ class Trainer:
         trainer logs, so logging one every step adds no host sync: ``trainer.log({"aux_loss": aux_loss})``."""
         self.telemetry.figures.add(values)
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self, data: Optional[Any] = None) -> dict[str, float]:
         """``eval_loss``, ``eval_examples``, ``eval_<name>`` of each ``metrics_fn`` figure (and ``eval_perplexity``
         for a language model's own loss): means over the whole eval set, every example counted once whatever the
-        process count (``trainer.evaluation``)."""
-        step, metrics = self.state.step, self.evaluator.evaluate(self.eval_loader, self.state.step)
+        process count (``trainer.evaluation``); for named sets (``eval_data={"val": ..., "test": ...}``)
+        ``eval_val_loss``, ``eval_test_loss``, ... ``data``: other data than ``eval_data`` (a set or a dict)."""
+        loaders = self.eval_loaders if data is None else self.evaluator.loaders(data)
+        step, metrics = self.state.step, self.evaluator.evaluate(loaders, self.state.step)
         self.last_eval = (step, metrics)
         self.telemetry.log_evaluation(metrics, step)
         self.nonfinite.check_evaluation(metrics, step, str(self.last_checkpoint or ""))
@@ -254,7 +258,7 @@ class Trainer:
         if self._logs(step):
             phases(step, "log")
             self._log(bar)
-        if cfg.eval_every and step % cfg.eval_every == 0 and self.eval_loader is not None:
+        if cfg.eval_every and step % cfg.eval_every == 0 and self.eval_loaders:
             phases(step, "evaluate")
             self.evaluate()
         due = cfg.save_every and (step % cfg.save_every == 0 or step == self.total_steps or self.stopped is not None)
@@ -287,7 +291,7 @@ class Trainer:
                   "train_loss": self.log_history[-1]["train_loss"] if self.log_history else float("nan"),
                   "train_runtime_s": time.perf_counter() - started, "skipped_steps": self.nonfinite.skipped_steps,
                   "stopped": self.stopped}  # fmt: skip  (stopped: None when it ran to the end, else why it stopped)
-        if self.eval_loader is not None:
+        if self.eval_loaders:
             evaluated_now = self.last_eval is not None and self.last_eval[0] == self.state.step
             result.update(self.last_eval[1] if evaluated_now else self.evaluate())
         load = lambda path: self.model_state.load_weights(path, self.checkpoints.read(path)["sharding"])  # noqa: E731
