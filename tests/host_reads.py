@@ -7,7 +7,8 @@ and by the optimizer's own step counters (CPU tensors) are not the trainer's and
 
 Two jobs in the same processes: FSDP2 with the model's own token-weighted loss, and DDP with a ``(loss_sum,
 count)`` loss; both with accumulation and clipping. Writes <out>/reads.json on the main process:
-{job: {"logging_steps": [...], "reads": {step: ["file:line what", ...]}}}.
+{job: {"logging_steps": [...], "reads": {step: ["file:line what", ...]}}}; the reads of an evaluate() after
+``fit()`` are under "evaluate".
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ def job(out: str, loss: str) -> dict:
     trainer.steps.run, trainer._after_step = counted_run, counted_after
     with counter:
         trainer.fit()
+        counter.step = "evaluate"  # 9 rows: 5 and 4 per process, 3 and 2 batches (a sharded model's in lockstep)
+        trainer.evaluate(rows[:9])
     return {"logging_steps": [step for step in range(1, 7) if trainer._logs(step)], "reads": counter.reads}
 
 

@@ -65,10 +65,14 @@ def test_steps_that_do_not_log_read_nothing_back_from_the_device(tmp_path):
     trainer makes during fit() (item, tolist, bool, float, int, numpy, cpu; tests/host_reads.py), under FSDP2 with the
     model's token-weighted loss and under DDP with a (loss_sum, count) loss, both with accumulation and clipping, 2
     processes. Steps 1, 2, 4, 5 do not log: none there. A log step reads its figures once (and the last one checks
-    for NaN and exports)."""
+    for NaN and exports); an evaluate() after fit() reads once."""
     accelerate_launch(ROOT / "tests" / "host_reads.py", "--out", tmp_path, config="fsdp.yaml")
     for job, found in json.loads((tmp_path / "reads.json").read_text()).items():
         assert found["logging_steps"] == [3, 6], job
+        # An evaluation reads its totals once, not once a batch: the sharded model's lockstep (3 and 2 batches
+        # here) is worked out by each process from the data set's length, not agreed batch by batch.
+        evaluation = found["reads"].pop("evaluate")
+        assert len(evaluation) == 1 and evaluation[0].startswith("evaluation.py:"), (job, evaluation)
         silent = {step: reads for step, reads in found["reads"].items() if int(step) not in found["logging_steps"]}
         assert silent == {}, job
         log_step = found["reads"]["3"]  # the window's figures in one read, the throughput's figure

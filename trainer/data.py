@@ -15,6 +15,7 @@ its data already this process's part.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Optional
 
 import torch
@@ -58,6 +59,11 @@ class ShardSampler(Sampler[int]):
 
     def __init__(self, num_examples: int, num_replicas: int, rank: int):
         self.indices = range(rank, num_examples, num_replicas)
+        self.num_examples, self.num_replicas = num_examples, num_replicas
+
+    def most_batches(self, batch_size: int) -> int:
+        """The batches of the largest share (the first process's), which every process can work out alone."""
+        return math.ceil(math.ceil(self.num_examples / self.num_replicas) / batch_size)
 
     def __iter__(self):
         return iter(self.indices)

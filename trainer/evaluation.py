@@ -21,6 +21,7 @@ from accelerate.utils import broadcast_object_list, find_batch_size
 from torch.utils.data import DataLoader
 
 from trainer.console import say
+from trainer.data import ShardSampler
 from trainer.errors import DataError
 from trainer.hf import generates
 from trainer.losses import LossFn, checked, model_loss
@@ -232,8 +233,20 @@ def predict(model: torch.nn.Module, loader, predict_fn: PredictFn, accelerator: 
 def in_lockstep(loader, device: torch.device) -> Iterator[tuple[Any, bool]]:
     """``(batch, counted)`` until no process has a batch left: a process whose share ran out repeats its last batch,
     not counted. Why: a sharded model's every forward gathers the weights from all processes, so every process runs
-    as many forwards (one small all-reduce a batch, evaluation only). A process with no example at all while others
-    have some is refused on every process at once."""
+    as many forwards. For a data set of known length (the trainer's own loader, every process with an example)
+    each process works out the largest share's batches itself: nothing is exchanged. Otherwise (a stream, your own
+    loader) the processes agree batch by batch (one small all-reduce and a host read each), and a process with no
+    example at all while others have some is refused on every process at once."""
+    batches = getattr(loader, "batch_sampler", None)
+    sampler = getattr(batches, "sampler", None)
+    if isinstance(sampler, ShardSampler) and sampler.num_examples >= sampler.num_replicas and not batches.drop_last:
+        last, taken = None, 0
+        for last in loader:
+            taken += 1
+            yield last, True
+        for _ in range(sampler.most_batches(batches.batch_size) - taken):
+            yield last, False
+        return
     iterator, last = iter(loader), None
     while True:
         batch = next(iterator, None)
