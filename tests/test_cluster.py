@@ -121,12 +121,22 @@ def test_preflight_reads_a_config_and_names_each_problem():
     assert "  network: gloo on eth7" in named.stdout
 
 
-@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("shared", [True, False, "unwritable"])
 def test_preflight_inside_a_two_node_launch_checks_the_shared_output_dir(tmp_path, shared):
     port, nodes = free_port(), [tmp_path / "node0", tmp_path / "node1"]
     for node in nodes:
         node.mkdir()
-    output_dir = tmp_path / "shared" if shared else "out"  # relative: each node's own folder
+    (tmp_path / "a file").write_text("")
+    output_dir = {True: tmp_path / "shared", False: "out", "unwritable": tmp_path / "a file" / "out"}[shared]
+    if shared == "unwritable":  # a PROBLEM line per rank, no traceback
+        results = run_together([(accelerate_node(rank, port, "-m", "trainer.check", "--output_dir", output_dir), node)
+                                for rank, node in enumerate(nodes)], expect_ok=False,
+                               env=clean_env(PYTHONPATH=str(ROOT)))  # fmt: skip
+        head = results[0].stdout
+        for rank in (0, 1):
+            assert f"PROBLEM: output_dir {output_dir} is not writable from rank {rank} " in head
+        assert "Traceback" not in results[0].stdout + results[1].stdout and "shared by all" not in head
+        return
     results = run_together(
         [(accelerate_node(rank, port, "-m", "trainer.check", "--output_dir", output_dir), node)
          for rank, node in enumerate(nodes)], expect_ok=shared, env=clean_env(PYTHONPATH=str(ROOT)),
@@ -139,6 +149,30 @@ def test_preflight_inside_a_two_node_launch_checks_the_shared_output_dir(tmp_pat
     else:
         assert "PROBLEM: output_dir out is not one shared filesystem: rank 0" in head
         assert "PROBLEM: output_dir out is not one shared filesystem: rank 1" in head
+
+
+def test_preflight_names_a_config_it_cannot_read_or_the_launch_would_refuse(tmp_path):
+    """Read alone: an empty file, invalid YAML, an unknown distributed_type, no processes, and what the trainer
+    refuses at once (CPU offload, fp16 with FSDP2) are PROBLEM lines, not tracebacks or 'no problems found'."""
+    from trainer.check import describe_config
+
+    fsdp = (CONFIGS / "fsdp.yaml").read_text()
+    files = {"empty": "", "invalid": "a: [\n", "typo": "distributed_type: FSPD\nnum_processes: 2\n",
+             "none": fsdp.replace("num_processes: 2", "num_processes: 0"),
+             "refused": fsdp.replace("fsdp_offload_params: false", "fsdp_offload_params: true").replace(
+                 "mixed_precision: 'no'", "mixed_precision: fp16")}  # fmt: skip
+    problems = {}
+    for name, text in files.items():
+        (tmp_path / f"{name}.yaml").write_text(text)
+        problems[name] = describe_config(str(tmp_path / f"{name}.yaml"), launched=False)[1]
+    assert problems["empty"][0].endswith("empty.yaml is empty: write one with `accelerate config --config_file "
+                                         f"{tmp_path / 'empty.yaml'}`")  # fmt: skip
+    assert "invalid.yaml cannot be read by accelerate: while parsing a flow node" in problems["invalid"][0]
+    assert "typo.yaml cannot be read by accelerate: 'FSPD' is not a valid DistributedType" in problems["typo"][0]
+    assert problems["none"] == ["num_processes 0 and num_machines 1 must each be at least 1"]
+    assert [p.split(":")[0] for p in problems["refused"]] == ["the accelerate config sets fsdp_offload_params",
+                                                              "mixed precision fp16 with FSDP2 is not supported (its "
+                                                              "loss scaler would have to see sharded gradients)"]
 
 
 def test_preflight_asks_wandb_only_of_a_job_that_uses_it(tmp_path):

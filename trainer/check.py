@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from trainer.errors import ShardingError
+from trainer.fsdp import NO_FP16, NO_OFFLOAD
 from trainer.mesh import Layout, requested_layout
 
 Problems = list[str]
@@ -42,9 +43,17 @@ def describe_config(path: str, launched: bool, num_processes: Optional[int] = No
 
     if not Path(path).is_file():
         return [], [f"config file not found: {path}"], None
-    config = load_config_from_file(path)
+    if not Path(path).read_text().strip():
+        return [], [f"config file {path} is empty: write one with `accelerate config --config_file {path}`"], None
+    try:
+        config = load_config_from_file(path)
+    except Exception as err:  # invalid YAML, an unknown distributed_type, a key of the wrong kind: what accelerate says
+        said = " ".join(line.strip() for line in str(err).strip().splitlines()) or type(err).__name__
+        return [], [f"config file {path} cannot be read by accelerate: {said[:300]}"], None
     machines = num_machines or config.num_machines
     processes = num_processes or config.num_processes
+    if not isinstance(processes, int) or processes < 1 or not isinstance(machines, int) or machines < 1:
+        return [], [f"num_processes {processes!r} and num_machines {machines!r} must each be at least 1"], None
     gpus = visible_gpus(getattr(config, "gpu_ids", None))
     kind = config.distributed_type.value
     # accelerate launches MULTI_GPU and FSDP files through torchrun, anything else through its one-process launcher
@@ -70,6 +79,11 @@ def describe_config(path: str, launched: bool, num_processes: Optional[int] = No
             lines += mesh_lines(requested_layout(processes, True, sizes), per_machine, processes)
         except ShardingError as err:
             problems.append(str(err))
+        fsdp = config.fsdp_config or {}
+        if str(fsdp.get("fsdp_offload_params", False)).lower() == "true":
+            problems.append(NO_OFFLOAD)
+        if config.mixed_precision == "fp16":
+            problems.append(NO_FP16)
         if fsdp_version != 2:
             problems.append(f"fsdp_version {fsdp_version}: the trainer shards with FSDP2; convert the file with "
                             "`accelerate to-fsdp2 --config_file <yours> --output_file <new>`")  # fmt: skip
@@ -168,7 +182,7 @@ def check_launch(output_dir: Optional[str], expected_processes: Optional[int], t
         token = [secrets.token_hex(4) if state.is_main_process else None]
         if world > 1:
             broadcast_object_list(token)
-        me["sees"] = _probe_shared(Path(output_dir), token[0], rank, state)
+        me["sees"], me["cannot_write"] = _probe_shared(Path(output_dir), token[0], rank, state)
     me["wandb"] = _wandb_problem() if uses_wandb and state.local_process_index == 0 else None
     everyone = gather_object([me]) if world > 1 else [me]  # every rank answering is the reachability check
     if state.is_main_process:
@@ -176,12 +190,16 @@ def check_launch(output_dir: Optional[str], expected_processes: Optional[int], t
             print(f"rank {other['rank']:>3} | local rank {other['local_rank']} | {other['host']} | {other['device']}")
     hosts = sorted({other["host"] for other in everyone})
     if output_dir:
-        blind = [o for o in everyone if o["sees"] < world]
+        unwritable = [o for o in everyone if o["cannot_write"]]
+        for other in unwritable:
+            problems.append(f"output_dir {output_dir} is not writable from rank {other['rank']} ({other['host']}): "
+                            f"{other['cannot_write']}")  # fmt: skip
+        blind = [o for o in everyone if o["sees"] < world and not unwritable]
         for other in blind:
             problems.append(f"output_dir {output_dir} is not one shared filesystem: rank {other['rank']} "
                             f"({other['host']}) sees {other['sees']} of the {world} ranks' files. Checkpoints are "
                             "written by one process and read by every rank: use a path all nodes share")  # fmt: skip
-        if not blind and state.is_main_process:
+        if not blind and not unwritable and state.is_main_process:
             print(f"output_dir {output_dir}: one filesystem, shared by all {len(hosts)} host(s)")
     problems += [f"{o['host']}: wandb: {o['wandb']}" for o in everyone if o["wandb"]]
     if state.is_main_process:
@@ -189,21 +207,27 @@ def check_launch(output_dir: Optional[str], expected_processes: Optional[int], t
     return problems
 
 
-def _probe_shared(output_dir: Path, token: str, rank: int, state) -> int:
-    """Each rank writes a file into ``output_dir``; how many ranks' files can this rank see?"""
+def _probe_shared(output_dir: Path, token: str, rank: int, state) -> tuple[int, Optional[str]]:
+    """Each rank writes a file into ``output_dir``; how many ranks' files can this rank see, and why this rank
+    could not write its own (None when it could). Every rank meets every barrier, whatever failed."""
     probe = output_dir / f".trainer-check-{token}"
-    probe.mkdir(parents=True, exist_ok=True)
-    (probe / f"rank{rank}").write_text(socket.gethostname())
+    try:
+        probe.mkdir(parents=True, exist_ok=True)
+        (probe / f"rank{rank}").write_text(socket.gethostname())
+        failed = None
+    except OSError as err:
+        failed = f"{type(err).__name__}: {err.strerror or err}"
     state.wait_for_everyone()
-    seen = len(list(probe.glob("rank*")))
+    seen = len(list(probe.glob("rank*"))) if probe.is_dir() else 0
     state.wait_for_everyone()
-    (probe / f"rank{rank}").unlink()
+    if failed is None:
+        (probe / f"rank{rank}").unlink()
     state.wait_for_everyone()
     try:
         probe.rmdir()  # one rank per filesystem succeeds
     except OSError:
         pass
-    return seen
+    return seen, failed
 
 
 def _wandb_problem() -> Optional[str]:
@@ -238,7 +262,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         lines, problems, expected = describe_config(args.config_file, launched, args.num_processes,
                                                     args.num_machines)
     main_process = int(os.environ.get("RANK", "0")) == 0
-    if main_process:
+    if main_process and lines:
         print("\n".join(lines))
     if launched:
         problems += check_launch(args.output_dir, expected, args.timeout, uses_wandb=bool(args.wandb_project))

@@ -49,6 +49,10 @@ from trainer.materialize import (
 from trainer.tensor_parallel import TensorParallel
 
 FULLY_SHARDED = "FSDP2"
+NO_OFFLOAD = ("the accelerate config sets fsdp_offload_params: CPU offload is not supported by this trainer yet; set "
+              "it to false (more processes hold less each)")  # fmt: skip
+NO_FP16 = ("mixed precision fp16 with FSDP2 is not supported (its loss scaler would have to see sharded gradients): "
+           "use bf16 (mixed_precision: bf16), or no mixed precision")  # fmt: skip
 FROM_META, FROM_FIRST = "meta", "first process"  # where a sharded model's weights come from
 
 @dataclass
@@ -85,11 +89,9 @@ def requested_plugin(config: Any) -> Optional[FullyShardedDataParallelPlugin]:
                             "Convert the file with `accelerate to-fsdp2 --config_file <yours> --output_file <new>` "
                             "(or set fsdp_version: 2 under fsdp_config)")  # fmt: skip
     if parse_flag_from_env("FSDP_OFFLOAD_PARAMS"):
-        raise ShardingError("the accelerate config sets fsdp_offload_params: CPU offload is not supported by this "
-                            "trainer yet; set it to false (more processes hold less each)")  # fmt: skip
+        raise ShardingError(NO_OFFLOAD)
     if os.environ.get("ACCELERATE_MIXED_PRECISION", "no") == "fp16":
-        raise ShardingError("mixed precision fp16 with FSDP2 is not supported (its loss scaler would have to see "
-                            "sharded gradients): use bf16 (mixed_precision: bf16), or no mixed precision")  # fmt: skip
+        raise ShardingError(NO_FP16)
     if config.compile:
         raise ShardingError("compile: true with FSDP2 is not supported yet: set compile: false, or train with DDP")
     return FullyShardedDataParallelPlugin(fsdp_version=2)
