@@ -30,6 +30,7 @@ def test_overrides_win_over_the_file(tmp_path):
     [
         ("learning_rate: 0.1\n", "unknown key 'learning_rate'"),
         ("batchsize: 4\n", "Did you mean: batch_size"),
+        ("lerning_rate: 0.1\n", "Did you mean: lr, "),  # transformers' name, misspelt: ours first
         ("batch_size: 0\n", "batch_size must be >= 1"),
         ("batch_size: 2.5\n", "batch_size must be int"),
         ("batch_size: '8'\n", "batch_size must be int"),

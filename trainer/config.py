@@ -237,12 +237,22 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     return values
 
 
+# What transformers' TrainingArguments (and habit) call some keys: a misspelling of these suggests ours.
+OTHER_NAMES = {"learning_rate": "lr", "num_train_epochs": "epochs", "per_device_train_batch_size": "batch_size",
+               "train_batch_size": "batch_size", "lr_scheduler_type": "lr_scheduler", "logging_steps": "log_every",
+               "eval_steps": "eval_every", "save_steps": "save_every", "save_total_limit": "keep_last",
+               "resume_from_checkpoint": "resume", "adam_epsilon": "eps", "grad_clip": "max_grad_norm",
+               "gradient_accumulation": "gradient_accumulation_steps", "warmup": "warmup_steps"}  # fmt: skip
+
+
 def _check_keys(cls: type, values: dict[str, Any], source: str) -> None:
     """An unknown key is an error naming the closest valid ones."""
     valid = [f.name for f in dataclasses.fields(cls)]
     for key in values:
         if key not in valid:
-            close = difflib.get_close_matches(str(key), valid, n=3, cutoff=0.5)
+            names = {**{name: name for name in valid}, **{k: v for k, v in OTHER_NAMES.items() if v in valid}}
+            close = difflib.get_close_matches(str(key).lower(), list(names), n=3, cutoff=0.5)
+            close = list(dict.fromkeys(names[name] for name in close))  # another trainer's name: ours
             hint = f" Did you mean: {', '.join(close)}?" if close else ""
             raise ConfigError(f"{source}: unknown key '{key}'.{hint} Valid keys: {', '.join(valid)}")
 
