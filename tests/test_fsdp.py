@@ -570,3 +570,28 @@ def test_several_named_eval_sets_each_get_their_figures_and_the_best_of_one_surv
     record = json.loads((folder / last).read_text())["best"]
     assert record["figure"] == "eval_tail_loss" and record["step"] == 2
     assert json.loads((runs["fsdp, two eval sets, resumed at step 4"][1] / last).read_text())["best"] == record
+
+
+def test_an_export_goes_into_a_folder_of_its_own_and_replaces_one_whole_only_when_told(fsdp, tmp_path):
+    """Into a folder that holds another export: refused, or with --replace replaced whole (a stale index and its
+    shards would load another model); into the checkpoint itself or an unwritable place: one line, nothing written."""
+    from trainer.errors import ExportError
+    from trainer.export import INDEX, export
+
+    checkpoint = fsdp[0]["fsdp, straight"][1] / "checkpoints" / "step-00000012"
+    held = sorted(p.name for p in checkpoint.iterdir())
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    for name in (INDEX, "model-00001-of-00009.safetensors", "config.json"):
+        (stale / name).write_text("{}")
+    refused = run([sys.executable, "-m", "trainer.export", str(checkpoint), str(stale)], expect_ok=False)
+    assert refused.returncode != 0 and refused.stderr.strip().splitlines() == [
+        f"trainer: the export's folder {stale} already holds config.json, model-00001-of-00009.safetensors, "
+        f"{INDEX}: export into a new or empty folder, or pass --replace to replace it whole"]  # fmt: skip
+    export(checkpoint, stale, replace=True)
+    assert sorted(p.name for p in stale.iterdir()) == ["config.json", "model.safetensors"]
+    with pytest.raises(ExportError, match="inside the checkpoint"):
+        export(checkpoint, checkpoint / "exported")
+    with pytest.raises(ExportError, match="cannot write the export into .*: Not a directory"):
+        export(checkpoint, stale / "config.json" / "under a file")
+    assert sorted(p.name for p in checkpoint.iterdir()) == held

@@ -45,6 +45,10 @@ class CheckpointError(Refusal, RuntimeError):
     """A checkpoint is missing, torn, unsafe, or does not fit this run; the message names it."""
 
 
+class ExportError(Refusal, RuntimeError):
+    """An export's destination cannot take it (not empty, inside the checkpoint, not writable); the message says."""
+
+
 class StreamPositionError(CheckpointError):
     """A checkpoint mid-stream of a stream that cannot resume there."""
 

@@ -3,6 +3,8 @@
     python -m trainer.export runs/gpt2/checkpoints/step-00000200 exported/
     # exported/model.safetensors (+ config.json for a transformers model: AutoModel*.from_pretrained("exported"))
 
+into a new or empty folder (``--replace``: any, replaced whole; never one inside the checkpoint).
+
 Works on the checkpoints of any run: a sharded model's (FSDP2: the shards of every process read back into whole
 tensors, one file's worth at a time: past 5 GB the weights go into numbered files with transformers' index) and a
 DDP one's. The checkpoint is verified first (every file's size and CRC-32). The trainer writes
@@ -12,15 +14,19 @@ DDP one's. The checkpoint is verified first (every file's size and CRC-32). The 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import re
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
 from trainer import checkpoint
+from trainer.errors import ExportError
 from trainer.model_state import (
     MODEL_CONFIG,
     MODEL_FILE,
@@ -31,9 +37,11 @@ from trainer.model_state import (
     sharded_weights,
 )
 
-__all__ = ["export", "read_sharded_weights", "write_model", "write_streamed"]
+__all__ = ["export", "read_sharded_weights", "replacing", "write_model", "write_streamed"]
 MAX_FILE_BYTES = 5 * 2**30  # an export's safetensors files: at most this much each, the most held at once
 INDEX = "model.safetensors.index.json"  # the files of an export written as several, as transformers names them
+EXPORTED = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|config\.json|"
+                      r"generation_config\.json")  # what an export writes (and may replace)
 
 
 def write_model(state_dict: dict[str, Any], directory: Path, model: Optional[torch.nn.Module] = None) -> Path:
@@ -92,10 +100,55 @@ def write_streamed(entries: list[tuple[str, int]], fetch: Callable[[list[str]], 
     return directory / INDEX
 
 
-def export(folder: Path, directory: Path) -> Path:
-    """Write checkpoint ``folder``'s model into ``directory``; return the weights file."""
+@contextlib.contextmanager
+def replacing(directory: Path, anything: bool = False) -> Iterator[Path]:
+    """A fresh folder beside ``directory`` to write an export into, which then replaces ``directory`` whole (no
+    file of an earlier export is left to mix with the new one: a stale config or index would load another model).
+    Removed if writing fails, ``directory`` untouched. A ``directory`` holding files no export writes (your
+    output_dir, say) is refused rather than replaced, unless ``anything`` (the command's ``--replace``)."""
+    held = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
+    foreign = [name for name in held if not EXPORTED.fullmatch(name)]
+    if foreign and not anything:
+        raise ExportError(f"{directory} holds files no export writes ({', '.join(foreign[:3])}"
+                          f"{', ...' if len(foreign) > 3 else ''}): an export replaces its folder whole, so write it "
+                          "into a folder of its own")  # fmt: skip
+    staging, old = directory.parent / f".{directory.name}.writing", directory.parent / f".{directory.name}.old"
+    for leftover in (staging, old):
+        shutil.rmtree(leftover, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if directory.exists():
+        os.replace(directory, old)
+    os.replace(staging, directory)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def export(folder: Path, directory: Path, replace: bool = False) -> Path:
+    """Write checkpoint ``folder``'s model into ``directory`` (new or empty; any with ``replace``, replaced whole);
+    return the weights file (or the index of several)."""
     checkpoint.verify(folder)
-    directory.mkdir(parents=True, exist_ok=True)
+    inside = directory.resolve() == folder.resolve() or folder.resolve() in directory.resolve().parents
+    if inside:
+        raise ExportError(f"{directory} is inside the checkpoint {folder}, which holds exactly what its manifest "
+                          "lists: export into a folder of its own")  # fmt: skip
+    if directory.is_file() or directory.is_dir() and any(directory.iterdir()) and not replace:
+        held = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
+        what = f"already holds {', '.join(held[:3])}{', ...' if len(held) > 3 else ''}" if held else "is a file"
+        raise ExportError(f"the export's folder {directory} {what}: export into a new or empty folder, or pass "
+                          "--replace to replace it whole")  # fmt: skip
+    try:
+        with replacing(directory, anything=True) as staging:  # new, empty, or --replace
+            written = _write(folder, staging)
+    except OSError as err:
+        raise ExportError(f"cannot write the export into {directory}: {err.strerror or err}") from None
+    return directory / written.name
+
+
+def _write(folder: Path, directory: Path) -> Path:
     written = directory / MODEL_FILE
     if (folder / SHARDS).is_dir():  # read a file's worth at a time
         entries, fetch = sharded_weights(folder)
@@ -118,9 +171,11 @@ def export(folder: Path, directory: Path) -> Path:
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", type=Path, help="a checkpoint folder, <output_dir>/checkpoints/step-N")
-    parser.add_argument("directory", type=Path, help="where to write model.safetensors (and config.json)")
+    parser.add_argument("directory", type=Path, help="where to write model.safetensors (and config.json): a new "
+                        "or empty folder")  # fmt: skip
+    parser.add_argument("--replace", action="store_true", help="replace what the folder holds, whole")
     args = parser.parse_args(argv)
-    written = export(args.checkpoint, args.directory)
+    written = export(args.checkpoint, args.directory, replace=args.replace)
     loads = "AutoModel*.from_pretrained" if (args.directory / MODEL_CONFIG).is_file() else "safetensors.torch.load_file"
     sys.stdout.write(f"exported {args.checkpoint} to {written} ({loads})\n")
 

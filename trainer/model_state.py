@@ -20,6 +20,7 @@ else by name, and the values DCP keeps as pickled bytes (an optimizer's settings
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import pickle
@@ -123,12 +124,14 @@ class ModelState:
     def export(self, directory: Path, barrier: Callable[[], None]) -> None:
         """The whole model, written into ``directory`` by the main process one file at a time
         (``trainer.export.write_streamed``): a sharded model's tensors gathered one at a time, a file's worth kept
-        on the main process's CPU, never the whole model anywhere. Every rank returns once it is written."""
-        from trainer.export import write_model, write_streamed
+        on the main process's CPU, never the whole model anywhere. ``directory`` is replaced whole (an earlier
+        export's files would mix with this one's). Every rank returns once it is written."""
+        from trainer.export import replacing, write_model, write_streamed
 
         if self.format == DDP:  # (no torch.distributed.checkpoint here: its import costs a DDP run a second)
             if self.main:
-                write_model(_once_each(self.model.state_dict(), self.model), directory, self.model)
+                with replacing(directory) as staging:
+                    write_model(_once_each(self.model.state_dict(), self.model), staging, self.model)
             barrier()
             return
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -144,7 +147,8 @@ class ModelState:
             return whole
 
         entries = [(name, tensor.numel() * tensor.element_size()) for name, tensor in state.items()]
-        write_streamed(entries, gather, directory, self.model, self.main)
+        with replacing(directory) if self.main else contextlib.nullcontext(directory) as target:
+            write_streamed(entries, gather, target, self.model, self.main)
         barrier()
 
     def _dcp_state(self, folder: Path | None = None) -> dict[str, Any]:
