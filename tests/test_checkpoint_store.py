@@ -14,12 +14,14 @@ from trainer import CheckpointError
 from trainer import checkpoint as store
 
 
-def commit(root: Path, step: int, keep_last: int = 2, best: bool = False, payload: bytes = b"weights") -> Path:
+def commit(root: Path, step: int, keep_last: int = 2, best: int | None = None, payload: bytes = b"weights") -> Path:
+    """Step ``step`` committed as the trainer commits it; ``best``: the step keep_best's record names then."""
     staging = store.staging_folder(root, step)
     staging.mkdir(parents=True)
     (staging / "model.safetensors").write_bytes(payload)
-    state = {"train": {"global_step": step, "epoch": 0, "batches_into_epoch": step, "run_id": "x"}}
-    return store.commit(staging, state, keep_last, best)
+    state = {"train": {"global_step": step, "epoch": 0, "batches_into_epoch": step, "run_id": "x"},
+             "best": {"figure": "eval_loss", "value": 1.0, "step": best} if best is not None else None}  # fmt: skip
+    return store.commit(staging, state, keep_last)
 
 
 def test_a_commit_renames_the_folder_then_moves_the_pointer_and_lists_every_file(tmp_path):
@@ -71,11 +73,29 @@ def test_resume_auto_sets_a_damaged_latest_aside_and_takes_the_newest_whole_one(
 
 def test_keep_last_prunes_the_oldest_and_spares_the_best(tmp_path):
     root = tmp_path / "checkpoints"
-    commit(root, 2, keep_last=1, best=True)
-    for step in (4, 6, 8):
-        commit(root, step, keep_last=1)
+    for step in (2, 4, 6, 8):
+        commit(root, step, keep_last=1, best=2)
     assert sorted(p.name for p in root.iterdir()) == ["best", "latest", "step-00000002", "step-00000008"]
-    assert store.best_checkpoint(root) == root / "step-00000002"
+    assert store.best_checkpoint(root, {"step": 2}) == root / "step-00000002"
+    assert store.pointed_at(root / "best") == "step-00000002"
+
+
+def test_the_best_pointer_follows_this_runs_record_not_an_abandoned_timeline_or_damage(tmp_path):
+    """Rolled back to step 8 of a run whose best was step 12: the pointer names step 8, the record's, at the next
+    commit (it named the abandoned step 12). A damaged pointer is rewritten, and the best checkpoint it should have
+    named is spared by keep_last all the same."""
+    root = tmp_path / "checkpoints"
+    for step in (4, 8, 12):
+        commit(root, step, keep_last=5, best=step)
+    assert store.pointed_at(root / "best") == "step-00000012"
+    commit(root, 8, keep_last=5, best=8)  # the resumed run saves step 8 again, its record the step-8 evaluation
+    assert store.pointed_at(root / "best") == "step-00000008"
+    (root / "best").write_bytes(b"garbage")
+    for step in (10, 14, 16):
+        commit(root, step, keep_last=1, best=4)
+    assert store.pointed_at(root / "best") == "step-00000004" and (root / "step-00000004").is_dir()
+    commit(root, 18, keep_last=1, best=None)  # no record (another figure, or none yet): no pointer at all
+    assert not (root / "best").exists()
 
 
 def test_saving_a_step_again_keeps_a_whole_checkpoint_named_by_latest(tmp_path):

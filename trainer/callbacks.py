@@ -110,9 +110,13 @@ class KeepBest:
                   say: Callable[[str], None]) -> None:  # fmt: skip
         """At the end of ``fit()``, before the model is exported: the best evaluation's weights (those of
         ``checkpoint``, which the ``best`` pointer names) back in the model, said in one line. Every rank."""
-        if not self.load_at_end or checkpoint is None or self.best is None:
+        if not self.load_at_end or self.best is None:
             return
         figure = f"{self.best['figure']} {self.best['value']:.6g}"
+        if checkpoint is None and self.best["step"] != step:
+            say(f"load_best_at_end: the best evaluation's checkpoint (step {self.best['step']}, {figure}) is not "
+                f"among this output_dir's checkpoints: final/ holds the last step's weights, {step}")  # fmt: skip
+            return
         if self.best["step"] == step:
             say(f"the best evaluation is this last step's ({figure}): final/ holds its weights")
             return

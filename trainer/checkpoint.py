@@ -94,12 +94,14 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and STEP_FOLDER.fullmatch(p.name))
 
 
-def best_checkpoint(root: Path) -> Optional[Path]:
-    """The checkpoint the ``best`` pointer names (keep_best), or None (also when the pointer is corrupt)."""
-    try:
-        return root / pointed_at(root / BEST_FILE)
-    except CheckpointError:
+def best_checkpoint(root: Path, record: Optional[dict[str, Any]]) -> Optional[Path]:
+    """The committed checkpoint of the best evaluation keep_best ``record``s in this run's history (None when there
+    is none, or it is not in ``root``). Never the ``best`` pointer's word alone: a pointer left by an abandoned
+    timeline (a run rolled back to an older checkpoint) or damaged names another model."""
+    if not record:
         return None
+    folder = root / f"{PREFIX}{int(record['step']):08d}"
+    return folder if folder.is_dir() else None
 
 
 def pointed_at(pointer: Path) -> str:
@@ -189,9 +191,11 @@ def staging_folder(root: Path, step: int) -> Path:
     return root / f".tmp-{final_folder(root, step).name}"
 
 
-def commit(staging: Path, trainer_state: dict[str, Any], keep_last: int, best: bool) -> Path:
+def commit(staging: Path, trainer_state: dict[str, Any], keep_last: int) -> Path:
     """The main process, once every rank's files are in ``staging``: the manifest (every file's size and CRC-32)
-    written last into it, the rename to ``step-N``, the pointer, the pruning. Returns the committed folder."""
+    written last into it, the rename to ``step-N``, the pointers, the pruning. The ``best`` pointer names the
+    checkpoint of the keep_best record in ``trainer_state`` (spared by the pruning), whatever it named before.
+    Returns the committed folder."""
     root, final = staging.parent, staging.parent / staging.name.removeprefix(".tmp-")
     written = {p.relative_to(staging).as_posix(): p for p in sorted(staging.rglob("*")) if p.is_file()}
     manifest = {"files": {name: p.stat().st_size for name, p in written.items()},
@@ -206,9 +210,12 @@ def commit(staging: Path, trainer_state: dict[str, Any], keep_last: int, best: b
     os.replace(staging, final)
     _write_atomically(root / POINTER_FILE, final.name)
     shutil.rmtree(old, ignore_errors=True)
-    if best:
-        _write_atomically(root / BEST_FILE, final.name)
-    spared = {final, best_checkpoint(root)}  # a run resumed from an older checkpoint keeps what it just wrote
+    best_folder = best_checkpoint(root, trainer_state.get("best"))  # this run's record, whatever the pointer says
+    if best_folder is not None:
+        _write_atomically(root / BEST_FILE, best_folder.name)
+    elif (root / BEST_FILE).exists():  # a pointer into another timeline, or damaged: it names nothing of this run's
+        (root / BEST_FILE).unlink()
+    spared = {final, best_folder}  # a run resumed from an older checkpoint keeps what it just wrote
     for old in complete_checkpoints(root)[:-keep_last]:
         if old not in spared:
             shutil.rmtree(old, ignore_errors=True)

@@ -76,10 +76,10 @@ class Checkpointer:
         (its own files in the checkpoint folder), or both. Register it before the resume (the constructor's)."""
         self.parts[name] = part
 
-    def save(self, step: int, best: bool = False, wait: bool = True) -> Path:
-        """Step ``step``'s checkpoint, written by every rank and committed by the main process (``best``: the
-        ``best`` pointer names it too). With background saves and ``wait=False``, the shards are written while
-        training goes on and committed later (:meth:`wait`); the folder it will be is returned."""
+    def save(self, step: int, wait: bool = True) -> Path:
+        """Step ``step``'s checkpoint, written by every rank and committed by the main process (the ``best``
+        pointer follows keep_best's record, a part of it). With background saves and ``wait=False``, the shards are
+        written while training goes on and committed later (:meth:`wait`); the folder it will be is returned."""
         self.wait()  # one save in flight at a time
         acc = self.accelerator
         state = {"run": self.setup.record(), "sharding": self.parts["model"].format}  # the weights' format
@@ -102,10 +102,10 @@ class Checkpointer:
         keep_last = self.keep_last
         if in_background:
             future = self.parts["model"].save_async(staging, self.background.group)
-            self.background.start(future, staging, lambda: checkpoint.commit(staging, state, keep_last, best))
+            self.background.start(future, staging, lambda: checkpoint.commit(staging, state, keep_last))
             return checkpoint.final_folder(self.root, step)
         if acc.is_main_process:
-            checkpoint.commit(staging, state, keep_last, best)
+            checkpoint.commit(staging, state, keep_last)
         acc.wait_for_everyone()
         self.last = checkpoint.final_folder(self.root, step)
         return self.last

@@ -158,9 +158,9 @@ class Trainer:
         ``save_async`` and ``wait=False`` it is committed later; the folder it will be is returned."""
         self.checkpoints.wait()  # one save in flight: the last good checkpoint is the one committed
         self.nonfinite.check(self.telemetry.window.first_bad_step(), str(self.last_checkpoint or ""))
-        evaluated = self.last_eval is not None and self.last_eval[0] == self.state.step
-        best = self.config.keep_best is not None and evaluated and self.keep_best.judge(*self.last_eval)
-        return self.checkpoints.save(self.state.step, best=best, wait=wait)
+        if self.config.keep_best is not None and self.last_eval is not None and self.last_eval[0] == self.state.step:
+            self.keep_best.judge(*self.last_eval)  # the record this checkpoint holds, which the best pointer follows
+        return self.checkpoints.save(self.state.step, wait=wait)
 
     def wait_for_checkpoint(self) -> None:
         """Until the checkpoint written in the background (``save_async``) is committed; every rank."""
@@ -188,7 +188,7 @@ class Trainer:
     @property
     def best_checkpoint(self) -> Optional[Path]:
         """With ``keep_best``: the checkpoint of the best evaluation so far (``load_checkpoint`` it), else None."""
-        return best_checkpoint(checkpoint_root(self.config.output_dir))
+        return best_checkpoint(checkpoint_root(self.config.output_dir), self.keep_best.best)
 
     global_step = property(lambda self: self.state.step, doc="Optimizer steps taken.")
     epoch = property(lambda self: self.state.epoch, doc="The epoch being read.")
