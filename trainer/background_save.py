@@ -12,6 +12,8 @@ of their own, never the training group's (sharing it hung in our experiments, as
 
 from __future__ import annotations
 
+import errno
+import shutil
 import threading
 from concurrent.futures import Future
 from datetime import timedelta
@@ -21,7 +23,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from trainer.agreement import gather_objects
-from trainer.checkpoint import write_failed
+from trainer.checkpoint import root_cause, write_failed
 from trainer.errors import CheckpointError
 
 
@@ -44,12 +46,12 @@ class BackgroundSave:
         except BaseException as err:  # told to every process at the next wait
             self.error = err
 
-    def wait(self) -> Optional[BaseException]:
+    def wait(self, timeout_s: Optional[float] = None) -> Optional[BaseException]:
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout_s)
         else:
             try:
-                self.future.result()
+                self.future.result(timeout_s)
             except BaseException as err:
                 self.error = err
         return self.error
@@ -81,15 +83,33 @@ class BackgroundSaves:
         if self.in_flight is None:
             return None
         save, self.in_flight = self.in_flight, None
-        error = save.wait()
-        errors = gather_objects(f"{type(error).__name__}: {error}" if error is not None else None, self.errors_group)
-        failed = [(rank, text) for rank, text in enumerate(errors) if text]
+        error, mine = save.wait(), None
+        if error is not None:  # the rank that failed, and its own error (torch's wraps it in every rank's traceback)
+            failing, cause = root_cause(error)
+            mine = (failing if failing is not None else torch.distributed.get_rank(), type(cause).__name__, str(cause))
+        failed = sorted(found for found in gather_objects(mine, self.errors_group) if found)
         if failed:
-            rank, text = failed[0]
+            rank, kind, text = failed[0]
             if self.main:
-                raise write_failed(save.staging, save.staging.parent, RuntimeError(f"rank {rank}: {text}"))
-            raise CheckpointError(f"checkpoint {save.staging.name} could not be written (rank {rank}: {text})")
+                cause = OSError(errno.ENOSPC, text) if "No space left" in text else RuntimeError(f"{kind}: {text}")
+                raise write_failed(save.staging, save.staging.parent, cause, rank)
+            raise CheckpointError(f"checkpoint {save.staging.name} could not be written (rank {rank}: {kind}: {text})")
         return save.staging.parent / save.staging.name.removeprefix(".tmp-")
+
+
+    def abandon(self, timeout_s: float = 60.0) -> Optional[str]:
+        """After an error ends the run: this process's write in flight waited for (a while: the other processes
+        may be gone, so nothing collective), and on the main process its folder removed unless it was committed.
+        What became of it, said by the main process (None when nothing was in flight)."""
+        if self.in_flight is None:
+            return None
+        save, self.in_flight = self.in_flight, None
+        save.wait(timeout_s)
+        step = save.staging.name.removeprefix(".tmp-")
+        if not self.main or not save.staging.exists():
+            return None
+        shutil.rmtree(save.staging, ignore_errors=True)
+        return f"the checkpoint {step} being written in the background was not committed: its folder was removed"
 
 
 def writers_group(world_size: int, timeout_s: Optional[float] = None) -> Any:

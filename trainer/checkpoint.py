@@ -254,13 +254,16 @@ def _crc32(path: Path) -> str:
     return f"{crc:08x}"
 
 
-def write_failed(staging: Path, root: Path, err: BaseException) -> CheckpointError:
-    """A checkpoint that could not be written: its unfinished folder removed (a full disk gets its space back),
-    the disk named when it is full, and the checkpoint still latest said."""
+def write_failed(staging: Path, root: Path, err: BaseException, rank: Optional[int] = None) -> CheckpointError:
+    """A checkpoint that could not be written (on ``rank``, when another rank's failure is reported): its unfinished
+    folder removed (a full disk gets its space back), the disk named when it is full, the latest checkpoint said."""
     shutil.rmtree(staging, ignore_errors=True)
+    failing, err = root_cause(err)
+    rank = rank if rank is not None else failing
     free = shutil.disk_usage(root).free
     full = isinstance(err, OSError) and err.errno == errno.ENOSPC or free < (1 << 20) or "iostream error" in str(err)
     why = f"the disk is full ({free / 2**20:.1f} MB free at {root})" if full else f"{type(err).__name__}: {err}"
+    why += f" (rank {rank})" if rank is not None else ""
     pointer = root / POINTER_FILE
     kept = "none was written before"
     if pointer.is_file():
@@ -270,6 +273,17 @@ def write_failed(staging: Path, root: Path, err: BaseException) -> CheckpointErr
             kept = str(err)
     return CheckpointError(f"could not write checkpoint {staging.name.removeprefix('.tmp-')}: {why}. The unfinished "
                            f"folder was removed; {kept}.")  # fmt: skip
+
+
+def root_cause(err: BaseException) -> tuple[Optional[int], BaseException]:
+    """The first failing rank and its own exception, for a torch.distributed.checkpoint failure (which wraps every
+    failed rank's exception with its traceback: ten lines no one needs); ``(None, err)`` for any other."""
+    failures = getattr(err, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return None, err
+    rank = min(failures)
+    cause = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
+    return rank, cause
 
 
 def _write_atomically(path: Path, text: str) -> None:

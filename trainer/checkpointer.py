@@ -19,9 +19,10 @@ Nothing loaded runs code: JSON, safetensors, ``torch.load(weights_only=True)`` a
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from accelerate import Accelerator
@@ -29,7 +30,7 @@ from accelerate import Accelerator
 from trainer import checkpoint
 from trainer.background_save import BackgroundSaves, background_saves
 from trainer.callbacks import stateful
-from trainer.checkpoint import checkpoint_root, staging_folder, write_failed
+from trainer.checkpoint import checkpoint_root, root_cause, staging_folder, write_failed
 from trainer.console import say
 from trainer.errors import CheckpointError, Refusal
 from trainer.resume_policy import RunSetup, group_settings, random_states
@@ -97,8 +98,10 @@ class Checkpointer:
                 if callable(getattr(part, "save", None)):
                     part.save(staging, in_background=in_background)
                     acc.wait_for_everyone()  # the folder exists, each part's files are on disk
-        except Exception as err:
-            raise write_failed(staging, self.root, err) from err
+        except BaseException as err:  # torch.distributed.checkpoint's failure is a BaseException, not an Exception
+            if not isinstance(err, Exception) and root_cause(err)[0] is None:
+                raise  # KeyboardInterrupt, SystemExit: not a failed write
+            raise write_failed(staging, self.root, err) from None
         keep_last = self.keep_last
         if in_background:
             future = self.parts["model"].save_async(staging, self.background.group)
@@ -114,6 +117,18 @@ class Checkpointer:
         """A committed checkpoint of step ``step`` (a preemption's): the one saved there, or one ``save`` writes."""
         self.wait()  # a checkpoint written in the background is committed first
         return self.last if self.last == checkpoint.final_folder(self.root, step) else save()
+
+    @contextlib.contextmanager
+    def cleaned_up_on_error(self) -> Iterator[None]:
+        """Around ``fit()``: when an error ends it, a checkpoint still being written in the background is not left
+        half-written on the disk (a full disk would stay full), and the line says so."""
+        try:
+            yield
+        except BaseException:
+            said = self.background.abandon() if self.background is not None else None
+            if said:
+                say(said)
+            raise
 
     def wait(self) -> None:
         """Until the checkpoint written in the background is committed."""

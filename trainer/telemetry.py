@@ -90,7 +90,10 @@ class Telemetry:
             say(preempted.message)
             raise
         except BaseException as err:
-            self.close("failed", err)
+            try:
+                self.close("failed", err)
+            except Exception as also:  # the full disk that failed a checkpoint fails the metrics file too: the error
+                say(f"{also} (while ending the run after the error below)")  # that ended the run is the one raised
             raise
         self.close("finished")
 
