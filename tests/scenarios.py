@@ -225,7 +225,7 @@ def user_loader(args) -> None:
         seen.append(x.squeeze(1).long().tolist())
         return model(x).pow(2).mean()
 
-    config = TrainConfig(epochs=1, batch_size=3, optimizer="sgd", lr=0.1, shuffle=False,
+    config = TrainConfig(output_dir=args.output_dir, epochs=1, batch_size=3, optimizer="sgd", lr=0.1, shuffle=False,
                          max_steps=2 if args.sampler == "own_part" else None)  # fmt: skip
     trainer = Trainer(torch.nn.Linear(1, 1), config, train_data=DataLoader(data, batch_size=3, sampler=sampler),
                       loss_fn=loss_fn)  # fmt: skip
@@ -387,7 +387,7 @@ def faults(args) -> None:
 
 
 def too_small(args) -> None:
-    Trainer(TinyClassifier(), TrainConfig(batch_size=1), train_data=Examples(1))
+    Trainer(TinyClassifier(), TrainConfig(output_dir=args.output_dir, batch_size=1), train_data=Examples(1))
 
 
 def world_guard(args) -> None:

@@ -55,32 +55,33 @@ def test_guard_stops_processes_that_each_believe_they_are_alone():
     assert "joined a world of 1" in result.stderr
 
 
-def test_users_dataloader_with_distributed_sampler_is_not_sharded_twice():
-    result = accelerate_launch(SCENARIOS, "user_loader", "--sampler", "distributed")
+def test_users_dataloader_with_distributed_sampler_is_not_sharded_twice(tmp_path):
+    result = accelerate_launch(SCENARIOS, "user_loader", "--sampler", "distributed", "--output_dir", tmp_path)
     assert "SEEN rank0 [[0, 2, 4], [6, 8, 10]]" in result.stdout
     assert "SEEN rank1 [[1, 3, 5], [7, 9, 11]]" in result.stdout
 
 
-def test_users_dataloader_of_a_stream_that_splits_itself_is_read_on_every_process():
+def test_users_dataloader_of_a_stream_that_splits_itself_is_read_on_every_process(tmp_path):
     # accelerate alone would dispatch: only process 0's stream read, its batches split between the processes
-    result = accelerate_launch(SCENARIOS, "user_loader", "--sampler", "own_part")
+    result = accelerate_launch(SCENARIOS, "user_loader", "--sampler", "own_part", "--output_dir", tmp_path)
     assert "SEEN rank0 [[0, 2, 4], [6, 8, 10]]" in result.stdout
     assert "SEEN rank1 [[1, 3, 5], [7, 9, 11]]" in result.stdout
 
 
-def test_users_dataloader_without_distributed_sampler_is_refused_with_what_to_pass():
-    result = accelerate_launch(SCENARIOS, "user_loader", "--sampler", "none", expect_ok=False)
+def test_users_dataloader_without_distributed_sampler_is_refused_with_what_to_pass(tmp_path):
+    result = accelerate_launch(SCENARIOS, "user_loader", "--sampler", "none", "--output_dir", tmp_path,
+                               expect_ok=False)  # fmt: skip
     assert "train_data is a DataLoader with a SequentialSampler" in result.stderr
     assert "Pass the Dataset itself as train_data" in result.stderr
 
 
-def test_users_dataloader_is_used_as_is_in_one_process():
-    result = python(SCENARIOS, "user_loader", "--sampler", "none")
+def test_users_dataloader_is_used_as_is_in_one_process(tmp_path):
+    result = python(SCENARIOS, "user_loader", "--sampler", "none", "--output_dir", tmp_path)
     assert "SEEN rank0 [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]" in result.stdout
 
 
-def test_data_set_smaller_than_the_world_is_refused():
-    result = accelerate_launch(SCENARIOS, "too_small", expect_ok=False)
+def test_data_set_smaller_than_the_world_is_refused(tmp_path):
+    result = accelerate_launch(SCENARIOS, "too_small", "--output_dir", tmp_path, expect_ok=False)
     assert "train_data has 1 examples, fewer than the 2 processes" in result.stderr
 
 

@@ -101,17 +101,11 @@ def write_streamed(entries: list[tuple[str, int]], fetch: Callable[[list[str]], 
 
 
 @contextlib.contextmanager
-def replacing(directory: Path, anything: bool = False) -> Iterator[Path]:
-    """A fresh folder beside ``directory`` to write an export into, which then replaces ``directory`` whole (no
-    file of an earlier export is left to mix with the new one: a stale config or index would load another model).
-    Removed if writing fails, ``directory`` untouched. A ``directory`` holding files no export writes (your
-    output_dir, say) is refused rather than replaced, unless ``anything`` (the command's ``--replace``)."""
-    held = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
-    foreign = [name for name in held if not EXPORTED.fullmatch(name)]
-    if foreign and not anything:
-        raise ExportError(f"{directory} holds files no export writes ({', '.join(foreign[:3])}"
-                          f"{', ...' if len(foreign) > 3 else ''}): an export replaces its folder whole, so write it "
-                          "into a folder of its own")  # fmt: skip
+def replacing(directory: Path, whole: bool = False) -> Iterator[Path]:
+    """A fresh folder beside ``directory`` to write an export into, whose files then take the place of the earlier
+    export's: no file of an earlier export is left to mix with the new one (a stale config or index would load
+    another model). ``whole``: ``directory`` is replaced whole; else files no export writes (a tokenizer saved
+    beside the model) stay. Removed if writing fails, ``directory`` untouched."""
     staging, old = directory.parent / f".{directory.name}.writing", directory.parent / f".{directory.name}.old"
     for leftover in (staging, old):
         shutil.rmtree(leftover, ignore_errors=True)
@@ -121,10 +115,17 @@ def replacing(directory: Path, anything: bool = False) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    if directory.exists():
-        os.replace(directory, old)
-    os.replace(staging, directory)
-    shutil.rmtree(old, ignore_errors=True)
+    if whole or not directory.is_dir():
+        if directory.exists():
+            os.replace(directory, old)
+        os.replace(staging, directory)
+        shutil.rmtree(old, ignore_errors=True)
+        return
+    for earlier in [p for p in directory.iterdir() if EXPORTED.fullmatch(p.name)]:
+        earlier.unlink()
+    for written in staging.iterdir():
+        os.replace(written, directory / written.name)
+    staging.rmdir()
 
 
 def export(folder: Path, directory: Path, replace: bool = False) -> Path:
@@ -141,7 +142,7 @@ def export(folder: Path, directory: Path, replace: bool = False) -> Path:
         raise ExportError(f"the export's folder {directory} {what}: export into a new or empty folder, or pass "
                           "--replace to replace it whole")  # fmt: skip
     try:
-        with replacing(directory, anything=True) as staging:  # new, empty, or --replace
+        with replacing(directory, whole=True) as staging:  # new, empty, or --replace
             written = _write(folder, staging)
     except OSError as err:
         raise ExportError(f"cannot write the export into {directory}: {err.strerror or err}") from None

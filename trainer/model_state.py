@@ -124,8 +124,9 @@ class ModelState:
     def export(self, directory: Path, barrier: Callable[[], None]) -> None:
         """The whole model, written into ``directory`` by the main process one file at a time
         (``trainer.export.write_streamed``): a sharded model's tensors gathered one at a time, a file's worth kept
-        on the main process's CPU, never the whole model anywhere. ``directory`` is replaced whole (an earlier
-        export's files would mix with this one's). Every rank returns once it is written."""
+        on the main process's CPU, never the whole model anywhere. An earlier export's files in ``directory`` are
+        replaced (they would mix with this one's); others, a tokenizer saved beside, stay. Every rank returns once
+        it is written."""
         from trainer.export import replacing, write_model, write_streamed
 
         if self.format == DDP:  # (no torch.distributed.checkpoint here: its import costs a DDP run a second)
