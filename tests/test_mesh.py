@@ -206,18 +206,19 @@ def test_a_launch_with_context_parallelism_stops_with_one_line(tmp_path):
 
 
 def test_the_preflight_prints_the_mesh_per_machine_and_refuses_one_that_does_not_fit(tmp_path):
+    from trainer.check import describe_config
+
     hsdp = ROOT / "accelerate_configs" / "hsdp.yaml"
-    fine = run([sys.executable, "-m", "trainer.check", "--config_file", str(hsdp)])
+    fine = run([sys.executable, "-m", "trainer.check", "--config_file", str(hsdp)])  # as a user runs it
     assert "  model: HSDP 2 x 8 (replicate x shard): each process holds 1/8 of the weights, gradients and optimizer " \
            "state\n  machine 0: ranks 0-7: replica(s) 0\n  machine 1: ranks 8-15: replica(s) 1\n" in fine.stdout
     across = tmp_path / "across.yaml"  # FSDP x TP over 16 processes: each replica spans both machines
     across.write_text(hsdp.read_text().replace("dp_replicate_size: 2", "dp_replicate_size: 1").replace(
         "dp_shard_size: 8", "dp_shard_size: 8\n  parallelism_config_tp_size: 2"))
-    spans = run([sys.executable, "-m", "trainer.check", "--config_file", str(across)])
-    assert "  model: TP 2 x FSDP 8: each process holds 1/16" in spans.stdout
-    assert "  note: one replica's 16 processes span 2 machines" in spans.stdout
+    lines = describe_config(str(across), launched=True)[0]
+    assert "  model: TP 2 x FSDP 8: each process holds 1/16 of the weights, gradients and optimizer state" in lines
+    assert any(line.startswith("  note: one replica's 16 processes span 2 machines") for line in lines)
     wrong = tmp_path / "wrong.yaml"
     wrong.write_text(hsdp.read_text().replace("dp_shard_size: 8", "dp_shard_size: 4"))
-    refused = run([sys.executable, "-m", "trainer.check", "--config_file", str(wrong)], expect_ok=False)
-    assert "PROBLEM: parallelism_config: dp_replicate_size 2 x dp_shard_size 4 x tp_size 1 = 8 processes, but the " \
-           "launch has 16" in refused.stdout  # fmt: skip
+    assert "parallelism_config: dp_replicate_size 2 x dp_shard_size 4 x tp_size 1 = 8 processes, but the launch " \
+           "has 16: make the product the number of processes" in describe_config(str(wrong), launched=True)[1]
