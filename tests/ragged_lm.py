@@ -160,7 +160,7 @@ def ours(args) -> dict:
     own_split = split_mlps if args.parallelize_fn else None
     factories = nanogpt_factories(args.lr, args.warmup, args.max_steps) if args.nanogpt else {}
     trainer = Trainer(model, config, train_data=data, collate_fn=seen, parallelize_fn=own_split, **factories,
-                      eval_data={"head": rows[:6], "tail": rows[6:16]} if args.eval_sets else
+                      eval_data={"head": rows[:10], "tail": rows[10:45]} if args.eval_sets else
                       rows[: args.eval_examples] if args.eval else None,
                       loss_fn=pair_loss if args.loss == "pair" else None,
                       callbacks=[CrashAfter(args.crash_at)] if args.crash_at else [])  # fmt: skip
@@ -326,7 +326,7 @@ def main() -> None:
     parser.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2", help="see tiny_gpt2")
     parser.add_argument("--parallelize_fn", action="store_true", help="split the Llama's MLPs by split_mlps")
     parser.add_argument("--min_lr_ratio", type=float, default=None)
-    parser.add_argument("--eval_sets", action="store_true", help="evaluate on two named sets, rows 0-5 and 6-15")
+    parser.add_argument("--eval_sets", action="store_true", help="evaluate on two named sets, rows 0-9 and 10-44")
     parser.add_argument("--nanogpt", action="store_true", help="nanoGPT's optimizer and schedule, as factories")
     parser.add_argument("--peak", action="store_true", help="write every process's peak memory during the job")
     parser.add_argument("--build", choices=["cpu", "meta", "seeded_per_rank"], default="cpu", help="see tiny_gpt2")

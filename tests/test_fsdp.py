@@ -558,7 +558,7 @@ def test_several_named_eval_sets_each_get_their_figures_and_the_best_of_one_surv
     resumed = runs["fsdp, two eval sets, resumed at step 4"][0]
     assert "eval at step 2: eval_head_loss" in result.stdout and "eval at step 2: eval_tail_loss" in result.stdout
     figures = straight["evaluations"]
-    assert figures["eval_head_examples"] == 6 and figures["eval_tail_examples"] == 10
+    assert figures["eval_head_examples"] == 10 and figures["eval_tail_examples"] == 35
     assert figures["eval_head_loss"] != figures["eval_tail_loss"]
     assert resumed["evaluations"] == figures
     # keep_best on eval_tail_loss, mode max: the first evaluation's (step 2), final/'s weights; the resumed run
