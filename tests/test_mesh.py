@@ -34,18 +34,19 @@ def sizes(replicate: int, shard: int, tp: int = 1) -> list[str]:
 FSDP_4, DDP_4, TP_FSDP, TP_ALONE = sizes(1, 4), sizes(4, 1), sizes(1, 2, 2), sizes(1, 1, 4)
 # 48 rows, in order; SGD (AdamW would magnify the float noise of gradients that are 0 in exact arithmetic); a global
 # batch of 8 however it is split; clipped, so that the norm over DTensors of both dimensions is exercised.
-COMMON = ["--epochs", "1", "--save_every", "2", "--keep_last", "3", "--clip", "0.5"]
+COMMON = ["--epochs", "1", "--clip", "0.5"]
+SAVED = ["--save_every", "2", "--keep_last", "3"]  # the runs the others resume from
 FOUR = ["--batch_size", "1", "--accumulation", "2", *COMMON]  # 4 data-parallel processes
 TWO = ["--batch_size", "2", "--accumulation", "2", *COMMON]  # 2 (a tensor-parallel group of 2 reads one batch)
-EVALUATED = ["--eval", "--eval_examples", "45", "--predict"]
+EVALUATED = ["--eval", "--eval_examples", "21", "--predict"]  # 6, 5, 5, 5 rows a process: in lockstep
 LLAMA = ["--arch", "llama"]  # GPT-2 has no tensor-parallel plan; Llama has one
 VARIANTS = {
-    "hsdp": [*FOUR, *EVALUATED],  # the launch's own parallelism_config (hsdp.yaml's flags): HSDP 2 x 2
+    "hsdp": [*FOUR, *EVALUATED, *SAVED],  # the launch's own parallelism_config (hsdp.yaml's flags): HSDP 2 x 2
     "fsdp": [*FOUR, *EVALUATED, *FSDP_4],
     "ddp": [*FOUR, *EVALUATED, *DDP_4, "--ddp"],  # a DDP job that names its replicas (dp_replicate_size 4)
     "hsdp, resumed as fsdp": [*FOUR, *FSDP_4, "--resume_from", "{hsdp}/checkpoints/step-00000002"],
     "hsdp, resumed as ddp": [*FOUR, *DDP_4, "--ddp", "--resume_from", "{hsdp}/checkpoints/step-00000002"],
-    "tp x fsdp": [*LLAMA, *TWO, *EVALUATED, *TP_FSDP, "--recompute"],  # activation checkpointing: the same
+    "tp x fsdp": [*LLAMA, *TWO, *EVALUATED, *SAVED, *TP_FSDP, "--recompute"],  # activation checkpointing too
     "tp x fsdp, split by the user's function": [*LLAMA, *TWO, *TP_FSDP, "--parallelize_fn"],
     "tp": [*LLAMA, "--batch_size", "4", "--accumulation", "2", *COMMON, *TP_ALONE],
     "ddp, llama": [*LLAMA, *FOUR, *EVALUATED, *DDP_4, "--ddp"],
