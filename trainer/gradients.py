@@ -2,8 +2,9 @@
 HSDP's, tensor parallelism's, on meshes of their own).
 
 Why not ``torch.nn.utils.clip_grad_norm_``: on DTensors it dispatches every parameter's norm through DTensor and
-stacks them (quadratic in the parameters: pytorch/pytorch#169445), and under FSDP x TP the norms live on two meshes
-(a block's weights on the (data, tensor) mesh, a norm layer's on the data mesh alone), which ``stack`` refuses.
+stacks them (quadratic in the parameters: pytorch/pytorch#169445), and under FSDP x TP the gradients live on two
+meshes (a block's weights on the (data, tensor) mesh, a norm layer's on the data mesh alone), whose norms would
+have to be combined across meshes.
 Here each process sums the squares of the pieces it holds, a piece held by several processes (replicated over a
 mesh dimension, or over the processes a mesh leaves out) counted once, and one all-reduce adds them up: one
 collective per step, whatever the parameters.
