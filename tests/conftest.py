@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "accelerate_configs"
 SAME_UPDATES = ROOT / "examples" / "same_updates.py"
 SCENARIOS = ROOT / "tests" / "scenarios.py"
+JOBS = ROOT / "tests" / "jobs.py"  # several runs in one process
 
 # Variables a launcher sets; a test must not inherit them from whatever launched pytest.
 # (ACCELERATE_* variables go too.)
