@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -138,6 +139,16 @@ def torchrun(script: Path, *args: str, nproc: int = 2, run_args: tuple[str, ...]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", *run_args]  # fmt: skip
     return run([*cmd, str(script), *map(str, args)], **kw)
+
+
+def split_jobs(output: str) -> list[str]:
+    """The output of each run of a tests/jobs.py process or launch, in order, cut at its ``=== job N ===`` lines
+    (every process of a launch writes them: what follows each process's line N is run N's)."""
+    parts = re.split(r"^=== job (\d+) ===\n", output, flags=re.M)
+    runs: dict[int, str] = {}
+    for number, text in zip(parts[1::2], parts[2::2], strict=True):
+        runs[int(number)] = runs.get(int(number), "") + text
+    return [runs[number] for number in sorted(runs)]
 
 
 def read_summary(output_dir: Path) -> dict:

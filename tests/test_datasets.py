@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,16 +13,28 @@ from datasets import Dataset
 from trainer.columns import ready_columns
 from trainer.data import DataError
 
-from conftest import ROOT, accelerate_launch
+from conftest import JOBS, ROOT, accelerate_launch, split_jobs
+
+pytestmark = pytest.mark.xdist_group("datasets")  # the recipe's two runs share one launch: run it once
 
 RECIPE = ROOT / "examples" / "text_classification.py"
 
 
-@pytest.mark.parametrize("padding", ["dynamic", "max_length"])
-def test_text_classification_recipe_through_two_processes(tmp_path, padding):
-    flags = ["--pad_to_max_length", "--max_length", "16"] if padding == "max_length" else []
-    result = accelerate_launch(RECIPE, "--output_dir", tmp_path, *flags)
-    out = result.stdout
+PADDINGS = {"dynamic": [], "max_length": ["--pad_to_max_length", "--max_length", "16"]}
+
+
+@pytest.fixture(scope="module")
+def recipe_runs(tmp_path_factory) -> dict[str, tuple[str, Path]]:
+    """padding -> (the recipe's output, its output_dir): both runs in one launch of 2 processes (tests/jobs.py)."""
+    out = tmp_path_factory.mktemp("recipe")
+    runs = [[str(RECIPE), "--output_dir", str(out / padding), *flags] for padding, flags in PADDINGS.items()]
+    outputs = split_jobs(accelerate_launch(JOBS, json.dumps(runs)).stdout)
+    return {padding: (output, out / padding) for padding, output in zip(PADDINGS, outputs, strict=True)}
+
+
+@pytest.mark.parametrize("padding", PADDINGS)
+def test_text_classification_recipe_through_two_processes(recipe_runs, padding):
+    out, output_dir = recipe_runs[padding]
     if padding == "dynamic":  # DataCollatorWithPadding pads each batch; the strings never reach it
         assert out.count("trainer | train_data: left out text (not inputs of model.forward)") == 1
     else:  # no collate_fn: the raw tokenised Dataset is formatted for the model, and said once
@@ -31,7 +45,7 @@ def test_text_classification_recipe_through_two_processes(tmp_path, padding):
     assert accuracy[3] == "stopped early" and int(accuracy[2]) < 220  # EarlyStopping on eval_accuracy
     test = re.search(r"^text_classification \| test accuracy ([\d.]+) over (\d+) predictions", out, re.M)
     assert float(test[1]) >= 0.9 and test[2] == "100"  # predict(): every test example once, in order
-    assert (tmp_path / "checkpoints" / "best").is_file()
+    assert (output_dir / "checkpoints" / "best").is_file()
 
 
 class TakesIds(torch.nn.Module):
