@@ -18,7 +18,7 @@ from scenarios import DropoutClassifier
 
 from trainer import PREEMPTED_EXIT
 
-from conftest import SCENARIOS, accelerate_launch, clean_env, python, torchrun
+from conftest import JOBS, SCENARIOS, accelerate_launch, clean_env, python, split_jobs, torchrun
 
 pytestmark = pytest.mark.xdist_group("checkpoint")  # its tests share a module-scoped launch: run it once
 
@@ -192,46 +192,65 @@ def zero_a_kilobyte(path: Path) -> None:
     path.write_bytes(bytes(data))  # the same size: only the contents tell
 
 
-@pytest.mark.parametrize("damage", ["truncated", "zeroed model", "zeroed rng", "0xff optimizer", "deleted",
-                                    "state a list", "state without files"])  # fmt: skip
-def test_resume_auto_continues_from_the_newest_whole_checkpoint_past_a_damaged_latest(one_process_run, tmp_path,
-                                                                                      damage):  # fmt: skip
-    copy = copy_of(one_process_run, tmp_path)
-    latest = copy / "checkpoints" / "step-00000036"
-    if damage == "truncated":
+DAMAGES = ["truncated", "zeroed model", "zeroed rng", "0xff optimizer", "deleted", "state a list",
+           "state without files"]  # fmt: skip
+
+
+def damage(latest: Path, how: str) -> None:
+    if how == "truncated":
         (latest / "model.safetensors").write_bytes((latest / "model.safetensors").read_bytes()[:-100])
-    elif damage == "zeroed model":
+    elif how == "zeroed model":
         zero_a_kilobyte(latest / "model.safetensors")
-    elif damage == "zeroed rng":
+    elif how == "zeroed rng":
         zero_a_kilobyte(next(latest.glob("random_states_*.pkl")))
-    elif damage == "0xff optimizer":
+    elif how == "0xff optimizer":
         data = bytearray((latest / "optimizer.bin").read_bytes())
         data[-64:] = b"\xff" * 64
         (latest / "optimizer.bin").write_bytes(bytes(data))
-    elif damage == "deleted":
+    elif how == "deleted":
         shutil.rmtree(latest)
     else:
         state = json.loads((latest / "trainer_state.json").read_text())
         state.pop("files")
-        (latest / "trainer_state.json").write_text(json.dumps([] if damage == "state a list" else state))
-    result = python(SCENARIOS, "resume", "--output_dir", copy)
-    assert "continuing from the newest whole checkpoint" in result.stderr and "step-00000032" in result.stderr
-    assert "resumed from" in result.stdout and "step 32" in result.stdout
-    if damage != "deleted":
+        (latest / "trainer_state.json").write_text(json.dumps([] if how == "state a list" else state))
+
+
+@pytest.fixture(scope="module")
+def resumed_copies(one_process_run, tmp_path_factory) -> dict[str, tuple[Path, str, str]]:
+    """Copies of the one-process run, each damaged in one way (and one where a kill left step 36 half-replaced),
+    then resumed, every resume in one process (tests/jobs.py): name -> (the copy, its stdout, its stderr)."""
+    copies = {}
+    for how in DAMAGES:
+        copies[how] = copy_of(one_process_run, tmp_path_factory.mktemp("damaged"))
+        damage(copies[how] / "checkpoints" / "step-00000036", how)
+    # Saving step 36 again (a run resumed from an older checkpoint) first moves the old step-36 aside; a kill before
+    # the new one is in place leaves `latest` naming a folder that is not there.
+    copies["half replaced"] = copy = copy_of(one_process_run, tmp_path_factory.mktemp("half_replaced"))
+    (copy / "checkpoints" / "step-00000036").rename(copy / "checkpoints" / ".old-step-00000036")
+    (copy / "checkpoints" / ".tmp-step-00000036").mkdir()  # the new one's unfinished folder
+    runs = [[str(SCENARIOS), "resume", "--output_dir", str(copy)] for copy in copies.values()]
+    runs[-1] += ["--max_steps", "40"]
+    result = python(JOBS, json.dumps(runs))
+    outputs = zip(split_jobs(result.stdout), split_jobs(result.stderr), strict=True)
+    return {name: (copy, *output) for (name, copy), output in zip(copies.items(), outputs, strict=True)}
+
+
+@pytest.mark.parametrize("how", DAMAGES)
+def test_resume_auto_continues_from_the_newest_whole_checkpoint_past_a_damaged_latest(one_process_run, resumed_copies,
+                                                                                      how):  # fmt: skip
+    copy, stdout, stderr = resumed_copies[how]
+    assert "continuing from the newest whole checkpoint" in stderr and "step-00000032" in stderr
+    assert "resumed from" in stdout and "step 32" in stdout
+    if how != "deleted":
         assert (copy / "checkpoints" / "damaged-step-00000036").is_dir(), "set aside, not deleted"
     # the run re-trained steps 33-36 from a whole checkpoint: the same weights as before the damage
     assert_bit_identical(final_weights(one_process_run), final_weights(copy))
 
 
-def test_a_kill_while_an_existing_step_is_saved_again_leaves_a_whole_latest(one_process_run, tmp_path):
-    """Saving step 36 again (a run resumed from an older checkpoint) first moves the old step-36 aside; a kill
-    before the new one is in place leaves `latest` naming a folder that is not there: the old one comes back."""
-    copy = copy_of(one_process_run, tmp_path)
-    checkpoints = copy / "checkpoints"
-    (checkpoints / "step-00000036").rename(checkpoints / ".old-step-00000036")
-    (checkpoints / ".tmp-step-00000036").mkdir()  # the new one's unfinished folder
-    result = python(SCENARIOS, "resume", "--output_dir", copy, "--max_steps", 40)
-    assert "resumed from" in result.stdout and "step 36" in result.stdout
+def test_a_kill_while_an_existing_step_is_saved_again_leaves_a_whole_latest(resumed_copies):
+    """`latest` names step 36, moved aside by a save of step 36 again that a kill stopped: the old one comes back."""
+    _, stdout, _ = resumed_copies["half replaced"]
+    assert "resumed from" in stdout and "step 36" in stdout
 
 
 def test_two_jobs_on_one_output_dir_the_second_is_refused(tmp_path):
