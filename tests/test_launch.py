@@ -10,7 +10,7 @@ import os
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
 
-from conftest import CONFIGS, SAME_UPDATES, SCENARIOS, accelerate_launch, clean_env, python
+from conftest import CONFIGS, JOBS, SAME_UPDATES, SCENARIOS, accelerate_launch, clean_env, python, split_jobs
 
 ALL_CONFIGS = sorted(p.name for p in CONFIGS.glob("*.yaml"))
 
@@ -55,17 +55,26 @@ def test_guard_stops_processes_that_each_believe_they_are_alone():
     assert "joined a world of 1" in result.stderr
 
 
-def test_users_dataloader_with_distributed_sampler_is_not_sharded_twice(tmp_path):
-    result = accelerate_launch(SCENARIOS, "user_loader", "--sampler", "distributed", "--output_dir", tmp_path)
-    assert "SEEN rank0 [[0, 2, 4], [6, 8, 10]]" in result.stdout
-    assert "SEEN rank1 [[1, 3, 5], [7, 9, 11]]" in result.stdout
+@pytest.fixture(scope="module")
+def users_loaders(tmp_path_factory) -> dict[str, str]:
+    """sampler -> the output of a user's DataLoader job on 2 processes, both jobs in one launch (tests/jobs.py)."""
+    out = tmp_path_factory.mktemp("user_loader")
+    samplers = ["distributed", "own_part"]
+    jobs = [[str(SCENARIOS), "user_loader", "--sampler", name, "--output_dir", str(out / name)] for name in samplers]
+    return dict(zip(samplers, split_jobs(accelerate_launch(JOBS, json.dumps(jobs)).stdout), strict=True))
 
 
-def test_users_dataloader_of_a_stream_that_splits_itself_is_read_on_every_process(tmp_path):
+@pytest.mark.xdist_group("user_loaders")  # one launch for both: run it once
+def test_users_dataloader_with_distributed_sampler_is_not_sharded_twice(users_loaders):
+    assert "SEEN rank0 [[0, 2, 4], [6, 8, 10]]" in users_loaders["distributed"]
+    assert "SEEN rank1 [[1, 3, 5], [7, 9, 11]]" in users_loaders["distributed"]
+
+
+@pytest.mark.xdist_group("user_loaders")
+def test_users_dataloader_of_a_stream_that_splits_itself_is_read_on_every_process(users_loaders):
     # accelerate alone would dispatch: only process 0's stream read, its batches split between the processes
-    result = accelerate_launch(SCENARIOS, "user_loader", "--sampler", "own_part", "--output_dir", tmp_path)
-    assert "SEEN rank0 [[0, 2, 4], [6, 8, 10]]" in result.stdout
-    assert "SEEN rank1 [[1, 3, 5], [7, 9, 11]]" in result.stdout
+    assert "SEEN rank0 [[0, 2, 4], [6, 8, 10]]" in users_loaders["own_part"]
+    assert "SEEN rank1 [[1, 3, 5], [7, 9, 11]]" in users_loaders["own_part"]
 
 
 def test_users_dataloader_without_distributed_sampler_is_refused_with_what_to_pass(tmp_path):

@@ -8,36 +8,54 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from trainer import PREEMPTED_EXIT
 
-from conftest import SCENARIOS, accelerate_launch
+from conftest import JOBS, SCENARIOS, accelerate_launch, split_jobs
+
+pytestmark = pytest.mark.xdist_group("stopping")  # four of its runs share one launch: run it once
+
+# The runs that need no signal, in one launch of 2 processes (tests/jobs.py), in this order: name -> arguments.
+RUNS = {"one_rank_stops": ["stop", "--stop_at", "5"], "early_stopping": ["stop"], "best": ["best"],
+        "best_again": ["best", "--max_steps", "14"]}  # fmt: skip
 
 
-def stopped(output_dir, *args) -> tuple[dict, str]:
-    result = accelerate_launch(SCENARIOS, "stop", "--output_dir", output_dir, *map(str, args))
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, tuple[str, Path]]:
+    """name -> (that run's output, its output_dir); best_again continues best's output_dir."""
+    out = tmp_path_factory.mktemp("stopping")
+    folders = {name: out / name.removesuffix("_again") for name in RUNS}
+    jobs = [[str(SCENARIOS), *args, "--output_dir", str(folders[name])] for name, args in RUNS.items()]
+    outputs = split_jobs(accelerate_launch(JOBS, json.dumps(jobs)).stdout)
+    return {name: (output, folders[name]) for name, output in zip(RUNS, outputs, strict=True)}
+
+
+def stopped(output: str) -> tuple[dict, str]:
     reports = {line.split(" ", 2)[1]: json.loads(line.split(" ", 2)[2])
-               for line in result.stdout.splitlines() if line.startswith("STOPPED ")}  # fmt: skip
+               for line in output.splitlines() if line.startswith("STOPPED ")}  # fmt: skip
     assert set(reports) == {"rank0", "rank1"}
     for report in reports.values():
         report.pop("train_runtime_s")
     assert reports["rank0"] == reports["rank1"], "every rank stops at the same step, with the same figures"
-    return reports["rank0"], result.stdout
+    return reports["rank0"], output
 
 
-def test_one_ranks_should_stop_stops_every_rank_at_the_next_log_with_a_checkpoint(tmp_path):
+def test_one_ranks_should_stop_stops_every_rank_at_the_next_log_with_a_checkpoint(runs):
     # rank 1 alone asks after step 5; the ranks log every 3 steps: both stop after step 6 (of 40).
-    result, output = stopped(tmp_path, "--stop_at", 5)
+    output, tmp_path = runs["one_rank_stops"]
+    result, output = stopped(output)
     assert result["global_step"] == 6 and result["stopped"] == "should_stop set on rank(s) 1"
     assert "stopping at step 6 of 40: should_stop set on rank(s) 1" in output
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step-00000006"
     assert (tmp_path / "final" / "model.safetensors").is_file()
 
 
-def test_early_stopping_ends_a_run_whose_eval_loss_does_not_improve(tmp_path):
+def test_early_stopping_ends_a_run_whose_eval_loss_does_not_improve(runs):
     # lr 0: the eval loss (every 2 steps) never improves; patience 2 asks at step 6, the log at step 9 agrees.
-    result, output = stopped(tmp_path)
+    output, tmp_path = runs["early_stopping"]
+    result, output = stopped(output)
     assert result["global_step"] == 9
     assert "EarlyStopping: eval_loss has not improved on 1.15853 (step 2)" in result["stopped"]
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step-00000009"
@@ -65,22 +83,22 @@ def test_early_stopping_and_a_users_callback_keep_their_state_across_a_preemptio
     assert "(step 2) for 3 evaluations" in stopped[0]["stopped"]
 
 
-def test_keep_best_keeps_the_best_evaluations_checkpoint_apart_from_keep_last(tmp_path):
+def test_keep_best_keeps_the_best_evaluations_checkpoint_apart_from_keep_last(runs):
     # The figure peaks at step 4; checkpoints every 2 steps with keep_last=1.
-    result = accelerate_launch(SCENARIOS, "best", "--output_dir", tmp_path)
+    output, tmp_path = runs["best"]
     best = tmp_path / "checkpoints" / "step-00000004"
-    assert f"BEST rank0 {best} " in result.stdout and f"BEST rank1 {best} " in result.stdout
-    assert '"figure": "eval_peak", "value": 0.0, "step": 4' in result.stdout
-    kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
-    assert kept == ["best", "latest", "step-00000004", "step-00000010"]
+    assert f"BEST rank0 {best} " in output and f"BEST rank1 {best} " in output
+    assert '"figure": "eval_peak", "value": 0.0, "step": 4' in output
     # load_best_at_end (keep_best's default): the model fit() ends with is the best evaluation's, and it says so.
     assert "load_best_at_end: final/ holds the weights of step 4, the best evaluation (eval_peak 0), not those of " \
-        "the last step, 10" in result.stdout
+        "the last step, 10" in output
+    # Resumed and trained on, the best is still the step-4 one (its value came back with the checkpoint); the
+    # first run kept best, latest, step 4 and step 10 (keep_last=1): step 10 gives way to step 14.
+    again, _ = runs["best_again"]
+    assert f"BEST rank0 {best} " in again and f"resumed from {tmp_path}/checkpoints/step-00000010" in again
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["best", "latest", "step-00000004",
+                                                                            "step-00000014"]  # fmt: skip
     assert_same_weights(tmp_path / "final" / "model.safetensors", best / "model.safetensors")
-    # Resumed and trained on, the best is still the step-4 one (its value came back with the checkpoint).
-    again = accelerate_launch(SCENARIOS, "best", "--output_dir", tmp_path, "--max_steps", "14")
-    assert f"BEST rank0 {best} " in again.stdout
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir())[-2:] == ["step-00000004", "step-00000014"]
 
 
 def assert_same_weights(file: Path, other: Path) -> None:
