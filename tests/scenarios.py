@@ -375,14 +375,24 @@ class HalfUsed(TinyClassifier):
 
 def faults(args) -> None:
     """One bad input per run (--fault): unused (a parameter outside the loss), loss_float / loss_vector /
-    loss_none (what loss_fn returns), empty_eval (an eval set with no examples)."""
+    loss_none (what loss_fn returns), empty_eval (an eval set with no examples), metrics_shape (a metrics_fn
+    figure of the wrong shape), frozen (no trainable parameter), tensorboard_file (<output_dir>/tensorboard is a
+    file)."""
     config = TrainConfig(output_dir=args.output_dir, max_steps=4, batch_size=4, log_every=2,
-                         find_unused_parameters=args.find_unused_parameters)  # fmt: skip
+                         find_unused_parameters=args.find_unused_parameters,
+                         tensorboard=args.fault == "tensorboard_file")  # fmt: skip
     returns = {"loss_float": lambda m, b: 1.0, "loss_none": lambda m, b: None,
                "loss_vector": lambda m, b: m(**b).logits.sum(-1)}  # fmt: skip
     model = HalfUsed() if args.fault == "unused" else TinyClassifier()
-    eval_data = Examples(0) if args.fault == "empty_eval" else None
-    trainer = Trainer(model, config, train_data=Examples(32), eval_data=eval_data, loss_fn=returns.get(args.fault))
+    if args.fault == "frozen":
+        model.requires_grad_(False)
+    eval_data = {"empty_eval": Examples(0), "metrics_shape": Examples(8)}.get(args.fault)
+    metrics_fn = (lambda m, b: {"accuracy": torch.zeros(3)}) if args.fault == "metrics_shape" else None
+    if args.fault == "tensorboard_file":
+        os.makedirs(args.output_dir, exist_ok=True)
+        Path(args.output_dir, "tensorboard").write_text("not a folder")
+    trainer = Trainer(model, config, train_data=Examples(32), eval_data=eval_data, loss_fn=returns.get(args.fault),
+                      metrics_fn=metrics_fn)  # fmt: skip
     say("RESULT " + json.dumps(trainer.fit()))
 
 

@@ -39,3 +39,15 @@ def test_an_empty_eval_set_is_refused_before_training(tmp_path):
     failed = fault(tmp_path, "empty_eval")
     assert failed.stderr.count("trainer: eval_data has no examples") == 1
     assert "step " not in failed.stdout, "refused before the first step, not after all of training"
+
+
+@pytest.mark.parametrize("name, said, lines", [
+    ("metrics_shape", "metrics_fn's 'accuracy' has 3 values for a batch of 4 examples: return one number per example", 1),
+    ("frozen", "the model (TinyClassifier) has no trainable parameter (requires_grad is False on every one)", 1),
+    ("tensorboard_file", "tensorboard: true, but rank 0 cannot write its events to", 2),  # each rank its own folder
+])  # fmt: skip
+def test_a_wrong_metrics_fn_a_frozen_model_and_a_tensorboard_path_that_is_a_file_are_named(tmp_path, name, said,
+                                                                                          lines):  # fmt: skip
+    failed = fault(tmp_path, name)
+    assert failed.stderr.count(said) == 1 and failed.stderr.count("trainer: ") == lines, failed.stderr[-3000:]
+    assert worker_tracebacks(failed.stderr) == 0, failed.stderr[-3000:]

@@ -61,6 +61,10 @@ class LossFnError(Refusal, TypeError):
     """``loss_fn`` returned something other than a scalar tensor."""
 
 
+class EvaluationError(Refusal, ValueError):
+    """``metrics_fn`` or ``predict_fn`` returned what an evaluation cannot use, or there is nothing to evaluate."""
+
+
 class UnusedParameters(Refusal, RuntimeError):
     """DDP found parameters that took no part in the previous step's loss."""
 

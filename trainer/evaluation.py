@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 from trainer.console import say
 from trainer.data import ShardSampler
-from trainer.errors import DataError
+from trainer.errors import DataError, EvaluationError
 from trainer.hf import generates
 from trainer.losses import LossFn, checked, model_loss
 
@@ -61,7 +61,7 @@ class Evaluator:
         each. ``eval_perplexity`` is added for a language model's own loss (``model(**batch).loss`` of a
         transformers model that generates): elsewhere exp(loss) means nothing (a classifier's perplexity)."""
         if not loaders:
-            raise ValueError("evaluate() needs eval_data: pass eval_data=... to the Trainer, or a data set here")
+            raise EvaluationError("evaluate() needs eval_data: pass eval_data=... to the Trainer, or a data set here")
         metrics = {}
         for name, loader in loaders.items():
             with self._in_eval_mode():
@@ -158,7 +158,7 @@ def evaluate(model: torch.nn.Module, loader, loss_fn, metrics_fn: Optional[Metri
         for name, value in values.items():
             value = torch.as_tensor(value, device=device).reshape(-1)  # numpy, a CPU tensor: on the device
             if value.numel() != size:
-                raise ValueError(f"metrics_fn's {name!r} has {value.numel()} values for a batch of {size} examples: "
+                raise EvaluationError(f"metrics_fn's {name!r} has {value.numel()} values for a batch of {size} examples: "
                                  "return one number per example (shape [batch])")  # fmt: skip
             metric_sums[name] = metric_sums.get(name, 0) + value.double().sum()
         count += size
@@ -174,7 +174,7 @@ def evaluate(model: torch.nn.Module, loader, loss_fn, metrics_fn: Optional[Metri
         torch.distributed.all_reduce(totals, group=dp.group)
     loss_total, weight_total, examples, *metric_totals = totals.tolist()
     if examples == 0:
-        raise ValueError("eval_data has no examples: evaluate() has nothing to average")
+        raise EvaluationError("eval_data has no examples: evaluate() has nothing to average")
     metrics = {"eval_loss": loss_total / weight_total if weight_total else math.nan, "eval_examples": int(examples)}
     metrics.update({f"eval_{name}": total / examples for name, total in zip(names, metric_totals, strict=True)})
     return metrics
@@ -187,7 +187,7 @@ def perplexity(loss: float) -> float:
 def model_logits(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     """The default prediction: ``model(**batch).logits``, as transformers models return them."""
     if not isinstance(batch, Mapping):
-        raise TypeError(f"the default prediction calls model(**batch).logits, but the batch is a "
+        raise EvaluationError(f"the default prediction calls model(**batch).logits, but the batch is a "
                         f"{type(batch).__name__}; pass predict_fn=lambda model, batch: ... to predict()")  # fmt: skip
     return model(**batch).logits
 

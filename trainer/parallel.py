@@ -27,7 +27,7 @@ import torch
 from trainer.activation_checkpointing import checkpoint_activations, transformer_blocks
 from trainer.config import TrainConfig
 from trainer.console import say
-from trainer.errors import ShardingError, UnusedParameters
+from trainer.errors import ConfigError, ShardingError, UnusedParameters
 from trainer.fsdp import FULLY_SHARDED, ShardedModel, requested_plugin, shard
 from trainer.launch import build_accelerator, num_machines
 from trainer.materialize import built_on_meta, fill, initialise, region, to_upcast, upcast_words
@@ -83,6 +83,10 @@ class Parallelism:
         the shards.
         With ``tp_size`` the model is split by its own plan or by ``parallelize_fn`` (``trainer.tensor_parallel``)."""
         acc = self.accelerator
+        if not any(parameter.requires_grad for parameter in model.parameters()):  # DDP and FSDP2 fail on it raw
+            raise ConfigError(f"the model ({type(model).__name__}) has no trainable parameter (requires_grad is False "
+                              "on every one): fit() would have nothing to update; unfreeze the part to train "
+                              "(parameter.requires_grad_(True), or a PEFT adapter)")  # fmt: skip
         if self.plugin is None:
             if parallelize_fn is not None:
                 say("parallelize_fn is not called: tensor parallelism needs an FSDP config", once=True)

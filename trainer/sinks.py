@@ -73,7 +73,12 @@ class TensorBoardRun:
         except ImportError:
             raise ConfigError('tensorboard: true needs the tensorboard package: pip install tensorboard (or '
                               '"accelerate-ddp-trainer[tensorboard]")') from None  # fmt: skip
-        self.writer = SummaryWriter(log_dir=str(Path(output_dir) / "tensorboard" / f"rank{rank}"))
+        folder = Path(output_dir) / "tensorboard" / f"rank{rank}"
+        try:
+            self.writer = SummaryWriter(log_dir=str(folder))
+        except OSError as err:  # <output_dir>/tensorboard is a file, a read-only folder, a full disk
+            raise MetricsError(f"tensorboard: true, but rank {rank} cannot write its events to {folder}: "
+                               f"{type(err).__name__}: {err.strerror or err}") from None  # fmt: skip
 
     def log(self, values: dict[str, Any], step: int) -> None:
         if self.writer is None:  # closed by a fit() before
