@@ -4,11 +4,13 @@ schedule, shuffling, 2 CPU processes, 6 optimizer steps an epoch, 18 in all, a c
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -184,6 +186,27 @@ def test_a_torn_checkpoint_asked_for_by_path_is_named_with_the_others(one_proces
     assert "Other checkpoints there:" in message and "step-00000032" in message
     result = python(SCENARIOS, "resume", "--output_dir", copy, "--resume", copy / "checkpoints" / "step-00000032")
     assert "resumed from" in result.stdout and result_line(result.stdout)["global_step"] == 36
+
+
+def test_a_file_torch_load_refuses_is_named_in_one_line_and_runs_nothing(one_process_run, tmp_path):
+    """optimizer.bin replaced by a pickle that calls os.system, the manifest's size and CRC-32 made to match: the
+    resume refuses it in one line (torch.load with weights_only=True), and the command never runs."""
+    copy = copy_of(one_process_run, tmp_path)
+    checkpoint, ran = copy / "checkpoints" / "step-00000036", tmp_path / "it-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {ran}",)
+
+    torch.save({"state": Payload()}, checkpoint / "optimizer.bin")
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    data = (checkpoint / "optimizer.bin").read_bytes()
+    state["files"]["optimizer.bin"], state["crc32"]["optimizer.bin"] = len(data), f"{zlib.crc32(data):08x}"
+    (checkpoint / "trainer_state.json").write_text(json.dumps(state))
+    message = resume_fails(copy, "--resume", checkpoint)
+    assert message.startswith(f"trainer: checkpoint {checkpoint} holds a file that cannot be loaded safely (nothing "
+                              "in it was run): UnpicklingError") and message.count("\n") == 1, message  # fmt: skip
+    assert not ran.exists(), "the pickle ran its command"
 
 
 def zero_a_kilobyte(path: Path) -> None:

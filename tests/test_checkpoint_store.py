@@ -5,7 +5,9 @@ crashes and kills included."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -69,6 +71,50 @@ def test_resume_auto_sets_a_damaged_latest_aside_and_takes_the_newest_whole_one(
     assert store.newest_whole_checkpoint(root) == root / "step-00000004"
     assert (root / "damaged-step-00000008").is_dir() and not damaged.exists()
     assert "continuing from the newest whole checkpoint" in capsys.readouterr().err
+
+
+def test_a_damaged_latest_in_a_read_only_folder_is_left_in_place_and_said(tmp_path, capsys, monkeypatch):
+    root = tmp_path / "checkpoints"
+    commit(root, 4)
+    damaged = commit(root, 8)
+    (damaged / "model.safetensors").write_bytes(b"WEIGHTS")
+    root.chmod(0o555)
+    if os.access(root, os.W_OK):  # root ignores permissions: the move fails as on a read-only disk
+
+        def read_only(source, destination):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(source))
+
+        monkeypatch.setattr(store.os, "replace", read_only)
+    try:
+        assert store.newest_whole_checkpoint(root) == root / "step-00000004"
+    finally:
+        root.chmod(0o755)
+    assert damaged.is_dir(), "left in place"
+    said = capsys.readouterr().err
+    assert "continuing from the newest whole checkpoint" in said and "step-00000008 damaged, left in place" in said
+
+
+@pytest.mark.parametrize("how", ["a link to a file outside", "a link among its files", "a manifest leading out"])
+def test_nothing_outside_a_checkpoint_is_read_and_no_link_followed(tmp_path, how):
+    folder = commit(tmp_path / "checkpoints", 4)
+    outside = tmp_path / "passwd"
+    outside.write_bytes(b"weights")  # the size the manifest expects: only the link gives it away
+    state = json.loads((folder / "trainer_state.json").read_text())
+    if how == "a link to a file outside":
+        (folder / "model.safetensors").unlink()
+        (folder / "model.safetensors").symlink_to(outside)
+        del state["crc32"]  # a manifest of the older, sizes-only kind
+        match = "model.safetensors is a symbolic link"
+    elif how == "a link among its files":
+        (folder / "extra").symlink_to(outside)
+        match = "extra is a symbolic link"
+    else:
+        state["files"][str(outside)] = 7
+        state["files"]["../../passwd"] = 7
+        match = "its manifest lists .* outside its folder"
+    (folder / "trainer_state.json").write_text(json.dumps(state))
+    with pytest.raises(CheckpointError, match=match):
+        store.verify(folder, contents=False)
 
 
 def test_keep_last_prunes_the_oldest_and_spares_the_best(tmp_path):

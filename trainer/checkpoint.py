@@ -74,10 +74,13 @@ def newest_whole_checkpoint(root: Path) -> Optional[Path]:
             found = verify(candidate)
         except CheckpointError:
             aside = candidate.with_name(DAMAGED + candidate.name)
-            os.replace(candidate, aside)  # out of the way of keep_last, which would otherwise prune the good ones
-            set_aside.append(aside.name)
+            try:
+                os.replace(candidate, aside)  # out of the way of keep_last, which would otherwise prune good ones
+                set_aside.append(f"{aside.name} moved aside, kept")
+            except OSError as err:  # a read-only checkpoints folder: left where it is, and said
+                set_aside.append(f"{candidate.name} damaged, left in place: cannot move it ({err.strerror or err})")
             continue
-        moved = f" ({', '.join(set_aside)} moved aside, kept)" if set_aside else ""
+        moved = f" ({'; '.join(set_aside)})" if set_aside else ""
         warn(f"{problem}; continuing from the newest whole checkpoint, {found}{moved}")
         return found
     raise CheckpointError(f"{problem}, and no other checkpoint under {root} is whole")
@@ -141,7 +144,9 @@ def verify(path: Path, contents: bool = True) -> Path:
         raise CheckpointError(f"checkpoint {path} does not exist{_others(path)}")
     if not state_file.is_file():
         raise CheckpointError(f"checkpoint {path} is torn: it has no {STATE_FILE}{_others(path)}")
+    _no_links(path)
     state = read_state(path)
+    _listed_inside(path, state["files"])
     for name, size in state["files"].items():
         file = path / name
         if not file.is_file() or file.stat().st_size != size:
@@ -151,6 +156,27 @@ def verify(path: Path, contents: bool = True) -> Path:
             raise CheckpointError(f"checkpoint {path} is damaged: {name} does not hold what was written (its "
                                   f"CRC-32 differs){_others(path)}")  # fmt: skip
     return path
+
+
+def _listed_inside(path: Path, listed: dict[str, Any]) -> None:
+    """Nothing outside a checkpoint's folder is read: no name in its manifest leads out of it (absolute, ``..``)."""
+    for name in listed:
+        parts = Path(name).parts
+        if Path(name).is_absolute() or ".." in parts or not parts:
+            raise CheckpointError(f"checkpoint {path} is not to be trusted: its manifest lists {name!r}, outside its "
+                                  f"folder; none of its files was read{_others(path)}")  # fmt: skip
+
+
+def _no_links(path: Path) -> None:
+    """Nothing in a checkpoint is a symbolic link: a checkpoint holds its own files (a link to ``/etc/passwd``
+    would be exported as the weights)."""
+    for folder, subfolders, files in os.walk(path):  # os.walk follows no link
+        for name in subfolders + files:
+            if os.path.islink(os.path.join(folder, name)):
+                link = Path(folder, name).relative_to(path)
+                raise CheckpointError(f"checkpoint {path} is not to be trusted: {link} is a symbolic link (to "
+                                      f"{os.readlink(os.path.join(folder, name))}); a checkpoint holds its own "
+                                      f"files, and none of them was read{_others(path)}")  # fmt: skip
 
 
 def read_state(path: Path) -> dict[str, Any]:

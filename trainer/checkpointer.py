@@ -20,6 +20,7 @@ Nothing loaded runs code: JSON, safetensors, ``torch.load(weights_only=True)`` a
 from __future__ import annotations
 
 import contextlib
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -193,6 +194,11 @@ class Checkpointer:
             for name, part in self.parts.items():
                 if callable(getattr(part, "load", None)) and name not in skip:
                     part.load(path, state)
+        except (pickle.UnpicklingError, EOFError) as err:  # torch.load(weights_only=True) refused it, or it ends early
+            detail = " ".join(str(err).split())[:600]
+            raise CheckpointError(f"checkpoint {path} holds a file that cannot be loaded safely (nothing in it was "
+                                  f"run): {type(err).__name__}: {detail}. Resume from another checkpoint "
+                                  f"(resume=<path>), or delete this one") from None  # fmt: skip
         except (RuntimeError, LookupError, ValueError, OSError) as err:
             if isinstance(err, Refusal):
                 raise
