@@ -6,6 +6,7 @@ evaluation's checkpoint apart from keep_last, also across a resume."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -99,6 +100,24 @@ def test_keep_best_keeps_the_best_evaluations_checkpoint_apart_from_keep_last(ru
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["best", "latest", "step-00000004",
                                                                             "step-00000014"]  # fmt: skip
     assert_same_weights(tmp_path / "final" / "model.safetensors", best / "model.safetensors")
+
+
+def test_a_damaged_best_checkpoint_leaves_final_the_last_steps_weights_and_says_so(runs, tmp_path):
+    """The best evaluation's checkpoint (step 4, not the latest) damaged before a resume: the run trains to its end,
+    says why load_best_at_end cannot load it, and final/ holds the last step's weights (a rerun finds it done)."""
+    _, trained = runs["best_again"]
+    shutil.copytree(trained, tmp_path / "run")
+    weights = tmp_path / "run" / "checkpoints" / "step-00000004" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-8:] = bytes(8)  # the same size: only the CRC-32 tells
+    weights.write_bytes(bytes(data))
+    result = accelerate_launch(SCENARIOS, "best", "--output_dir", tmp_path / "run", "--max_steps", "16")
+    assert result.stderr.count("trainer: load_best_at_end: checkpoint ") == 1, result.stderr[-3000:]
+    assert "step-00000004 is damaged: model.safetensors does not hold what was written" in result.stderr
+    assert "final/ holds the last step's weights, 16, not the best evaluation's (step 4, eval_peak 0)" in result.stderr
+    last = tmp_path / "run" / "checkpoints" / "step-00000016" / "model.safetensors"
+    assert_same_weights(tmp_path / "run" / "final" / "model.safetensors", last)
+    assert weights.read_bytes() == bytes(data), "left as it is"
 
 
 def assert_same_weights(file: Path, other: Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
+from trainer.console import warn
 from trainer.errors import ConfigError
 
 
@@ -106,13 +107,23 @@ class KeepBest:
         self.best = {"figure": self.figure, "value": value, "step": step}
         return True
 
+    def loads_at(self, step: int) -> bool:
+        """Whether the run ending at ``step`` reads the best evaluation's checkpoint back (an earlier step's)."""
+        return self.load_at_end and self.best is not None and self.best["step"] != step
+
     def load_best(self, checkpoint: Optional[Path], step: int, load_weights: Callable[[Path], None],
-                  say: Callable[[str], None]) -> None:  # fmt: skip
+                  say: Callable[[str], None], damage: Optional[str] = None) -> None:  # fmt: skip
         """At the end of ``fit()``, before the model is exported: the best evaluation's weights (those of
-        ``checkpoint``, which the ``best`` pointer names) back in the model, said in one line. Every rank."""
+        ``checkpoint``, which the ``best`` pointer names) back in the model, said in one line. Every rank.
+        ``damage``: why that checkpoint is not whole; then final/ keeps the last step's weights, and says why."""
         if not self.load_at_end or self.best is None:
             return
         figure = f"{self.best['figure']} {self.best['value']:.6g}"
+        if damage is not None:
+            warn(f"load_best_at_end: {damage}: final/ holds the last step's weights, {step}, not the best "
+                 f"evaluation's (step {self.best['step']}, {figure}); that checkpoint is left as it is",
+                 main_only=True)  # fmt: skip
+            return
         if checkpoint is None and self.best["step"] != step:
             say(f"load_best_at_end: the best evaluation's checkpoint (step {self.best['step']}, {figure}) is not "
                 f"among this output_dir's checkpoints: final/ holds the last step's weights, {step}")  # fmt: skip

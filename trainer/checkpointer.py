@@ -163,6 +163,20 @@ class Checkpointer:
         checkpoint.verify(path, contents=self.accelerator.is_main_process and not verified)
         return checkpoint.read_state(path)
 
+    def damage(self, path: Path) -> Optional[str]:
+        """Why checkpoint ``path`` is not whole (checked by the main process, contents included), on every rank;
+        None when it is."""
+        from accelerate.utils import broadcast_object_list
+
+        found: list[Optional[str]] = [None]
+        if self.accelerator.is_main_process:
+            try:
+                checkpoint.verify(path)
+            except CheckpointError as err:
+                found = [str(err).split(". Other checkpoints there")[0]]
+        broadcast_object_list(found, from_process=0)
+        return found[0]
+
     def resume(self, path: Path, verified: bool = False) -> Optional[CheckpointError]:
         """Continue from checkpoint ``path``: every part back, the position moved to this run's split of the same
         global batch, this run's changed settings applied (``trainer.resume_policy``), said in a line or two.

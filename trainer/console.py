@@ -39,8 +39,11 @@ def say(text: str, once: bool = False) -> None:
         sys.stdout.flush()
 
 
-def warn(text: str) -> None:
-    """``trainer: <text>`` on stderr, from whichever rank calls it."""
+def warn(text: str, main_only: bool = False) -> None:
+    """``trainer: <text>`` on stderr, from whichever rank calls it (``main_only``: the main process alone, for what
+    every rank meets alike)."""
+    if main_only and not _process["main"]:
+        return
     sys.stderr.write(f"trainer: {text}\n")
     sys.stderr.flush()
 
