@@ -21,6 +21,7 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -147,7 +148,7 @@ def ours(args) -> dict:
                          activation_checkpointing=args.recompute, reduce_every_micro_batch=args.reduce_every,
                          eval_every=args.save_every if args.best else None,
                          keep_best=("eval_tail_loss" if args.eval_sets else "eval_loss") if args.best else None,
-                         keep_best_mode="max",
+                         keep_best_mode="max", stall_warning_s=1.0 if args.stall_in_block else 60.0,
                          resume=args.resume_from or ("auto" if args.save_every else None))  # fmt: skip
     seen = Seen()
     floor = reset_peak_memory() if args.peak else None
@@ -157,6 +158,16 @@ def ours(args) -> dict:
     computed = set()  # the dtype of the weights a matmul of the first block sees in forward
     first = next(m for m in model.modules() if type(m).__name__ in ("Conv1D", "Linear"))
     first.register_forward_pre_hook(lambda module, inputs: computed.add(str(module.weight.dtype)))
+    running = {}  # the Trainer, once built
+    if args.stall_in_block:  # rank 1 stuck inside the first block's forward at step 2, as a hung kernel would be
+
+        def stuck(module, inputs):
+            trainer = running.get("trainer")
+            if trainer and trainer.model.training and trainer.global_step == 1 and trainer.accelerator.process_index:
+                print(f"STALL rank 1 inside block 0 at step 2 for {args.stall_in_block} s", flush=True)
+                time.sleep(args.stall_in_block)
+
+        model.transformer.h[0].register_forward_pre_hook(stuck)
     own_split = split_mlps if args.parallelize_fn else None
     factories = nanogpt_factories(args.lr, args.warmup, args.max_steps) if args.nanogpt else {}
     trainer = Trainer(model, config, train_data=data, collate_fn=seen, parallelize_fn=own_split, **factories,
@@ -164,6 +175,7 @@ def ours(args) -> dict:
                       rows[: args.eval_examples] if args.eval else None,
                       loss_fn=pair_loss if args.loss == "pair" else None,
                       callbacks=[CrashAfter(args.crash_at)] if args.crash_at else [])  # fmt: skip
+    running["trainer"] = trainer
     initial = weights(trainer.unwrapped_model) if args.initial else None
     result = trainer.evaluate() if args.evaluate_only else trainer.fit()
     peak = peak_memory() if args.peak else None  # before the summary gathers whole weights
@@ -328,6 +340,7 @@ def main() -> None:
     parser.add_argument("--min_lr_ratio", type=float, default=None)
     parser.add_argument("--eval_sets", action="store_true", help="evaluate on two named sets, rows 0-9 and 10-44")
     parser.add_argument("--nanogpt", action="store_true", help="nanoGPT's optimizer and schedule, as factories")
+    parser.add_argument("--stall_in_block", type=float, default=0, help="rank 1 sleeps this long in block 0, step 2")
     parser.add_argument("--peak", action="store_true", help="write every process's peak memory during the job")
     parser.add_argument("--build", choices=["cpu", "meta", "seeded_per_rank"], default="cpu", help="see tiny_gpt2")
     parser.add_argument("--pretrained", default=None, help="from_pretrained of this folder (see tiny_gpt2)")

@@ -6,6 +6,7 @@ on ragged sequences; one launch runs the FSDP2 jobs and their DDP references, --
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import numpy as np
@@ -70,6 +71,8 @@ VARIANTS = {
     "fsdp, two eval sets": [*RESUMED, "--eval_sets", "--best"],
     "fsdp, two eval sets, resumed at step 4": [*RESUMED, "--eval_sets", "--best", "--resume_from",
                                                "{two_sets}/checkpoints/step-00000004"],
+    # Rank 1 stuck inside its first block's forward: rank 0 waits in the next block's all-gather, in forward too.
+    "fsdp, rank 1 stalled inside a block": [*SHORT, "--stall_in_block", "4"],
     "fsdp, cosine down to a floor": ["--batch_size", "4", "--max_steps", "6", "--optimizer", "adamw", "--lr", "0.01",
                                      "--warmup", "2", "--schedule", "cosine_with_min_lr", "--min_lr_ratio", "0.1"],
 }
@@ -264,6 +267,17 @@ def test_a_crafted_shard_index_is_refused_by_name_on_resume_and_in_export_and_ru
                    "--resume_from", str(checkpoint)], expect_ok=False)  # fmt: skip
     assert refused in resumed.stderr and "Traceback" not in resumed.stderr, resumed.stderr[-2000:]
     assert not ran.exists(), "the crafted index ran its command"
+
+
+def test_a_rank_stuck_inside_a_sharded_block_is_named_by_the_others(fsdp):
+    """Rank 1 asleep inside block 0's forward at step 2: rank 0 waits in block 1's all-gather, in forward as well;
+    the report names rank 1 by the sharded blocks each has entered, as DDP's names the rank behind in its step."""
+    output = fsdp[1].stdout + fsdp[1].stderr
+    assert "STALL rank 1 inside block 0 at step 2" in output
+    reports = [line for line in fsdp[1].stderr.splitlines() if line.startswith("trainer: stalled")]
+    assert len(reports) == 1, reports  # one report per stall, from one rank
+    assert re.search(r"rank 0 \(.+\) forward at step 2 \(sharded block 3\)", reports[0]), reports[0]
+    assert reports[0].endswith("Waiting for rank(s) 1 (forward at step 2 (sharded block 2))."), reports[0]
 
 
 def test_save_async_writes_the_same_checkpoints_while_training_goes_on(fsdp):

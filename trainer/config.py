@@ -98,7 +98,7 @@ class TrainConfig:
     resume: Optional[str] = None  # None (refuses an output_dir holding checkpoints) | "auto" | a checkpoint path
     nan_policy: str = "raise"  # non-finite loss: "raise" (stop, naming step and rank) | "skip" (drop that step)
     collective_timeout_s: float = 1800.0  # a collective still waiting after this long ends the job
-    stall_warning_s: Optional[float] = 300.0  # no progress this long: name the rank(s) the others wait for
+    stall_warning_s: Optional[float] = 60.0  # no progress this long: name the rank(s) the others wait for
     # Set it (or WANDB_PROJECT) to log to wandb from every process: run <experiment_name>-rank<k> in group
     # <experiment_name>.
     wandb_project: Optional[str] = None

@@ -9,7 +9,12 @@ rank's note and says which rank the others wait for, and at which step:
     trainer: stalled for 30 s: rank 0 (node-a) backward at step 7 since 30 s, rank 1 (node-b) forward at step 7
     since 31 s. Waiting for rank(s) 1 (forward at step 7).
 
-On the hot path this costs an attribute assignment per phase; the store traffic happens in the thread.
+A sharded model (FSDP2) gathers each block's weights inside the forward pass, so a rank stuck in block 3 holds the
+others in block 4's all-gather, all "in forward": the note also counts the sharded blocks this rank has entered in
+the phase (``entered()``, a forward pre-hook on each), and the rank that entered fewest is the one waited for.
+
+On the hot path this costs an attribute assignment per phase (and per sharded block); the store traffic happens in
+the thread.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ class StallReporter:
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
         self.warning_s = warning_s
         self.where = (0, "data")
+        self.blocks = 0  # sharded blocks entered in this phase
         self._changed = time.monotonic()
         self._stop = threading.Event()
         self._host = socket.gethostname()
@@ -48,7 +54,13 @@ class StallReporter:
 
     def at(self, step: int, phase: str) -> None:
         """The training loop is now in ``phase`` of optimizer step ``step`` (the step being computed)."""
-        self.where = (step, phase)
+        self.where, self.blocks = (step, phase), 0
+        self._changed = time.monotonic()
+
+    def entered(self) -> None:
+        """The forward pass entered one more sharded block (FSDP2 gathers its weights there, with every rank):
+        progress, as a long evaluation under FSDP2 makes it."""
+        self.blocks += 1
         self._changed = time.monotonic()
 
     def stop(self) -> None:
@@ -66,9 +78,9 @@ class StallReporter:
     def _watch(self, interval: float) -> None:
         reported = None
         while not self._stop.wait(interval):
-            (step, phase), changed = self.where, self._changed
+            (step, phase), blocks, changed = self.where, self.blocks, self._changed
             stalled_s = time.monotonic() - changed
-            note = {"step": step, "phase": phase, "host": self._host, "since": time.time() - stalled_s}
+            note = {"step": step, "phase": phase, "blocks": blocks, "host": self._host, "since": time.time() - stalled_s}
             try:
                 self._store.set(str(self.rank), json.dumps(note))
                 if self._stop.is_set():
@@ -93,11 +105,16 @@ class StallReporter:
 
 def report(notes: dict[int, dict], world: int, now: float, stalled_s: float) -> str:
     """The stall in words: where every rank is, and which one(s) the others wait for."""
-    def position(note: dict) -> tuple[int, int]:
-        return note["step"], PHASES.index(note["phase"])
+    def position(note: dict) -> tuple[int, int, int]:
+        return note["step"], PHASES.index(note["phase"]), note.get("blocks", 0)
+
+    def doing(note: dict) -> str:
+        blocks = note.get("blocks", 0)
+        inside = f" (sharded block {blocks})" if blocks else ""
+        return f"{note['phase']} at step {note['step']}{inside}"
 
     silent = [r for r in range(world) if r not in notes]
-    ranks = ", ".join(f"rank {r} ({n['host']}) {n['phase']} at step {n['step']} since {now - n['since']:.0f} s"
+    ranks = ", ".join(f"rank {r} ({n['host']}) {doing(n)} since {now - n['since']:.0f} s"
                       for r, n in sorted(notes.items()))  # fmt: skip
     line = f"stalled for {stalled_s:.0f} s: {ranks}."
     if silent:
@@ -105,15 +122,19 @@ def report(notes: dict[int, dict], world: int, now: float, stalled_s: float) -> 
     behind = min(position(n) for n in notes.values())
     laggards = [r for r, n in notes.items() if position(n) == behind]
     if len(laggards) == len(notes):
-        return line + " Every rank is at the same place: a slow collective (network?) rather than one rank."
-    step, phase = notes[laggards[0]]["step"], notes[laggards[0]]["phase"]
-    return line + f" Waiting for rank(s) {', '.join(map(str, laggards))} ({phase} at step {step})."
+        where = doing(next(iter(notes.values())))
+        return line + f" Every rank is at the same place ({where}): a long {where.split()[0]} or a slow collective " \
+                      "(network?), rather than one rank."  # fmt: skip
+    return line + f" Waiting for rank(s) {', '.join(map(str, laggards))} ({doing(notes[laggards[0]])})."
 
 
 class _NoStalls:
     """One process: nobody to wait for."""
 
     def at(self, step: int, phase: str) -> None:
+        pass
+
+    def entered(self) -> None:
         pass
 
     def __enter__(self) -> "_NoStalls":

@@ -132,6 +132,12 @@ class StepRunner:
         self.stepper = Stepper(parallel.accelerator, optimizer, spread=parallel.sharded is not None)
         self.autocast = parallel.autocast(model)  # forward and loss run under it
         self.phases = Phases(_NoReporter(), window)
+        if parallel.sharded is not None:  # the stall report counts the sharded blocks each rank has entered
+            from torch.distributed.fsdp import FSDPModule
+
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.register_forward_pre_hook(lambda *_: self.phases.reporter.entered(), prepend=True)
         self.lr: Any = None
         self.grad_norm: Optional[torch.Tensor] = None
 
@@ -190,4 +196,7 @@ class StepRunner:
 
 class _NoReporter:
     def at(self, step: int, phase: str) -> None:
+        pass
+
+    def entered(self) -> None:
         pass
