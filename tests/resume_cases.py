@@ -221,6 +221,14 @@ def figures(root: Path, main: bool) -> None:
     report("figures", "", None, main, log_history=trainer.log_history)
 
 
+def tensorboard_resumed(root: Path) -> None:
+    """TensorBoard on, steps 1-4 logged; then a run resumed from step 2 logs 3 and 4 again."""
+    settings = dict(max_steps=4, log_every=1, save_every=2, tensorboard=True)
+    trainer_for(root / "tensorboard", **settings).fit()
+    trainer_for(root / "tensorboard", resume=str(root / "tensorboard" / "checkpoints" / "step-00000002"),
+                **settings).fit()  # fmt: skip
+
+
 def small_data_and_relative_dir(root: Path, main: bool) -> None:
     here = os.getcwd()
     os.chdir(root)
@@ -282,6 +290,7 @@ def main() -> None:
     unwritable_metrics(root, main)
     misspelt_figures(root, main)
     figures(root, main)
+    tensorboard_resumed(root)
     small_data_and_relative_dir(root, main)
     base.accelerator.wait_for_everyone()
 

@@ -103,6 +103,15 @@ def test_a_misspelt_figure_to_keep_or_watch_is_one_line_at_the_first_evaluation(
         "monitor to one of them" in cases["misspelt_early_stopping"]
 
 
+def test_a_resumed_run_shows_each_step_once_in_tensorboard(cases, cases_dir):
+    """Resumed from step 2 of a run that logged steps 1-4: the replayed steps 3 and 4 replace the first run's."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for rank in (0, 1):
+        events = EventAccumulator(str(cases_dir / "tensorboard" / "tensorboard" / f"rank{rank}")).Reload()
+        assert [e.step for e in events.Scalars("rank/loss")] == [1, 2, 3, 4]
+
+
 def test_the_figures_a_user_logs_reach_every_tracker_from_every_rank(cases, cases_dir):
     """trainer.log on every rank (its own figures, each name's mean since the last log), a figure an on_log callback
     adds, and the gradient norm: in each rank's metrics file, wandb run (turned on by WANDB_PROJECT alone) and

@@ -65,9 +65,10 @@ class MetricsFile:
 
 class TensorBoardRun:
     """Rank k's TensorBoard writer, ``<output_dir>/tensorboard/rank<k>``: ``tensorboard --logdir
-    <output_dir>/tensorboard`` shows every rank as a run."""
+    <output_dir>/tensorboard`` shows every rank as a run. A run resumed at step N purges what the run before logged
+    after N (the steps it replays), so that TensorBoard shows each step once."""
 
-    def __init__(self, output_dir: str, rank: int):
+    def __init__(self, output_dir: str, rank: int, resumed_at: int = 0):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
@@ -75,7 +76,7 @@ class TensorBoardRun:
                               '"accelerate-ddp-trainer[tensorboard]")') from None  # fmt: skip
         folder = Path(output_dir) / "tensorboard" / f"rank{rank}"
         try:
-            self.writer = SummaryWriter(log_dir=str(folder))
+            self.writer = SummaryWriter(log_dir=str(folder), purge_step=resumed_at + 1 if resumed_at else None)
         except OSError as err:  # <output_dir>/tensorboard is a file, a read-only folder, a full disk
             raise MetricsError(f"tensorboard: true, but rank {rank} cannot write its events to {folder}: "
                                f"{type(err).__name__}: {err.strerror or err}") from None  # fmt: skip
@@ -154,15 +155,16 @@ class WandbRun:
             warn(f"wandb could not close rank {self.rank}'s run: {err}")
 
 
-def open_sinks(config: TrainConfig, accelerator: Accelerator, run_id: str) -> list[Sink]:
-    """This rank's sinks: its metrics file, and wandb and TensorBoard when the config asks."""
+def open_sinks(config: TrainConfig, accelerator: Accelerator, run_id: str, resumed_at: int = 0) -> list[Sink]:
+    """This rank's sinks: its metrics file, and wandb and TensorBoard when the config asks (``resumed_at``: the
+    step a resumed run goes on from)."""
     rank = accelerator.process_index
     sinks: list[Sink] = [MetricsFile(config.output_dir, rank)]
     project = config.wandb_project or os.environ.get("WANDB_PROJECT")  # wandb's own variable turns it on too
     if project:
         sinks.append(WandbRun(config, project, accelerator, run_id))
     if config.tensorboard:
-        sinks.append(TensorBoardRun(config.output_dir, rank))
+        sinks.append(TensorBoardRun(config.output_dir, rank, resumed_at))
     return sinks
 
 

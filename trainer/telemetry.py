@@ -30,9 +30,10 @@ class Telemetry:
         self.sinks: list[Any] = []
         self.log_history: list[dict[str, Any]] = []
 
-    def open(self, config: TrainConfig, run_id: str) -> None:
-        """This rank's sinks; ``run_id`` names its wandb run (a resume passes the checkpoint's: the run goes on)."""
-        self.sinks = open_sinks(config, self.accelerator, run_id)
+    def open(self, config: TrainConfig, run_id: str, step: int = 0) -> None:
+        """This rank's sinks; ``run_id`` names its wandb run (a resume passes the checkpoint's: the run goes on from
+        ``step``)."""
+        self.sinks = open_sinks(config, self.accelerator, run_id, step)
 
     def gather(self, stop: bool) -> list[dict[str, float]]:
         """Every rank's window since the last log (``WINDOW_FIELDS``, by name), gathered once: the one agreement of

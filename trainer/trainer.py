@@ -123,7 +123,7 @@ class Trainer:
             self.load_checkpoint(point, verified=True)
         elif config.resume == "auto":
             say(f"resume='auto': no checkpoint in {checkpoint_root(config.output_dir).resolve()}: starting fresh")
-        self.telemetry.open(config, self.state.run_id)
+        self.telemetry.open(config, self.state.run_id, self.state.step)
 
     # ---------------------------------------------------------------- the public API, each a line or two
 
