@@ -132,13 +132,18 @@ def test_master_weights_and_optimizer_state_are_fp32_even_for_a_model_built_in_b
     assert "low-precision trainable tensors upcast to fp32 masters" in fsdp[1].stdout
 
 
-def test_mixed_precision_bf16_computes_in_bf16_over_fp32_masters(tmp_path):
-    result = launch(tmp_path, "--batch_size", "4", "--optimizer", "adamw", "--max_steps", "2",
-                    run_args=["--mixed_precision", "bf16"])  # fmt: skip
+def test_mixed_precision_bf16_computes_in_bf16_over_fp32_masters(fsdp, tmp_path):
+    """bf16 compute over fp32 weights and optimizer state; and a checkpoint written without mixed precision goes
+    on under bf16, said in a line."""
+    written = fsdp[0]["fsdp, straight"][1] / "checkpoints" / "step-00000004"
+    variants = {"bf16": ["--batch_size", "4", "--optimizer", "adamw", "--max_steps", "2"],
+                "resumed": [*RESUMED, "--resume_from", str(written)]}  # fmt: skip
+    result = launch(tmp_path, "--variants", json.dumps(variants), run_args=["--mixed_precision", "bf16"])
     assert "(FSDP2), 1 CPU threads per process, mixed precision bf16" in result.stdout
-    summary = json.loads((tmp_path / "ragged.json").read_text())
+    summary = json.loads((tmp_path / "bf16" / "ragged.json").read_text())
     assert summary["computed"] == ["torch.bfloat16"]
     assert summary["dtypes"] == summary["optimizer_dtypes"] == ["torch.float32"]
+    assert result.stdout.count("mixed precision no -> bf16 (the launch's accelerate config) from step 5") == 1
 
 
 def test_the_exported_model_is_the_trained_one_whole(fsdp):

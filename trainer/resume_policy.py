@@ -216,6 +216,7 @@ class RunSetup:
     scheduler: Any
     optimization: Optimization
     streaming: bool
+    mixed_precision: str = "no"  # the launch's (accelerate config): no, bf16, fp16
 
     @property
     def split(self) -> Split:
@@ -224,7 +225,7 @@ class RunSetup:
     def record(self) -> dict[str, Any]:
         return {"world_size": self.split.processes, "batch_size": self.split.batch_size,
                 "gradient_accumulation_steps": self.split.accumulation, "config": self.config.to_dict(),
-                "optimizer_class": type(self.optimizer).__name__}  # fmt: skip
+                "optimizer_class": type(self.optimizer).__name__, "mixed_precision": self.mixed_precision}  # fmt: skip
 
     def judge(self, state: dict[str, Any], path: Path) -> tuple[int, str, Any, Any]:
         """(the micro-batch of the epoch to read next, what a change of split means, why ``fit()`` cannot go on
@@ -247,4 +248,10 @@ class RunSetup:
         moved = saved.get("lr_scheduler", "constant") != "constant" or saved.get("warmup_steps", 0) > 0
         lrs = apply_settings(self.optimizer, self.scheduler, own_settings, step, moved,
                              self.optimization.built_scheduler)  # fmt: skip
-        return said(changed_settings(saved, self.config.to_dict()), step, lrs)
+        lines = [said(changed_settings(saved, self.config.to_dict()), step, lrs)]
+        written = run.get("mixed_precision", self.mixed_precision)  # older checkpoints did not record it
+        if written != self.mixed_precision:  # the weights and the optimizer state are fp32 either way: it goes on
+            lines.append(f"mixed precision {written} -> {self.mixed_precision} (the launch's accelerate config) from "
+                         f"step {step + 1}: the weights and optimizer state go on, the figures after differ from "
+                         "what the first launch would have computed")  # fmt: skip
+        return "\n".join(line for line in lines if line)

@@ -114,7 +114,8 @@ class Trainer:
         self.should_stop, self.stop_reason, self.stopped = False, None, None  # stop_reason: said with the stop
         self.preemption: Optional[PreemptionWatch] = None  # while fit() runs: the signals it watches
         self.last_eval: Optional[tuple[int, dict[str, float]]] = None  # (step, metrics) of the latest evaluate()
-        setup = RunSetup(config, self.parallel.dp.size, optimizer, lr_scheduler, self.optimization, bool(self.stream))
+        setup = RunSetup(config, self.parallel.dp.size, optimizer, lr_scheduler, self.optimization, bool(self.stream),
+                         acc.mixed_precision)  # fmt: skip
         self.checkpoints = Checkpointer.for_run(config, acc, setup, self.parallel.model_state(self.model, optimizer),
                                                 self.lr_scheduler, self.state, self.keep_best, self.callbacks,
                                                 self.stream, self.host)  # fmt: skip
