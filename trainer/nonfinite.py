@@ -84,8 +84,9 @@ class NonFiniteGuard:
         step = min(bad.values())
         ranks = ", ".join(str(rank) for rank, s in bad.items() if s == step)
         raise NonFiniteLoss(
-            f"non-finite loss (NaN or inf) at step {step} on rank {ranks}; nan_policy='raise' stopped training. "
-            + (f"The last good checkpoint is {last_good}. " if last_good else "")
+            f"non-finite loss (NaN or inf) at step {step} on rank {ranks}; nan_policy='raise' stopped training "
+            "(a too-high lr, an inf in the data, or a window whose labels are all -100: no counted token, a mean of "
+            "0/0). " + (f"The last good checkpoint is {last_good}. " if last_good else "")
             + "Set nan_policy='skip' to drop such steps instead."
         )
 
