@@ -144,11 +144,20 @@ def torchrun(script: Path, *args: str, nproc: int = 2, run_args: tuple[str, ...]
 def split_jobs(output: str) -> list[str]:
     """The output of each run of a tests/jobs.py process or launch, in order, cut at its ``=== job N ===`` lines
     (every process of a launch writes them: what follows each process's line N is run N's)."""
-    parts = re.split(r"^=== job (\d+) ===\n", output, flags=re.M)
+    parts = re.split(r"^=== job (\d+) ===\n", re.sub(r"^=== job \d+ exit \d+ ===\n", "", output, flags=re.M),
+                     flags=re.M)  # fmt: skip
     runs: dict[int, str] = {}
     for number, text in zip(parts[1::2], parts[2::2], strict=True):
         runs[int(number)] = runs.get(int(number), "") + text
     return [runs[number] for number in sorted(runs)]
+
+
+def job_exits(stderr: str, runs: int) -> list[int]:
+    """Each run's exit status in a tests/jobs.py process or launch (0 unless its ``=== job N exit K ===`` line)."""
+    exits = [0] * runs
+    for number, status in re.findall(r"^=== job (\d+) exit (\d+) ===$", stderr, flags=re.M):
+        exits[int(number)] = max(exits[int(number)], int(status))
+    return exits
 
 
 def read_summary(output_dir: Path) -> dict:

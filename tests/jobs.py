@@ -7,7 +7,11 @@ CPU a process, most of a small test job, so tests that need many small jobs run 
 one job of all the processes, as the Trainer's jobs are when a script builds several).
 
 Before each run ``=== job N ===`` goes to stdout and stderr, once every process has finished the run before (a
-barrier), and ``split_jobs()`` (tests/conftest.py) cuts the output there. For runs that should succeed: the first that fails ends the process with its error, as it would alone.
+barrier), and ``split_jobs()`` (tests/conftest.py) cuts the output there. A run that raises ends as it would
+alone: the interpreter's ``sys.excepthook`` prints it (the trainer's one ``trainer:`` line for a refusal, else the
+traceback), then ``=== job N exit 1 ===`` (or a ``SystemExit``'s status) goes to stderr, read by
+``job_exits()``, and the next run starts. The process exits 1 when any run failed. Runs that fail must fail alike
+on every process (a refusal, or an error every rank meets at the same place), as they do when run alone.
 """
 
 from __future__ import annotations
@@ -29,19 +33,32 @@ def finished_together() -> None:
         raise RuntimeError("tests/jobs.py: the process group is gone after a run; the runs' output cannot be cut")
 
 
+def run(script: str, args: list[str]) -> int:
+    """``python script args``, here: its exit status."""
+    sys.argv = [script, *map(str, args)]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as stop:  # argparse's --help, a script's sys.exit(...), a launch the trainer refuses
+        return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    except Exception as err:  # what the interpreter would do with it, uncaught
+        sys.excepthook(type(err), err, err.__traceback__)
+        return 1
+    return 0
+
+
 def main() -> None:
+    failed = False
     for number, (script, *args) in enumerate(json.loads(sys.argv[1])):
         if number:
             finished_together()
         for stream in (sys.stdout, sys.stderr):
             stream.write(f"=== job {number} ===\n")
             stream.flush()
-        sys.argv = [script, *map(str, args)]
-        try:
-            runpy.run_path(script, run_name="__main__")
-        except SystemExit as stop:  # argparse's --help, or a script's sys.exit(0)
-            if stop.code not in (None, 0):
-                raise
+        status = run(script, args)
+        if status:
+            sys.stderr.write(f"=== job {number} exit {status} ===\n")
+            failed = True
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

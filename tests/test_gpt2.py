@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import sys
+from pathlib import Path
 
 import pytest
 
 from trainer import ConfigError
 
-from conftest import ROOT, accelerate_launch, python, torchrun
+from conftest import JOBS, ROOT, accelerate_launch, python, split_jobs, torchrun
 
 GPT2 = ROOT / "examples" / "gpt2.py"
 TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "32", "--vocab-size", "512",
         "--batch-size", "4", "--log-every", "5", "--eval-every", "1000", "--save-every", "10", "--warmup-steps", "2",
         "--sample-tokens", "8"]  # fmt: skip
+
+
+ONE_PROCESS_RUNS = pytest.mark.xdist_group("gpt2_one_process")  # the tests that share those runs: on one worker
 
 
 def logged_losses(output: str) -> list[float]:
@@ -59,19 +64,35 @@ def test_streaming_trains_from_a_stream_on_two_processes_and_resumes_mid_stream(
     assert abs(eval_loss - losses[-1]) < 1.5, "train and eval loss measure the same thing (every token once)"
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> tuple[dict[str, str], Path]:
+    """The example's one-process runs, in one process (tests/jobs.py): a plain run ("plain"), a run ("first")
+    whose final/ a run from local files ("local") starts from. Their outputs by name, and the folder."""
+    out = tmp_path_factory.mktemp("gpt2")
+    text = out / "notes.txt"
+    text.write_text("A trainer runs the same script on one process or many.\n" * 200)
+    local = ["--model-name", out / "first" / "final", "--train-file", text, "--peak-flops", "1e12"]
+    runs = {"plain": [*TINY, "--max-steps", "4"], "first": [*TINY, "--max-steps", "2"],
+            "local": [*TINY, "--max-steps", "4", *local]}  # fmt: skip
+    jobs = [[str(GPT2), *map(str, args), "--output-dir", str(out / name)] for name, args in runs.items()]
+    outputs = split_jobs(python(JOBS, json.dumps(jobs)).stdout)
+    return dict(zip(runs, outputs, strict=True)), out
+
+
 # The other configs run a small job each in tests/test_launch.py.
-@pytest.mark.parametrize("launch", ["fsdp.yaml", "torchrun", "python"])
-def test_every_launch_path_runs(tmp_path, launch):
+@pytest.mark.parametrize("launch", ["fsdp.yaml", "torchrun", pytest.param("python", marks=ONE_PROCESS_RUNS)])
+def test_every_launch_path_runs(tmp_path, launch, request):
     args = [*TINY, "--max-steps", "4", "--output-dir", tmp_path]
     if launch == "torchrun":
-        result = torchrun(GPT2, *args)
+        output = torchrun(GPT2, *args).stdout
     elif launch == "python":
-        result = python(GPT2, *args)
+        outputs, folder = request.getfixturevalue("one_process")
+        output, tmp_path = outputs["plain"], folder / "plain"
     else:
-        result = accelerate_launch(GPT2, *args, config=launch)
+        output = accelerate_launch(GPT2, *args, config=launch).stdout
     processes = 2 if launch in ("fsdp.yaml", "torchrun") else 1
-    assert f"trainer | {processes} process(es)" in result.stdout
-    assert ("(FSDP2)" in result.stdout) == (launch == "fsdp.yaml"), "an FSDP config shards, on a CPU host too"
+    assert f"trainer | {processes} process(es)" in output
+    assert ("(FSDP2)" in output) == (launch == "fsdp.yaml"), "an FSDP config shards, on a CPU host too"
     assert (tmp_path / "final" / "model.safetensors").is_file()
 
 
@@ -107,15 +128,13 @@ def test_flags_take_hyphens_or_underscores_and_a_yaml_config(tmp_path):
         example.parse_args(["--config", str(tmp_path / "nope.yaml")])
 
 
-def test_model_name_and_train_file_take_local_paths(tmp_path):
-    python(GPT2, *TINY, "--max-steps", "2", "--output-dir", tmp_path / "first")
-    text = tmp_path / "notes.txt"
-    text.write_text("A trainer runs the same script on one process or many.\n" * 200)
-    local = ["--model-name", tmp_path / "first" / "final", "--train-file", text, "--peak-flops", "1e12"]
-    result = python(GPT2, *TINY, "--max-steps", "4", "--output-dir", tmp_path / "second", *local)
-    assert re.search(r"^gpt2 \| [\d,]+ parameters, \d+ train and \d+ eval sequences of 32 tokens$", result.stdout, re.M)
-    assert re.search(r"^step 4/4 \| .* examples/s \| [\d,]+ tokens/s \| MFU [\d.]+%$", result.stdout, re.M)
-    assert not (tmp_path / "second" / "tokenizer").exists(), "a --model-name run uses that model's tokenizer"
+@ONE_PROCESS_RUNS
+def test_model_name_and_train_file_take_local_paths(one_process):
+    outputs, folder = one_process
+    assert re.search(r"^gpt2 \| [\d,]+ parameters, \d+ train and \d+ eval sequences of 32 tokens$", outputs["local"],
+                     re.M)  # fmt: skip
+    assert re.search(r"^step 4/4 \| .* examples/s \| [\d,]+ tokens/s \| MFU [\d.]+%$", outputs["local"], re.M)
+    assert not (folder / "local" / "tokenizer").exists(), "a --model-name run uses that model's tokenizer"
 
 
 def test_mfu_reads_the_peak_of_the_card_named_not_of_one_whose_name_it_contains():
