@@ -52,21 +52,50 @@ def reference(tmp_path_factory):
     return out
 
 
+# Runs that fail part-way (name -> arguments), each launched alone; then every one of them is continued in one launch
+# (tests/jobs.py), as a restart continues it.
+FAILURES = {
+    "crash after 9 on rank 1": ["--crash_at", 9, "--crash_rank", 1],  # mid-epoch, a step after a checkpoint
+    "crash after 8 on rank 0": ["--crash_at", 8, "--crash_rank", 0],  # right after a checkpoint
+    "crash after 6 on rank 1": ["--crash_at", 6, "--crash_rank", 1],  # at an epoch's end, two steps after one
+    "killed in the save of 8": ["--kill_in_save_at", 8],
+    "nan at 6 on rank 1": ["--nan_at", 6, "--nan_rank", 1],
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def failed_then_resumed(tmp_path_factory, reference) -> dict[str, tuple]:
+    """name -> (its output_dir, the failed launch, the `latest` pointer it left, the resumed run's stdout); and
+    two more runs of that launch, by name -> (output_dir, stdout): the reference run started again once finished,
+    and a run that skips a NaN step."""
+    failed = {}
+    for name, args in FAILURES.items():
+        out = tmp_path_factory.mktemp("failed")
+        result = launch_resume(out, *args, expect_ok=False)
+        failed[name] = (out, result, (out / "checkpoints" / "latest").read_text())
+    # everything the resumes load must load with weights_only=True
+    jobs = [[str(SCENARIOS), "resume", "--output_dir", str(out), "--forbid_unsafe_load"] for out, *_ in failed.values()]
+    finished, skipping = tmp_path_factory.mktemp("finished") / "run", tmp_path_factory.mktemp("skip")
+    shutil.copytree(reference, finished)
+    jobs += [[str(SCENARIOS), "resume", "--output_dir", str(finished)],
+             [str(SCENARIOS), "resume", "--output_dir", str(skipping), "--nan_at", 6, "--nan_rank", 0, "--nan_policy",
+              "skip"]]  # fmt: skip
+    outputs = split_jobs(accelerate_launch(JOBS, json.dumps(jobs, default=str)).stdout)
+    runs = {name: (*failed[name], output) for name, output in zip(failed, outputs[: len(failed)], strict=True)}
+    runs["finished, started again"], runs["nan skipped"] = (finished, outputs[-2]), (skipping, outputs[-1])
+    return runs
+
+
 @pytest.mark.parametrize(
     "crash_at, rank, resumes_at",
-    [
-        (9, 1, "step 8, epoch 1, batch 2"),  # mid-epoch, a step after a checkpoint
-        (8, 0, "step 8, epoch 1, batch 2"),  # right after a checkpoint
-        (6, 1, "step 4, epoch 0, batch 4"),  # at an epoch's end, two steps after a checkpoint
-    ],
+    [(9, 1, "step 8, epoch 1, batch 2"), (8, 0, "step 8, epoch 1, batch 2"), (6, 1, "step 4, epoch 0, batch 4")],
 )
-def test_hard_crash_then_restart_ends_bit_identical(tmp_path, reference, crash_at, rank, resumes_at):
-    crashed = launch_resume(tmp_path, "--crash_at", crash_at, "--crash_rank", rank, expect_ok=False)
+def test_hard_crash_then_restart_ends_bit_identical(failed_then_resumed, reference, crash_at, rank, resumes_at):
+    out, crashed, _, resumed = failed_then_resumed[f"crash after {crash_at} on rank {rank}"]
     assert f"CRASH rank {rank} after step {crash_at}" in crashed.stdout
-    resumed = launch_resume(tmp_path, "--forbid_unsafe_load")  # everything loads with weights_only=True
-    assert f"resumed from {tmp_path}/checkpoints/" in resumed.stdout and resumes_at in resumed.stdout
-    assert result_line(resumed.stdout)["global_step"] == 18
-    assert_bit_identical(final_weights(reference), final_weights(tmp_path))
+    assert f"resumed from {out}/checkpoints/" in resumed and resumes_at in resumed
+    assert result_line(resumed)["global_step"] == 18
+    assert_bit_identical(final_weights(reference), final_weights(out))
 
 
 @pytest.mark.parametrize("launcher", ["accelerate-shipped-config", "torchrun-c10d", "accelerate-c10d-own-store"])
@@ -87,36 +116,34 @@ def test_elastic_restart_finishes_by_itself_bit_identical(tmp_path, reference, l
     assert_bit_identical(final_weights(reference), final_weights(tmp_path))
 
 
-def test_a_finished_run_started_again_says_so(tmp_path, reference):
-    shutil.copytree(reference, tmp_path / "run")
-    again = launch_resume(tmp_path / "run")
-    assert "already finished at step 18 of 18: nothing to train; raise max_steps" in again.stdout
-    assert_bit_identical(final_weights(reference), final_weights(tmp_path / "run"))
+def test_a_finished_run_started_again_says_so(failed_then_resumed, reference):
+    run, again = failed_then_resumed["finished, started again"]
+    assert "already finished at step 18 of 18: nothing to train; raise max_steps" in again
+    assert_bit_identical(final_weights(reference), final_weights(run))
 
 
-def test_kill_during_a_save_leaves_the_previous_checkpoint_latest(tmp_path, reference):
-    killed = launch_resume(tmp_path, "--kill_in_save_at", 8, expect_ok=False)
+def test_kill_during_a_save_leaves_the_previous_checkpoint_latest(failed_then_resumed, reference):
+    tmp_path, killed, latest, resumed = failed_then_resumed["killed in the save of 8"]
     assert "KILLED during the save of step 8" in killed.stdout
-    assert (tmp_path / "checkpoints" / "latest").read_text() == "step-00000004"
-    resumed = launch_resume(tmp_path)
-    assert "step 4, epoch 0, batch 4" in resumed.stdout
+    assert latest == "step-00000004"
+    assert "step 4, epoch 0, batch 4" in resumed
     assert_bit_identical(final_weights(reference), final_weights(tmp_path))
     kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert kept == ["latest", "step-00000016", "step-00000018"], "keep_last=2, and the torn write is cleared"
 
 
-def test_nan_raise_names_step_and_rank_and_the_last_good_checkpoint_resumes(tmp_path, reference):
-    failed = launch_resume(tmp_path, "--nan_at", 6, "--nan_rank", 1, expect_ok=False)
+def test_nan_raise_names_step_and_rank_and_the_last_good_checkpoint_resumes(failed_then_resumed, reference):
+    tmp_path, failed, latest, _ = failed_then_resumed["nan at 6 on rank 1"]
     assert "non-finite loss (NaN or inf) at step 6 on rank 1" in failed.stderr
     assert f"The last good checkpoint is {tmp_path}/checkpoints/step-00000004" in failed.stderr
-    assert (tmp_path / "checkpoints" / "latest").read_text() == "step-00000004", "no NaN state was checkpointed"
-    launch_resume(tmp_path)  # the NaN was transient: continuing from the good checkpoint reproduces the run
+    assert latest == "step-00000004", "no NaN state was checkpointed"
+    # the NaN was transient: continuing from the good checkpoint reproduces the run
     assert_bit_identical(final_weights(reference), final_weights(tmp_path))
 
 
-def test_nan_skip_drops_the_step_on_every_rank(tmp_path, reference):
-    result = launch_resume(tmp_path, "--nan_at", 6, "--nan_rank", 0, "--nan_policy", "skip")
-    summary = result_line(result.stdout)
+def test_nan_skip_drops_the_step_on_every_rank(failed_then_resumed, reference):
+    tmp_path, output = failed_then_resumed["nan skipped"]
+    summary = result_line(output)
     assert summary["skipped_steps"] == 1 and summary["global_step"] == 18
     weights = final_weights(tmp_path)
     assert all(torch.isfinite(w).all() for w in weights.values())
