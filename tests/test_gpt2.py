@@ -21,23 +21,45 @@ TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "32", 
 
 
 ONE_PROCESS_RUNS = pytest.mark.xdist_group("gpt2_one_process")  # the tests that share those runs: on one worker
+TWO_PROCESS_RUNS = pytest.mark.xdist_group("gpt2_two_processes")
 
 
 def logged_losses(output: str) -> list[float]:
     return [float(x) for x in re.findall(r"^step \d+/\d+ \| loss ([\d.]+)", output, re.M)]
 
 
-def test_two_processes_train_save_a_loadable_model_and_resume(tmp_path):
-    first = accelerate_launch(GPT2, *TINY, "--max-steps", "20", "--output-dir", tmp_path)
-    assert "trainer | 2 process(es)" in first.stdout
-    losses = logged_losses(first.stdout)
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> tuple[dict[str, str], Path]:
+    """The example's 2-process runs in two launches (tests/jobs.py): a run of 20 steps ("first") and a streamed
+    run of 10 ("streamed"); then each started again for more steps ("again", "streamed again"). Their outputs by
+    name (stdout, then stderr), and the folder."""
+    out = tmp_path_factory.mktemp("gpt2_two")
+    first = {"first": [*TINY, "--max-steps", "20"], "streamed": [*TINY, "--streaming", "--max-steps", "10"]}
+    again = {"again": [*TINY, "--max-steps", "30"], "streamed again": [*TINY, "--streaming", "--max-steps", "20"]}
+    folders = {"first": "first", "streamed": "streamed", "again": "first", "streamed again": "streamed"}
+    outputs = {}
+    for runs in (first, again):
+        jobs = [[str(GPT2), *args, "--output-dir", str(out / folders[name])] for name, args in runs.items()]
+        result = accelerate_launch(JOBS, json.dumps(jobs))
+        for name, stdout, stderr in zip(runs, split_jobs(result.stdout), split_jobs(result.stderr), strict=True):
+            outputs[name] = (stdout, stderr)
+    return outputs, out
+
+
+@TWO_PROCESS_RUNS
+def test_two_processes_train_save_a_loadable_model_and_resume(two_processes):
+    outputs, folder = two_processes
+    (first, first_err), (again, _) = outputs["first"], outputs["again"]
+    tmp_path = folder / "first"
+    assert "trainer | 2 process(es)" in first
+    losses = logged_losses(first)
     assert len(losses) == 4 and losses[-1] < losses[0], losses
-    assert re.search(r"^eval loss [\d.]+, perplexity [\d.]+$", first.stdout, re.M)
+    assert re.search(r"^eval loss [\d.]+, perplexity [\d.]+$", first, re.M)
     step_line = r"^step 20/20 \| loss [\d.]+ \| lr \S+ \| [\d.]+ examples/s \| [\d,]+ tokens/s$"  # (MFU on a GPU)
-    assert re.search(step_line, first.stdout, re.M)
-    assert "\nsample: " in first.stdout
-    assert "Writing model shards" not in first.stderr, "no progress bar when the output is not a terminal"
-    assert f"saved to {tmp_path}/final" in first.stdout
+    assert re.search(step_line, first, re.M)
+    assert "\nsample: " in first
+    assert "Writing model shards" not in first_err, "no progress bar when the output is not a terminal"
+    assert f"saved to {tmp_path}/final" in first
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -46,21 +68,22 @@ def test_two_processes_train_save_a_loadable_model_and_resume(tmp_path):
     assert model.config.n_layer == 1 and model.config.vocab_size == len(tokenizer)
     assert tokenizer.decode(tokenizer("def f(x): return x")["input_ids"]) == "def f(x): return x"
 
-    again = accelerate_launch(GPT2, *TINY, "--max-steps", "30", "--output-dir", tmp_path)
-    assert f"resumed from {tmp_path}/checkpoints/step-00000020: step 20" in again.stdout
-    assert "step 25/30" in again.stdout and "step 5/30" not in again.stdout
+    assert f"resumed from {tmp_path}/checkpoints/step-00000020: step 20" in again
+    assert "step 25/30" in again and "step 5/30" not in again
 
 
-def test_streaming_trains_from_a_stream_on_two_processes_and_resumes_mid_stream(tmp_path):
-    first = accelerate_launch(GPT2, *TINY, "--streaming", "--max-steps", "10", "--output-dir", tmp_path)
-    assert re.search(r"^gpt2 \| [\d,]+ parameters, streamed train and 64 eval sequences of 32 tokens$", first.stdout,
+@TWO_PROCESS_RUNS
+def test_streaming_trains_from_a_stream_on_two_processes_and_resumes_mid_stream(two_processes):
+    outputs, folder = two_processes
+    (first, _), (again, _) = outputs["streamed"], outputs["streamed again"]
+    tmp_path = folder / "streamed"
+    assert re.search(r"^gpt2 \| [\d,]+ parameters, streamed train and 64 eval sequences of 32 tokens$", first,
                      re.M)  # fmt: skip
-    assert "unknown optimizer steps per epoch, 10 in all" in first.stdout
-    again = accelerate_launch(GPT2, *TINY, "--streaming", "--max-steps", "20", "--output-dir", tmp_path)
-    assert f"resumed from {tmp_path}/checkpoints/step-00000010: step 10, epoch 0, batch 10" in again.stdout
-    losses = logged_losses(first.stdout + again.stdout)
+    assert "unknown optimizer steps per epoch, 10 in all" in first
+    assert f"resumed from {tmp_path}/checkpoints/step-00000010: step 10, epoch 0, batch 10" in again
+    losses = logged_losses(first + again)
     assert len(losses) == 4 and losses[-1] < losses[0], losses
-    eval_loss = float(re.search(r"^eval loss ([\d.]+)", again.stdout, re.M)[1])
+    eval_loss = float(re.search(r"^eval loss ([\d.]+)", again, re.M)[1])
     assert abs(eval_loss - losses[-1]) < 1.5, "train and eval loss measure the same thing (every token once)"
 
 
