@@ -16,6 +16,7 @@ on every process (a refusal, or an error every rank meets at the same place), as
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import runpy
@@ -55,6 +56,7 @@ def main() -> None:
             stream.write(f"=== job {number} ===\n")
             stream.flush()
         status = run(script, args)
+        gc.collect()  # what a failed run held (its Trainer, the output_dir's lock) goes, as its process would
         if status:
             sys.stderr.write(f"=== job {number} exit {status} ===\n")
             failed = True

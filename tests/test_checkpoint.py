@@ -20,7 +20,7 @@ from scenarios import DropoutClassifier
 
 from trainer import PREEMPTED_EXIT
 
-from conftest import JOBS, SCENARIOS, accelerate_launch, clean_env, python, split_jobs, torchrun
+from conftest import JOBS, SCENARIOS, accelerate_launch, clean_env, job_exits, python, split_jobs, torchrun
 
 pytestmark = pytest.mark.xdist_group("checkpoint")  # its tests share a module-scoped launch: run it once
 
@@ -77,12 +77,15 @@ def failed_then_resumed(tmp_path_factory, reference) -> dict[str, tuple]:
     jobs = [[str(SCENARIOS), "resume", "--output_dir", str(out), "--forbid_unsafe_load"] for out, *_ in failed.values()]
     finished, skipping = tmp_path_factory.mktemp("finished") / "run", tmp_path_factory.mktemp("skip")
     shutil.copytree(reference, finished)
+    exported = tmp_path_factory.mktemp("hf_export")
     jobs += [[str(SCENARIOS), "resume", "--output_dir", str(finished)],
              [str(SCENARIOS), "resume", "--output_dir", str(skipping), "--nan_at", 6, "--nan_rank", 0, "--nan_policy",
-              "skip"]]  # fmt: skip
+              "skip"],
+             [str(SCENARIOS), "hf_export", "--output_dir", str(exported)]]  # fmt: skip
     outputs = split_jobs(accelerate_launch(JOBS, json.dumps(jobs, default=str)).stdout)
     runs = {name: (*failed[name], output) for name, output in zip(failed, outputs[: len(failed)], strict=True)}
-    runs["finished, started again"], runs["nan skipped"] = (finished, outputs[-2]), (skipping, outputs[-1])
+    runs["finished, started again"], runs["nan skipped"] = (finished, outputs[-3]), (skipping, outputs[-2])
+    runs["a transformers model"] = (exported, outputs[-1])
     return runs
 
 
@@ -150,9 +153,9 @@ def test_nan_skip_drops_the_step_on_every_rank(failed_then_resumed, reference):
     assert not torch.equal(weights["net.0.weight"], final_weights(reference)["net.0.weight"])
 
 
-def test_final_model_of_a_transformers_model_loads_with_the_auto_classes(tmp_path):
-    result = accelerate_launch(SCENARIOS, "hf_export", "--output_dir", tmp_path)
-    assert "PERPLEXITY" in result.stdout  # the default loss, model(**batch).loss, reports perplexity
+def test_final_model_of_a_transformers_model_loads_with_the_auto_classes(failed_then_resumed):
+    tmp_path, output = failed_then_resumed["a transformers model"]
+    assert "PERPLEXITY" in output  # the default loss, model(**batch).loss, reports perplexity
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
@@ -169,20 +172,28 @@ def one_process_run(tmp_path_factory):
     return out
 
 
-def resume_fails(output_dir, *args, launcher=python):
-    if launcher is python:
-        result = python(SCENARIOS, "resume", "--output_dir", output_dir, *map(str, args), expect_ok=False)
-    else:
-        result = launch_resume(output_dir, *args, expect_ok=False)
-    return result.stderr
+def resume_fails(output_dir, *args):
+    return python(SCENARIOS, "resume", "--output_dir", output_dir, *map(str, args), expect_ok=False).stderr
 
 
-def test_existing_checkpoints_are_not_silently_overwritten_one_line_from_every_process(one_process_run):
+@pytest.fixture(scope="module")
+def refused_on_two(one_process_run) -> dict[str, str]:
+    """The one-process run resumed on 2 processes, refused: without resume ("overwrite"), and at another global
+    batch ("global batch"); both in one launch (tests/jobs.py), each run's stderr by name."""
+    runs = {"overwrite": ["--resume", "none"], "global batch": []}
+    jobs = [[str(SCENARIOS), "resume", "--output_dir", str(one_process_run), *args] for args in runs.values()]
+    result = accelerate_launch(JOBS, json.dumps(jobs), expect_ok=False)
+    assert job_exits(result.stderr, len(runs)) == [1, 1], result.stderr[-3000:]
+    return dict(zip(runs, split_jobs(result.stderr), strict=True))
+
+
+def test_existing_checkpoints_are_not_silently_overwritten_one_line_from_every_process(one_process_run,
+                                                                                       refused_on_two):  # fmt: skip
     message = resume_fails(one_process_run, "--resume", "none")
     assert "already holds checkpoints of an earlier run. Set resume='auto'" in message
     assert message.startswith("trainer: ") and message.count("\n") == 1, "one line, no traceback: " + message
     # 2 processes: the main process decides and every rank refuses; none is left in a collective to die noisily.
-    launched = resume_fails(one_process_run, "--resume", "none", launcher=accelerate_launch)
+    launched = refused_on_two["overwrite"]
     assert launched.count("trainer: ") == 1 and "already holds checkpoints of an earlier run" in launched, launched
     assert "[rank0]: Traceback" not in launched and "[rank1]: Traceback" not in launched, "the line, no traceback"
     assert "GLHF" not in launched and "Connection closed" not in launched and "terminate called" not in launched
@@ -347,10 +358,10 @@ def test_unwritable_output_dir_is_named(one_process_run):
     assert "cannot be written" in resume_fails(one_process_run / "checkpoints" / "latest" / "sub")
 
 
-def test_a_different_global_batch_on_resume_stops_naming_both(one_process_run):
+def test_a_different_global_batch_on_resume_stops_naming_both(refused_on_two):
     """1 process x batch 4 resumed on 2 x 4: a different global batch (the same one on any split continues:
     tests/test_fsdp.py)."""
-    message = resume_fails(one_process_run, launcher=accelerate_launch)
+    message = refused_on_two["global batch"]
     assert message.count("was written with 1 process(es) x batch 4 x accumulation 1 = 4 global; this run has 2 "
                          "process(es) x batch 4 x accumulation 1 = 8 global") == 1, "said once for the job"
     assert "[rank0]: Traceback" not in message and "[rank1]: Traceback" not in message
