@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
+
 from wandb_records import offline_runs
 
 from conftest import SCENARIOS, accelerate_launch, clean_env, free_port, python, run
@@ -24,9 +26,21 @@ def by_name(runs):
     return {run.name: run for run in runs}
 
 
-def test_two_processes_log_two_runs_in_one_group_with_their_own_shards(tmp_path):
+ONE_RUN = pytest.mark.xdist_group("tracking_one_run")  # the tests that read the same logged run: on one worker
+
+
+@pytest.fixture(scope="module")
+def logged_run(tmp_path_factory):
+    """A 2-process run logging to wandb (offline), rank 1 slower: its output_dir."""
+    tmp_path = tmp_path_factory.mktemp("logged")
     out = tmp_path / "run"
     accelerate_launch(SCENARIOS, "resume", "--output_dir", out, *PROJECT, "--slow_rank", "1", env=wandb_env(tmp_path))
+    return out
+
+
+@ONE_RUN
+def test_two_processes_log_two_runs_in_one_group_with_their_own_shards(logged_run):
+    out = logged_run
     runs = offline_runs(out)
     assert sorted(r.name for r in runs) == ["exp-rank0", "exp-rank1"]
     assert {r.group for r in runs} == {"exp"} and len({r.run_id for r in runs}) == 2
@@ -127,9 +141,9 @@ def test_without_wandb_project_neither_wandb_nor_datasets_is_imported(tmp_path):
     assert (tmp_path / "metrics" / "rank0.jsonl").is_file() and not (tmp_path / "wandb").exists()
 
 
-def test_plot_draws_every_rank_to_a_png(tmp_path):
-    accelerate_launch(SCENARIOS, "resume", "--output_dir", tmp_path)
-    result = run([sys.executable, "-m", "trainer.plot", str(tmp_path), "--out", str(tmp_path / "curves.png")])
+@ONE_RUN
+def test_plot_draws_every_rank_to_a_png(logged_run, tmp_path):
+    result = run([sys.executable, "-m", "trainer.plot", str(logged_run), "--out", str(tmp_path / "curves.png")])
     assert "curves.png" in result.stdout
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "curves.png").stat().st_size > 20_000  # four panels of lines, not an empty canvas
