@@ -53,14 +53,29 @@ ONE_PROCESS.update({"classifier, batch 8": [*CLASSIFIER, "--batch_size", "8"],
 TWO_PROCESSES["classifier, 2 processes x 4"] = [*CLASSIFIER, "--batch_size", "4"]  # fmt: skip
 
 
-def test_every_counted_token_weighs_the_same_whatever_the_split(tmp_path):
-    runs = {}
+# The uninterrupted jobs the stream resumes are compared with (by processes, steps), in the same launches.
+IN_ORDER = {(1, 14), (2, 10)}
+
+
+@pytest.fixture(scope="module")
+def splits(tmp_path_factory) -> dict[str, dict]:
+    """Every job of ONE_PROCESS and TWO_PROCESSES, and the uninterrupted jobs of IN_ORDER ("in order, P x S"): two
+    launches, one per process count. Summaries by name."""
+    tmp_path, runs = tmp_path_factory.mktemp("splits"), {}
     for processes, variants in ((1, ONE_PROCESS), (2, TWO_PROCESSES)):
-        names = {f"v{i}": name for i, name in enumerate(variants)}
-        flags = {key: variants[name] + ([] if "classifier" in name else ["--eval"]) for key, name in names.items()}
-        run(tmp_path, str(processes), "--variants", json.dumps(flags), processes=processes)
+        flags = {name: [*args, *([] if "classifier" in name else ["--eval"])] for name, args in variants.items()}
+        flags.update({f"in order, {p} x {steps}": [*RESUMED, "--max_steps", str(steps)] for p, steps in IN_ORDER
+                      if p == processes})  # fmt: skip
+        keys = {f"v{i}": name for i, name in enumerate(flags)}
+        run(tmp_path, str(processes), "--variants", json.dumps({key: flags[name] for key, name in keys.items()}),
+            processes=processes)  # fmt: skip
         runs.update({name: json.loads((tmp_path / str(processes) / key / "ragged.json").read_text())
-                     for key, name in names.items()})  # fmt: skip
+                     for key, name in keys.items()})  # fmt: skip
+    return runs
+
+
+def test_every_counted_token_weighs_the_same_whatever_the_split(splits):
+    runs = {name: summary for name, summary in splits.items() if not name.startswith("in order")}
     for split, summary in runs.items():
         reference = runs["classifier, batch 8" if split.startswith("classifier") else "batch 8"]
         assert summary["world_size"] == (2 if "2 processes" in split else 1)
@@ -103,18 +118,10 @@ RESUMED = ["--batch_size", "2", "--accumulation", "2", "--save_every", "2", "--o
 
 
 @pytest.fixture(scope="module")
-def in_order(tmp_path_factory):
+def in_order(splits):
     """The uninterrupted job read from the list of sequences, by process count and steps: a stream split per
     process reads the same examples in the same order (every K-th), so it must reach these very weights."""
-    runs = {}
-
-    def reference(processes: int, steps: int) -> dict:
-        if (processes, steps) not in runs:
-            out = tmp_path_factory.mktemp(f"in_order_{processes}")
-            runs[processes, steps] = run(out, "run", *RESUMED, "--max_steps", str(steps), processes=processes)[0]
-        return runs[processes, steps]
-
-    return reference
+    return lambda processes, steps: splits[f"in order, {processes} x {steps}"]
 
 
 # A pass over the stream is 12 steps on 1 process, 6 on 2. (data, processes, max_steps, crash after, checkpoint
