@@ -371,9 +371,10 @@ def test_a_different_global_batch_on_resume_stops_naming_both(refused_on_two):
 def test_a_compiled_model_checkpoints_resumes_and_exports_plain_weights(tmp_path):
     """compile: true goes through accelerate's dynamo plugin; the checkpoints and the export still fit a plain
     model (no "_orig_mod." prefixes), and a resumed compiled run continues from the checkpoint."""
-    first = python(SCENARIOS, "resume", "--output_dir", tmp_path, "--compile", "--max_steps", "4")
+    env = clean_env(TORCHINDUCTOR_COMPILE_THREADS="1")  # compiled in the process: no pool of workers importing torch
+    first = python(SCENARIOS, "resume", "--output_dir", tmp_path, "--compile", "--max_steps", "4", env=env)
     assert result_line(first.stdout)["global_step"] == 4
     plain = final_weights(tmp_path)
     assert sorted(plain) == sorted(DropoutClassifier().state_dict())
-    again = python(SCENARIOS, "resume", "--output_dir", tmp_path, "--compile", "--max_steps", "8")
+    again = python(SCENARIOS, "resume", "--output_dir", tmp_path, "--compile", "--max_steps", "8", env=env)
     assert "resumed from" in again.stdout and result_line(again.stdout)["global_step"] == 8
