@@ -172,10 +172,6 @@ def one_process_run(tmp_path_factory):
     return out
 
 
-def resume_fails(output_dir, *args):
-    return python(SCENARIOS, "resume", "--output_dir", output_dir, *map(str, args), expect_ok=False).stderr
-
-
 @pytest.fixture(scope="module")
 def refused_on_two(one_process_run) -> dict[str, str]:
     """The one-process run resumed on 2 processes, refused: without resume ("overwrite"), and at another global
@@ -187,9 +183,9 @@ def refused_on_two(one_process_run) -> dict[str, str]:
     return dict(zip(runs, split_jobs(result.stderr), strict=True))
 
 
-def test_existing_checkpoints_are_not_silently_overwritten_one_line_from_every_process(one_process_run,
+def test_existing_checkpoints_are_not_silently_overwritten_one_line_from_every_process(refused_on_one,
                                                                                        refused_on_two):  # fmt: skip
-    message = resume_fails(one_process_run, "--resume", "none")
+    message = refusal(refused_on_one, "overwrite")
     assert "already holds checkpoints of an earlier run. Set resume='auto'" in message
     assert message.startswith("trainer: ") and message.count("\n") == 1, "one line, no traceback: " + message
     # 2 processes: the main process decides and every rank refuses; none is left in a collective to die noisily.
@@ -199,14 +195,14 @@ def test_existing_checkpoints_are_not_silently_overwritten_one_line_from_every_p
     assert "GLHF" not in launched and "Connection closed" not in launched and "terminate called" not in launched
 
 
-def test_checkpoint_of_another_model_is_refused_by_name(one_process_run):
-    message = resume_fails(one_process_run, "--hidden", 16)
+def test_checkpoint_of_another_model_is_refused_by_name(refused_on_one):
+    message = refusal(refused_on_one, "another model")
     assert "checkpoints/step-00000036 does not fit this run" in message
     assert "size mismatch for net.0.weight" in message
 
 
-def test_missing_resume_path_is_named(one_process_run, tmp_path):
-    message = resume_fails(tmp_path, "--resume", one_process_run / "checkpoints" / "step-00000099")
+def test_missing_resume_path_is_named(refused_on_one):
+    message = refusal(refused_on_one, "missing path")
     assert "step-00000099 does not exist. Other checkpoints there:" in message
 
 
@@ -216,35 +212,62 @@ def copy_of(run: Path, tmp_path: Path) -> Path:
     return copy
 
 
-def test_a_torn_checkpoint_asked_for_by_path_is_named_with_the_others(one_process_run, tmp_path):
-    copy = copy_of(one_process_run, tmp_path)
-    (copy / "checkpoints" / "step-00000036" / "optimizer.bin").unlink()
-    message = resume_fails(copy, "--resume", copy / "checkpoints" / "step-00000036")
-    assert "step-00000036 is torn: optimizer.bin is missing or truncated" in message
-    assert "Other checkpoints there:" in message and "step-00000032" in message
-    result = python(SCENARIOS, "resume", "--output_dir", copy, "--resume", copy / "checkpoints" / "step-00000032")
-    assert "resumed from" in result.stdout and result_line(result.stdout)["global_step"] == 36
+@pytest.fixture(scope="module")
+def refused_on_one(one_process_run, tmp_path_factory) -> dict[str, tuple]:
+    """The one-process run (or a copy of it, damaged) resumed in ways that are refused, every run in one process
+    (tests/jobs.py, each ending as its own process would): name -> (its exit status, stdout, stderr, folder)."""
+    torn, crafted = (copy_of(one_process_run, tmp_path_factory.mktemp(name)) for name in ("torn", "crafted"))
+    (torn / "checkpoints" / "step-00000036" / "optimizer.bin").unlink()
+    ran = crafted.parent / "it-ran"
 
-
-def test_a_file_torch_load_refuses_is_named_in_one_line_and_runs_nothing(one_process_run, tmp_path):
-    """optimizer.bin replaced by a pickle that calls os.system, the manifest's size and CRC-32 made to match: the
-    resume refuses it in one line (torch.load with weights_only=True), and the command never runs."""
-    copy = copy_of(one_process_run, tmp_path)
-    checkpoint, ran = copy / "checkpoints" / "step-00000036", tmp_path / "it-ran"
-
-    class Payload:
+    class Payload:  # optimizer.bin as a pickle that calls os.system, its size and CRC-32 made to match
         def __reduce__(self):
             return os.system, (f"touch {ran}",)
 
+    checkpoint = crafted / "checkpoints" / "step-00000036"
     torch.save({"state": Payload()}, checkpoint / "optimizer.bin")
     state = json.loads((checkpoint / "trainer_state.json").read_text())
     data = (checkpoint / "optimizer.bin").read_bytes()
     state["files"]["optimizer.bin"], state["crc32"]["optimizer.bin"] = len(data), f"{zlib.crc32(data):08x}"
     (checkpoint / "trainer_state.json").write_text(json.dumps(state))
-    message = resume_fails(copy, "--resume", checkpoint)
+    missing = one_process_run / "checkpoints" / "step-00000099"
+    runs = {"overwrite": (one_process_run, "--resume", "none"), "another model": (one_process_run, "--hidden", 16),
+            "missing path": (tmp_path_factory.mktemp("missing"), "--resume", missing),
+            "torn": (torn, "--resume", torn / "checkpoints" / "step-00000036"),
+            "torn, the one before": (torn, "--resume", torn / "checkpoints" / "step-00000032"),
+            "crafted": (crafted, "--resume", checkpoint),
+            "unwritable": (one_process_run / "checkpoints" / "latest" / "sub",)}  # fmt: skip
+    jobs = [[str(SCENARIOS), "resume", "--output_dir", str(folder), *map(str, args)] for folder, *args in
+            runs.values()]  # fmt: skip
+    result = python(JOBS, json.dumps(jobs), expect_ok=False)
+    outputs = zip(job_exits(result.stderr, len(runs)), split_jobs(result.stdout), split_jobs(result.stderr),
+                  strict=True)  # fmt: skip
+    return {name: (*output, folder) for (name, (folder, *_)), output in zip(runs.items(), outputs, strict=True)}
+
+
+def refusal(refused_on_one, name: str) -> str:
+    status, _, stderr, _ = refused_on_one[name]
+    assert status == 1, f"{name}: exit {status}\n{stderr}"
+    return stderr
+
+
+def test_a_torn_checkpoint_asked_for_by_path_is_named_with_the_others(refused_on_one):
+    message = refusal(refused_on_one, "torn")
+    assert "step-00000036 is torn: optimizer.bin is missing or truncated" in message
+    assert "Other checkpoints there:" in message and "step-00000032" in message
+    status, stdout, stderr, _ = refused_on_one["torn, the one before"]
+    assert status == 0, stderr[-3000:]
+    assert "resumed from" in stdout and result_line(stdout)["global_step"] == 36
+
+
+def test_a_file_torch_load_refuses_is_named_in_one_line_and_runs_nothing(refused_on_one):
+    """optimizer.bin replaced by a pickle that calls os.system, the manifest's size and CRC-32 made to match: the
+    resume refuses it in one line (torch.load with weights_only=True), and the command never runs."""
+    message, crafted = refusal(refused_on_one, "crafted"), refused_on_one["crafted"][3]
+    checkpoint = crafted / "checkpoints" / "step-00000036"
     assert message.startswith(f"trainer: checkpoint {checkpoint} holds a file that cannot be loaded safely (nothing "
                               "in it was run): UnpicklingError") and message.count("\n") == 1, message  # fmt: skip
-    assert not ran.exists(), "the pickle ran its command"
+    assert not (crafted.parent / "it-ran").exists(), "the pickle ran its command"
 
 
 def zero_a_kilobyte(path: Path) -> None:
@@ -354,8 +377,8 @@ def test_a_full_disk_during_a_checkpoint_is_named_and_loses_nothing(tmp_path):
         subprocess.run(["umount", "-l", str(disk)])
 
 
-def test_unwritable_output_dir_is_named(one_process_run):
-    assert "cannot be written" in resume_fails(one_process_run / "checkpoints" / "latest" / "sub")
+def test_unwritable_output_dir_is_named(refused_on_one):
+    assert "cannot be written" in refusal(refused_on_one, "unwritable")
 
 
 def test_a_different_global_batch_on_resume_stops_naming_both(refused_on_two):
