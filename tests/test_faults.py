@@ -66,7 +66,7 @@ def test_an_empty_eval_set_is_refused_before_training(faults):
 
 
 @pytest.mark.parametrize("name, said, lines", [
-    ("metrics_shape", "metrics_fn's 'accuracy' has 3 values for a batch of 4 examples: return one number per example", 1),
+    ("metrics_shape", "metrics_fn's 'accuracy' has 3 values for a batch of 4 examples: return one number per", 1),
     ("frozen", "the model (TinyClassifier) has no trainable parameter (requires_grad is False on every one)", 1),
     ("tensorboard_file", "tensorboard: true, but rank 0 cannot write its events to", 2),  # each rank its own folder
 ])  # fmt: skip

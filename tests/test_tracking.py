@@ -6,7 +6,6 @@ import json
 import sys
 
 import pytest
-
 from wandb_records import offline_runs
 
 from conftest import SCENARIOS, accelerate_launch, clean_env, free_port, python, run

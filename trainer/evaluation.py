@@ -158,8 +158,8 @@ def evaluate(model: torch.nn.Module, loader, loss_fn, metrics_fn: Optional[Metri
         for name, value in values.items():
             value = torch.as_tensor(value, device=device).reshape(-1)  # numpy, a CPU tensor: on the device
             if value.numel() != size:
-                raise EvaluationError(f"metrics_fn's {name!r} has {value.numel()} values for a batch of {size} examples: "
-                                 "return one number per example (shape [batch])")  # fmt: skip
+                raise EvaluationError(f"metrics_fn's {name!r} has {value.numel()} values for a batch of {size} "
+                                      "examples: return one number per example (shape [batch])")  # fmt: skip
             metric_sums[name] = metric_sums.get(name, 0) + value.double().sum()
         count += size
     names = sorted(metric_sums)

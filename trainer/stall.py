@@ -80,7 +80,8 @@ class StallReporter:
         while not self._stop.wait(interval):
             (step, phase), blocks, changed = self.where, self.blocks, self._changed
             stalled_s = time.monotonic() - changed
-            note = {"step": step, "phase": phase, "blocks": blocks, "host": self._host, "since": time.time() - stalled_s}
+            note = {"step": step, "phase": phase, "blocks": blocks, "host": self._host,
+                    "since": time.time() - stalled_s}  # fmt: skip
             try:
                 self._store.set(str(self.rank), json.dumps(note))
                 if self._stop.is_set():
