@@ -106,6 +106,11 @@ def test_an_exception_on_one_rank_marks_its_run_failed_with_the_error(tmp_path):
     failed = accelerate_launch(SCENARIOS, "resume", "--output_dir", out, *PROJECT, "--raise_at", "5",
                                env=wandb_env(tmp_path), expect_ok=False)  # fmt: skip
     assert "boom on rank 1 at step 5" in failed.stderr
+    # Rank 0, left in the gradients' all-reduce, says so in one line rather than with a second traceback (unless
+    # the launcher, seeing rank 1 gone, ends it first: then it says nothing).
+    assert failed.stderr.count("trainer: another process of the job ended while this one waited for it in a "
+                               "collective (Connection ") <= 1, failed.stderr[-3000:]  # fmt: skip
+    assert "[rank0]: Traceback" not in failed.stderr, failed.stderr[-3000:]
     rank1 = by_name(offline_runs(out))["exp-rank1"]
     assert rank1.exit_code == 1
     assert rank1.summary["error"] == "RuntimeError: boom on rank 1 at step 5"

@@ -13,8 +13,10 @@ Two ends of a job are not errors and are ``SystemExit``s instead: :class:`Preemp
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from typing import Iterator
 
 PREEMPTED_EXIT = 75  # sysexits' EX_TEMPFAIL: a temporary failure, to be tried again
 
@@ -63,6 +65,31 @@ class LossFnError(Refusal, TypeError):
 
 class EvaluationError(Refusal, ValueError):
     """``metrics_fn`` or ``predict_fn`` returned what an evaluation cannot use, or there is nothing to evaluate."""
+
+
+class PeerLost(Refusal, RuntimeError):
+    """Another process of the job ended (its own error says why) while this one waited for it in a collective."""
+
+    job_wide = False  # the processes left behind each say it, after the one that failed has said its own
+
+
+# What gloo says when the process at the other end of a collective is gone.
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing")
+
+
+@contextlib.contextmanager
+def peer_loss_in_a_line() -> Iterator[None]:
+    """Around ``fit()``: the error a collective raises when another process ended becomes one line, not a second
+    traceback beside that process's own."""
+    try:
+        yield
+    except RuntimeError as err:
+        text = " ".join(str(err).split())
+        if isinstance(err, Refusal) or not any(sign in text for sign in PEER_GONE):
+            raise
+        detail = text.split("] ", 1)[-1].split(". This is typically")[0]  # gloo's source path and advice left out
+        raise PeerLost(f"another process of the job ended while this one waited for it in a collective ({detail}): "
+                       "its own error, above, is the cause") from err
 
 
 class UnusedParameters(Refusal, RuntimeError):

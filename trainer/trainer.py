@@ -30,7 +30,7 @@ from trainer.checkpointer import Checkpointer
 from trainer.config import TrainConfig
 from trainer.console import banner, progress_bar, say
 from trainer.data import batches_per_epoch, data_loader, examples_per_process, start_epoch
-from trainer.errors import DataError
+from trainer.errors import DataError, peer_loss_in_a_line
 from trainer.evaluation import Evaluator, MetricsFn, PredictFn, named_sets
 from trainer.losses import LossFn, model_loss
 from trainer.parallel import Parallelism
@@ -220,7 +220,7 @@ class Trainer:
         hooks.call(self.callbacks, "on_train_begin", self)
         cfg, acc, started = self.config, self.accelerator, time.perf_counter()
         self.preemption = PreemptionWatch(cfg.signal_names, cfg.preemption_grace_s, self.host)
-        with self.telemetry.closing(), self.checkpoints.cleaned_up_on_error(), \
+        with peer_loss_in_a_line(), self.telemetry.closing(), self.checkpoints.cleaned_up_on_error(), \
                 watch_stalls(acc, cfg.stall_warning_s) as self.steps.phases.reporter:
             self.steps.begin()
             with progress_bar(self.total_steps, self.state.step, show=acc.is_main_process) as bar, self.preemption:
