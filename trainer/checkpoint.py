@@ -67,7 +67,7 @@ def newest_whole_checkpoint(root: Path) -> Optional[Path]:
     try:
         return latest_checkpoint(root)
     except CheckpointError as err:
-        problem = _without_alternatives(err)
+        problem = without_alternatives(err)
     set_aside = []
     for candidate in reversed(complete_checkpoints(root)):
         try:
@@ -86,7 +86,8 @@ def newest_whole_checkpoint(root: Path) -> Optional[Path]:
     raise CheckpointError(f"{problem}, and no other checkpoint under {root} is whole")
 
 
-def _without_alternatives(err: CheckpointError) -> str:
+def without_alternatives(err: CheckpointError) -> str:
+    """A checkpoint error's message without its list of the other checkpoints there."""
     return str(err).split(". Other checkpoints there")[0]
 
 

@@ -173,7 +173,7 @@ class Checkpointer:
             try:
                 checkpoint.verify(path)
             except CheckpointError as err:
-                found = [str(err).split(". Other checkpoints there")[0]]
+                found = [checkpoint.without_alternatives(err)]
         broadcast_object_list(found, from_process=0)
         return found[0]
 

@@ -296,9 +296,10 @@ class Trainer:
         if self.eval_loaders:
             evaluated_now = self.last_eval is not None and self.last_eval[0] == self.state.step
             result.update(self.last_eval[1] if evaluated_now else self.evaluate())
-        load = lambda path: self.model_state.load_weights(path, self.checkpoints.read(path)["sharding"])  # noqa: E731
         best = self.best_checkpoint if self.keep_best.loads_at(self.state.step) else None
-        damage = self.checkpoints.damage(best) if best is not None else None
+        damage = self.checkpoints.damage(best) if best is not None else None  # its contents read once, here
+        load = lambda path: self.model_state.load_weights(  # noqa: E731
+            path, self.checkpoints.read(path, verified=True)["sharding"])
         self.keep_best.load_best(best, self.state.step, load, say, damage)  # final/: the best's weights
         self.save_model()
         hooks.call(self.callbacks, "on_train_end", self, result=result)
