@@ -140,8 +140,9 @@ def resume(args) -> None:
         if step == args.stall_at and rank == args.stall_rank and model.training:
             say(f"STALL rank {rank} at step {step} for {args.stall_s} s")
             stalled_until = time.monotonic() + args.stall_s  # a hung loader or a frozen node: the others wait at the
-            while time.monotonic() < stalled_until and not trainer.preemption.received:  # all-reduce; the launcher's
-                time.sleep(0.1)  # SIGTERM, once the job is over, ends it (not its SIGKILL 30 s later)
+            while time.monotonic() < stalled_until and (args.stall_deaf or not trainer.preemption.received):
+                time.sleep(0.1)  # all-reduce; the launcher's SIGTERM, once the job is over, ends it (not its SIGKILL
+                # 30 s later), unless the stall is deaf to signals, as a hung kernel is
         if step == args.nan_at and trainer.accelerator.process_index == args.nan_rank:
             loss = loss * float("nan")
         return loss
@@ -428,6 +429,7 @@ if __name__ == "__main__":
     parser.add_argument("--stall_at", type=int, default=0)
     parser.add_argument("--stall_rank", type=int, default=1)
     parser.add_argument("--stall_s", type=float, default=0)
+    parser.add_argument("--stall_deaf", action="store_true", help="a signal does not end the stall")
     parser.add_argument("--stall_warning_s", type=float, default=300)
     parser.add_argument("--collective_timeout_s", type=float, default=1800)
     parser.add_argument("--compile", action="store_true")

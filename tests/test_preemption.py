@@ -42,18 +42,26 @@ def test_one_ranks_signal_is_enough_every_rank_checkpoints_the_same_step(tmp_pat
     assert_bit_identical(final_weights(reference), final_weights(tmp_path))
 
 
-def start_slow_job(output_dir: Path) -> tuple[subprocess.Popen, tempfile.TemporaryFile]:
-    """The 2-process `resume` job at 0.3 s a step, returned once it is past step 6 (and its checkpoint of step 4)."""
+def start_slow_job(output_dir: Path, *args: str, until: str = "") -> tuple[subprocess.Popen, tempfile.TemporaryFile]:
+    """The 2-process `resume` job at 0.3 s a step, returned once it is past step 6 (and its checkpoint of step 4),
+    or once its output holds ``until``."""
     log = tempfile.TemporaryFile("w+")
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "multi_gpu.yaml"),
                "--main_process_port", str(free_port()), str(SCENARIOS), "resume", "--output_dir", str(output_dir),
-               "--step_sleep", "0.3"]  # fmt: skip
+               "--step_sleep", "0.3", *args]  # fmt: skip
     launcher = subprocess.Popen(command, env=clean_env(), stdout=log, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)  # fmt: skip
     metrics = output_dir / "metrics" / "rank0.jsonl"
+
+    def ready() -> bool:
+        if until:
+            log.seek(0)
+            return until in log.read()
+        return metrics.is_file() and '"step": 6' in metrics.read_text()
+
     deadline = time.monotonic() + 120
-    while not (metrics.is_file() and '"step": 6' in metrics.read_text()):
-        assert launcher.poll() is None and time.monotonic() < deadline, "the job never reached step 6"
+    while not ready():
+        assert launcher.poll() is None and time.monotonic() < deadline, f"the job never reached {until or 'step 6'}"
         time.sleep(0.05)
     return launcher, log
 
@@ -101,6 +109,28 @@ def test_a_killed_launcher_takes_its_workers_with_it_after_their_checkpoint(tmp_
     again = launch_resume(tmp_path)
     assert f"step {step}" in again.stdout
     assert_bit_identical(final_weights(reference), final_weights(tmp_path))
+
+
+def test_a_killed_launcher_takes_the_workers_of_a_stalled_job_with_it(tmp_path):
+    """Rank 1 hangs in step 5, deaf to signals as a hung kernel is, and rank 0 waits for it in the all-reduce. Its
+    launcher's death sends both SIGTERM, but no step can end for the checkpoint, and nobody is left to kill them: each
+    ends itself, at once since it is stalled past stall_warning_s, instead of living on until preemption_grace_s (180
+    s) or the collective timeout."""
+    launcher, log = start_slow_job(tmp_path, "--stall_at", "5", "--stall_s", "900", "--stall_deaf",
+                                   "--stall_warning_s", "2", until="trainer: stalled for")  # fmt: skip
+    killed = time.monotonic()
+    launcher.kill()  # SIGKILL to the launcher alone
+    launcher.wait()
+    while workers_alive(tmp_path) and time.monotonic() - killed < 60:
+        time.sleep(0.1)
+    assert not workers_alive(tmp_path), "the workers of a stalled job outlived their launcher"
+    print(f"SIGKILL to a stalled job's launcher: its workers gone {time.monotonic() - killed:.1f} s later")
+    log.seek(0)
+    output = log.read()
+    for rank in (0, 1):
+        assert f"is gone and rank {rank} has made no progress for" in output, output
+    assert "TCPStore" not in output, "no store calls once the store went with the launcher"
+    assert latest(tmp_path) == "step-00000004", "the last checkpoint stays"
 
 
 def test_a_save_that_hangs_ends_at_the_deadline_and_the_last_checkpoint_stays(tmp_path):

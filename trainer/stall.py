@@ -13,6 +13,12 @@ A sharded model (FSDP2) gathers each block's weights inside the forward pass, so
 others in block 4's all-gather, all "in forward": the note also counts the sharded blocks this rank has entered in
 the phase (``entered()``, a forward pre-hook on each), and the rank that entered fewest is the one waited for.
 
+If the launcher dies (kill -9, the OOM killer), each worker gets SIGTERM (``trainer.launch``) and a healthy job
+checkpoints and exits. A stalled one cannot reach the step where it would, and nobody is left to kill it: the thread
+notices the launcher is gone (this process was handed to another parent) and, once this rank has made no progress
+for ``warning_s`` (a long evaluation or save: for ``preemption_grace_s``), ends the process with one line. The
+store lived in the launcher, so the thread stops using it.
+
 On the hot path this costs an attribute assignment per phase (and per sharded block); the store traffic happens in
 the thread.
 """
@@ -20,6 +26,7 @@ the thread.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
@@ -28,18 +35,23 @@ import torch
 from accelerate import Accelerator
 
 from trainer.console import warn
+from trainer.errors import PREEMPTED_EXIT
 
 # What a rank can be doing, in the order one optimizer step goes through them. The rank furthest behind in this
 # order is the one the others wait for: "backward" and later phases hold collectives, earlier ones do not.
 PHASES = ("data", "forward", "backward", "optimizer", "log", "evaluate", "checkpoint")
+# Phases that may rightly go long without a mark of progress (no block or step boundary inside them).
+LONG_PHASES = ("evaluate", "checkpoint")
 
 
 class StallReporter:
     """Watches this rank's progress; reports a stall once, from the lowest-numbered rank that is waiting."""
 
-    def __init__(self, accelerator: Accelerator, warning_s: float):
+    def __init__(self, accelerator: Accelerator, warning_s: float, grace_s: float = 180.0):
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
-        self.warning_s = warning_s
+        self.warning_s, self.grace_s = warning_s, grace_s
+        # The process that started this one: torch's elastic agent (accelerate launch, torchrun) hosts the store.
+        self._launcher = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
         self.where = (0, "data")
         self.blocks = 0  # sharded blocks entered in this phase
         self._changed = time.monotonic()
@@ -80,6 +92,11 @@ class StallReporter:
         while not self._stop.wait(interval):
             (step, phase), blocks, changed = self.where, self.blocks, self._changed
             stalled_s = time.monotonic() - changed
+            if self._launcher is not None and os.getppid() != self._launcher:
+                self._end_if_stuck(stalled_s)  # and no more store calls: the store went with the launcher
+                continue
+            if self._store is None:
+                continue
             note = {"step": step, "phase": phase, "blocks": blocks, "host": self._host,
                     "since": time.time() - stalled_s}  # fmt: skip
             try:
@@ -89,8 +106,19 @@ class StallReporter:
                 if stalled_s >= self.warning_s and reported != changed:
                     reported = changed
                     self._report(stalled_s)
-            except Exception:  # the store went away: the job is ending, nothing left to watch
-                return
+            except Exception:  # the store went away (the job is ending, or the launcher died): nothing to publish
+                self._store = None
+
+    def _end_if_stuck(self, stalled_s: float) -> None:
+        """The launcher is gone: its SIGTERM's checkpoint needs a step boundary this rank has stopped reaching."""
+        step, phase = self.where
+        if stalled_s < (max(self.warning_s, self.grace_s) if phase in LONG_PHASES else self.warning_s):
+            return
+        inside = f" (sharded block {self.blocks})" if self.blocks else ""
+        warn(f"the launcher (pid {self._launcher}) is gone and rank {self.rank} has made no progress for "
+             f"{stalled_s:.0f} s ({phase} at step {step}{inside}): the job is stalled and nothing else will end it, so "
+             "this process ends now, without a checkpoint; rerun to resume from the last one")  # fmt: skip
+        os._exit(PREEMPTED_EXIT)
 
     def _report(self, stalled_s: float) -> None:
         notes = {}
@@ -145,9 +173,11 @@ class _NoStalls:
         pass
 
 
-def watch_stalls(accelerator: Accelerator, warning_s: float | None) -> StallReporter | _NoStalls:
+def watch_stalls(accelerator: Accelerator, warning_s: float | None,
+                 grace_s: float = 180.0) -> StallReporter | _NoStalls:
     """A StallReporter when there are other ranks to wait for and ``warning_s`` is set; as a context, its thread
-    lives until the context ends."""
+    lives until the context ends. ``grace_s``: how long a long evaluation or save may go on once the launcher is
+    gone."""
     if accelerator.num_processes == 1 or warning_s is None:
         return _NoStalls()
-    return StallReporter(accelerator, warning_s)
+    return StallReporter(accelerator, warning_s, grace_s)

@@ -221,7 +221,7 @@ class Trainer:
         cfg, acc, started = self.config, self.accelerator, time.perf_counter()
         self.preemption = PreemptionWatch(cfg.signal_names, cfg.preemption_grace_s, self.host)
         with peer_loss_in_a_line(), self.telemetry.closing(), self.checkpoints.cleaned_up_on_error(), \
-                watch_stalls(acc, cfg.stall_warning_s) as self.steps.phases.reporter:
+                watch_stalls(acc, cfg.stall_warning_s, cfg.preemption_grace_s) as self.steps.phases.reporter:
             self.steps.begin()
             with progress_bar(self.total_steps, self.state.step, show=acc.is_main_process) as bar, self.preemption:
                 self._train(bar)
