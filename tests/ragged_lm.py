@@ -115,6 +115,16 @@ def pair_loss(model, batch):
     return total, labels.ne(-100).sum()
 
 
+class History:
+    """Every step's weights, whole (collective under FSDP2: every process records)."""
+
+    def __init__(self):
+        self.steps: list[dict[str, list]] = []
+
+    def on_step_end(self, trainer) -> None:
+        self.steps.append(weights(trainer.unwrapped_model))
+
+
 class CrashAfter:
     def __init__(self, step: int):
         self.step = step
@@ -149,8 +159,9 @@ def ours(args) -> dict:
                          eval_every=args.save_every if args.best else None,
                          keep_best=("eval_tail_loss" if args.eval_sets else "eval_loss") if args.best else None,
                          keep_best_mode="max", stall_warning_s=1.0 if args.stall_in_block else 60.0,
+                         ema_decay=args.ema, ema_start_step=args.ema_start,
                          resume=args.resume_from or ("auto" if args.save_every else None))  # fmt: skip
-    seen = Seen()
+    seen, history = Seen(), History()
     floor = reset_peak_memory() if args.peak else None
     model = tiny_gpt2(args.model == "classifier", args.build, args.pretrained, args.width, args.layers, args.arch)
     if args.bf16_model:
@@ -174,7 +185,7 @@ def ours(args) -> dict:
                       eval_data={"head": rows[:10], "tail": rows[10:45]} if args.eval_sets else
                       rows[: args.eval_examples] if args.eval else None,
                       loss_fn=pair_loss if args.loss == "pair" else None,
-                      callbacks=[CrashAfter(args.crash_at)] if args.crash_at else [])  # fmt: skip
+                      callbacks=[CrashAfter(args.crash_at)] if args.crash_at else [history] if args.history else [])
     running["trainer"] = trainer
     initial = weights(trainer.unwrapped_model) if args.initial else None
     result = trainer.evaluate() if args.evaluate_only else trainer.fit()
@@ -196,6 +207,8 @@ def ours(args) -> dict:
         summary["initial"] = initial
         plain = trainer.unwrapped_model  # weights tied before are one weight still (GPT-2's embeddings and head)
         summary["tied"] = plain.get_input_embeddings().weight is getattr(plain.get_output_embeddings(), "weight", 0)
+    if args.history:
+        summary["history"] = history.steps
     if args.eval_sets:  # each set's figures at the last evaluation
         summary["evaluations"] = {key: value for key, value in result.items() if key.startswith("eval_")}
     if args.eval:  # the eval loss over every counted token once, and the same figure computed here directly
@@ -331,6 +344,9 @@ def main() -> None:
     parser.add_argument("--eval", action="store_true", help="evaluate on the training rows after training")
     parser.add_argument("--ddp", action="store_true", help="under an FSDP launch: this job as DDP (the reference)")
     parser.add_argument("--bf16_model", action="store_true", help="build the model in bf16")
+    parser.add_argument("--ema", type=float, default=None, help="ema_decay")
+    parser.add_argument("--ema_start", type=int, default=0, help="ema_start_step")
+    parser.add_argument("--history", action="store_true", help="record every step's weights")
     parser.add_argument("--best", action="store_true", help="keep_best the highest eval loss (the first, as it falls)")
     parser.add_argument("--reduce_every", action="store_true", help="reduce_every_micro_batch: true")
     parser.add_argument("--width", type=int, default=32, help="the model's width (see tiny_gpt2)")

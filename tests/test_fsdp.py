@@ -24,6 +24,7 @@ RESUMED = [*ADAMW, "--save_every", "2", "--epochs", "2", "--keep_last", "6"]
 SHORT = ["--batch_size", "4", "--max_steps", "3", "--optimizer", "adamw", "--lr", "0.01"]
 NANOGPT = ["--batch_size", "4", "--max_steps", "6", "--lr", "0.01", "--warmup", "2", "--weight_decay", "0.1",
            "--nanogpt"]  # fmt: skip
+EMA = ["--ema", "0.5", "--ema_start", "2"]
 BY_SIZE = ["--env", "FSDP_AUTO_WRAP_POLICY=SIZE_BASED_WRAP", "--env", "FSDP_MIN_NUM_PARAMS=1000"]
 VARIANTS = {
     # 45 evaluation rows: 23 and 22 per process, 12 and 11 batches of 2; a sharded model's forwards run in lockstep.
@@ -73,6 +74,13 @@ VARIANTS = {
                                                "{two_sets}/checkpoints/step-00000004"],
     # Rank 1 stuck inside its first block's forward: rank 0 waits in the next block's all-gather, in forward too.
     "fsdp, rank 1 stalled inside a block": [*SHORT, "--stall_in_block", "4"],
+    # An average of the weights (ema_decay 0.5 after step 2), evaluated and exported; resumed from the sharded
+    # checkpoint of step 4 sharded, and as DDP.
+    "fsdp, ema": [*RESUMED, *EMA, "--eval", "--eval_examples", "8"],
+    "ddp, ema": [*RESUMED, *EMA, "--eval", "--eval_examples", "8", "--history", "--ddp"],
+    "fsdp, ema resumed at step 4": [*RESUMED, *EMA, "--resume_from", "{ema}/checkpoints/step-00000004"],
+    "ddp, ema resumed from fsdp's step 4": [*RESUMED, *EMA, "--ddp", "--resume_from",
+                                            "{ema}/checkpoints/step-00000004"],
     "fsdp, cosine down to a floor": ["--batch_size", "4", "--max_steps", "6", "--optimizer", "adamw", "--lr", "0.01",
                                      "--warmup", "2", "--schedule", "cosine_with_min_lr", "--min_lr_ratio", "0.1"],
 }
@@ -88,7 +96,8 @@ def fsdp(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
     keys = {name: f"v{i}" for i, name in enumerate(VARIANTS)}
     folders = {"straight": out / keys["fsdp, straight"], "background": out / keys["fsdp, saved in the background"],
-               "ddp": out / keys["ddp, straight"], "two_sets": out / keys["fsdp, two eval sets"]}  # fmt: skip
+               "ddp": out / keys["ddp, straight"], "two_sets": out / keys["fsdp, two eval sets"],
+               "ema": out / keys["fsdp, ema"]}  # fmt: skip
     variants = {keys[name]: [flag.format(**folders) for flag in flags] for name, flags in VARIANTS.items()}
     result = launch(out, "--variants", json.dumps(variants))
     runs = {name: (json.loads((out / key / "ragged.json").read_text()), out / key) for name, key in keys.items()}
@@ -589,6 +598,35 @@ def test_several_named_eval_sets_each_get_their_figures_and_the_best_of_one_surv
     record = json.loads((folder / last).read_text())["best"]
     assert record["figure"] == "eval_tail_loss" and record["step"] == 2
     assert json.loads((runs["fsdp, two eval sets, resumed at step 4"][1] / last).read_text())["best"] == record
+
+
+def test_an_average_of_the_weights_is_sharded_evaluated_exported_and_resumed_bit_for_bit(fsdp):
+    runs, result = fsdp
+    sharded, ddp = runs["fsdp, ema"][0], runs["ddp, ema"][0]
+    # The average after each step, computed here from the weights the DDP run took at every step: it follows
+    # the weights to step 2, then average += 0.5 * (weights - average).
+    history = [{name: torch.tensor(values) for name, values in step.items()} for step in ddp["history"]]
+    average = dict(history[1])
+    for step in history[2:]:
+        average = {name: torch.lerp(average[name], step[name], 0.5) for name in average}
+    assert ddp["weights"] != ddp["history"][-1], "the model fit() ends with holds the average, not the last step"
+    for name, values in ddp["weights"].items():
+        np.testing.assert_allclose(values, average[name].tolist(), rtol=1e-6, atol=0, err_msg=name)
+    # Sharded like the weights, each process updating its own part: the same average bit for bit.
+    assert sharded["weights"] == ddp["weights"]
+    # Evaluated with the average: the final evaluation equals the loss computed here on the model holding it.
+    assert sharded["eval_loss"] == ddp["eval_loss"] == pytest.approx(sharded["eval_reference"], rel=1e-6)
+    # final/ holds the average; the checkpoint's weights are the last step's (the average is a part of its own).
+    from safetensors.torch import load_file
+
+    exported = load_file(runs["fsdp, ema"][1] / "final" / "model.safetensors")
+    checkpointed = read_sharded_weights(runs["fsdp, ema"][1] / "checkpoints" / "step-00000012")
+    for name, values in ddp["weights"].items():
+        assert exported[name].flatten().tolist() == values, name
+        assert checkpointed[name].flatten().tolist() == ddp["history"][-1][name], name
+    # The checkpoint holds the average (its ema part), so a resume from step 4 (sharded, or as DDP) reaches it.
+    assert runs["fsdp, ema resumed at step 4"][0]["weights"] == sharded["weights"]
+    assert runs["ddp, ema resumed from fsdp's step 4"][0]["weights"] == sharded["weights"]
 
 
 def test_an_export_goes_into_a_folder_of_its_own_and_replaces_one_whole_only_when_told(fsdp, tmp_path):

@@ -95,6 +95,13 @@ class TrainConfig:
     # With keep_best: final/ (the model fit() ends with) holds the best evaluation's weights, not the last step's.
     # None: true when keep_best is set.
     load_best_at_end: Optional[bool] = None
+    # An exponential moving average of the trainable weights (trainer/ema.py): after each optimizer step taken,
+    # average <- average + (1 - ema_decay) * (weights - average); until step ema_start_step it follows the weights.
+    # ema_eval: evaluations use the average; ema_final: final/ (and the model after fit()) holds it.
+    ema_decay: Optional[float] = None
+    ema_start_step: int = 0
+    ema_eval: bool = True
+    ema_final: bool = True
     resume: Optional[str] = None  # None (refuses an output_dir holding checkpoints) | "auto" | a checkpoint path
     nan_policy: str = "raise"  # non-finite loss: "raise" (stop, naming step and rank) | "skip" (drop that step)
     collective_timeout_s: float = 1800.0  # a collective still waiting after this long ends the job
@@ -164,7 +171,7 @@ class TrainConfig:
             "epochs": 1, "batch_size": 1, "gradient_accumulation_steps": 1, "warmup_steps": 0,
             "num_workers": 0, "log_every": 1, "keep_last": 1, "max_steps": 1, "eval_every": 1, "save_every": 1,
             "lr": 0.0, "weight_decay": 0.0, "eps": 0.0, "collective_timeout_s": 1.0, "stall_warning_s": 0.1,
-            "preemption_grace_s": 1.0,
+            "preemption_grace_s": 1.0, "ema_start_step": 0,
         }  # fmt: skip
         for key, low in at_least.items():
             value = getattr(self, key)
@@ -182,6 +189,9 @@ class TrainConfig:
         if self.min_lr_ratio is not None and (self.lr_scheduler not in floors or not 0 <= self.min_lr_ratio <= 1):
             raise ConfigError(f"min_lr_ratio {self.min_lr_ratio!r} is a fraction of lr in [0, 1] that "
                               f"{', '.join(floors)} end at; lr_scheduler is {self.lr_scheduler!r}")  # fmt: skip
+        if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
+            raise ConfigError(f"ema_decay must be in (0, 1), say 0.999 (or null for no average); got "
+                              f"{self.ema_decay!r}")  # fmt: skip
         _check_choice("nan_policy", self.nan_policy, NAN_POLICIES)
         _check_choice("keep_best_mode", self.keep_best_mode, ("min", "max"))
         if self.resume == "":

@@ -92,7 +92,7 @@ class ModelState:
 
         if written_as == FULLY_SHARDED:  # DCP reads each process's part now, whatever the processes that wrote it
             state = self._dcp_state()
-            _read_shards(state, folder)
+            read_shards(state, folder)
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optimizer"])  # fmt: skip
         else:  # whole tensors into a sharded model: each process keeps its part
@@ -113,7 +113,7 @@ class ModelState:
 
         if written_as == FULLY_SHARDED:
             state = {"model": get_model_state_dict(self.model)}
-            _read_shards(state, folder)
+            read_shards(state, folder)
             set_model_state_dict(self.model, state["model"])
         else:
             from safetensors.torch import load_file
@@ -207,7 +207,7 @@ def tied_weights(model: torch.nn.Module) -> list[list[str]]:
     return [group for group in names.values() if len(group) > 1]
 
 
-def _read_shards(state: dict[str, Any], folder: Path) -> None:
+def read_shards(state: dict[str, Any], folder: Path) -> None:
     """Fill ``state`` from ``folder/shards`` (collective), reading nothing that could run code."""
     import torch.distributed.checkpoint as dcp
 

@@ -140,6 +140,7 @@ class StepRunner:
                     module.register_forward_pre_hook(lambda *_: self.phases.reporter.entered(), prepend=True)
         self.lr: Any = None
         self.grad_norm: Optional[torch.Tensor] = None
+        self.average: Any = None  # an EMA of the weights (trainer.ema), updated after each step taken
 
     def begin(self) -> None:
         """Before ``fit()``'s first step: the model in training mode, its buffers kept (nan_policy skip)."""
@@ -170,6 +171,8 @@ class StepRunner:
                 self.lr = lr.clone() if torch.is_tensor(lr) else lr  # capturable optimizers) it moves in place
                 if self.schedule_moves and not self.stepper.step_was_skipped:
                     self.scheduler.step()  # fp16 overflow skips the step, so the schedule waits too
+                if self.average is not None and not self.stepper.step_was_skipped:
+                    self.average.update(step)
         self.stepper.zero_grad()
         self.window.steps += 1
         phases(step, "data")

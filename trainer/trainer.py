@@ -13,6 +13,7 @@ with state) and the callbacks.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from pathlib import Path
@@ -30,6 +31,7 @@ from trainer.checkpointer import Checkpointer
 from trainer.config import TrainConfig
 from trainer.console import banner, progress_bar, say
 from trainer.data import batches_per_epoch, data_loader, examples_per_process, start_epoch
+from trainer.ema import WeightAverage
 from trainer.errors import DataError, peer_loss_in_a_line
 from trainer.evaluation import Evaluator, MetricsFn, PredictFn, named_sets
 from trainer.losses import LossFn, model_loss
@@ -101,12 +103,14 @@ class Trainer:
         self.model, self.optimizer, self.train_loader, self.lr_scheduler = self.parallel.prepare(
             model, optimizer, train_loader, lr_scheduler)  # fmt: skip
         self.eval_loaders = {name: acc.prepare(part) for name, part in eval_loaders.items()}  # '': the one set
+        self.ema = WeightAverage.for_config(config, self.unwrapped_model)  # None without ema_decay
         self.host = host_group(acc.num_processes, config.collective_timeout_s)  # agreements off the device
         self.stream = self.train_loader.dataset if isinstance(self.train_loader.dataset, StreamShard) else None
         self.telemetry = Telemetry(acc, self.parallel.dp.size)
         self.steps = StepRunner(self.model, self.optimizer, self.lr_scheduler, self.loss_fn, self.parallel,
                                 self.telemetry.window, config, self.optimization, self.host if self.stream else None)
         self.weighing, self.nonfinite, self.autocast = self.steps.weighing, self.steps.nonfinite, self.steps.autocast
+        self.steps.average = self.ema
         self.evaluator = Evaluator(self.unwrapped_model, self.loss_fn, metrics_fn, acc, self.parallel.dp, self.autocast,
                                    self.weighing.count, self.parallel.lockstep, self.host,
                                    functools.partial(loader, model=self.unwrapped_model, evaluation=True))  # fmt: skip
@@ -119,6 +123,8 @@ class Trainer:
         self.checkpoints = Checkpointer.for_run(config, acc, setup, self.parallel.model_state(self.model, optimizer),
                                                 self.lr_scheduler, self.state, self.keep_best, self.callbacks,
                                                 self.stream, self.host)  # fmt: skip
+        if self.ema is not None:
+            self.checkpoints.register("ema", self.ema)
         self.state.run_id, self.cannot_train_on = new_run_id(acc), None  # cannot_train_on: a loaded checkpoint's
         if (point := self.checkpoints.resume_point(lambda: find_resume_point(config))) is not None:
             self.load_checkpoint(point, verified=True)
@@ -140,7 +146,8 @@ class Trainer:
         process count (``trainer.evaluation``); for named sets (``eval_data={"val": ..., "test": ...}``)
         ``eval_val_loss``, ``eval_test_loss``, ... ``data``: other data than ``eval_data`` (a set or a dict)."""
         loaders = self.eval_loaders if data is None else self.evaluator.loaders(data)
-        step, metrics = self.state.step, self.evaluator.evaluate(loaders, self.state.step)
+        with self.ema.swapped_in() if self.ema and self.config.ema_eval else contextlib.nullcontext():
+            step, metrics = self.state.step, self.evaluator.evaluate(loaders, self.state.step)
         self.last_eval = (step, metrics)
         self.telemetry.log_evaluation(metrics, step)
         self.nonfinite.check_evaluation(metrics, step, str(self.last_checkpoint or ""))
@@ -298,12 +305,19 @@ class Trainer:
             result.update(self.last_eval[1] if evaluated_now else self.evaluate())
         best = self.best_checkpoint if self.keep_best.loads_at(self.state.step) else None
         damage = self.checkpoints.damage(best) if best is not None else None  # its contents read once, here
-        load = lambda path: self.model_state.load_weights(  # noqa: E731
-            path, self.checkpoints.read(path, verified=True)["sharding"])
-        self.keep_best.load_best(best, self.state.step, load, say, damage)  # final/: the best's weights
+        self.keep_best.load_best(best, self.state.step, self._load_weights, say, damage)  # final/: the best's
+        if self.ema is not None and self.config.ema_final:
+            self.ema.copy_to_model()  # final/ and the model from here on: the average
         self.save_model()
         hooks.call(self.callbacks, "on_train_end", self, result=result)
         return result
+
+    def _load_weights(self, path: Path) -> None:
+        """The weights (and their average) of checkpoint ``path``: the best evaluation's, at the end of fit()."""
+        state = self.checkpoints.read(path, verified=True)
+        self.model_state.load_weights(path, state["sharding"])
+        if self.ema is not None:
+            self.ema.load(path, state)
 
     def describe(self) -> str:
         """What ``fit()`` is about to do, as it says at its start: the launch, the global batch, steps, optimizer."""
