@@ -28,7 +28,7 @@ import torch
 from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from trainer import TrainConfig, Trainer  # noqa: E402
+from trainer import ConfigError, TrainConfig, Trainer  # noqa: E402
 
 SEQ, VOCAB = 32, 64
 
@@ -181,7 +181,8 @@ def ours(args) -> dict:
         model.transformer.h[0].register_forward_pre_hook(stuck)
     own_split = split_mlps if args.parallelize_fn else None
     factories = nanogpt_factories(args.lr, args.warmup, args.max_steps) if args.nanogpt else {}
-    trainer = Trainer(model, config, train_data=data, collate_fn=seen, parallelize_fn=own_split, **factories,
+    trainer = Trainer(model, config, train_data=None if args.evaluate_only else data, collate_fn=seen,
+                      parallelize_fn=own_split, **factories,
                       eval_data={"head": rows[:10], "tail": rows[10:45]} if args.eval_sets else
                       rows[: args.eval_examples] if args.eval else None,
                       loss_fn=pair_loss if args.loss == "pair" else None,
@@ -189,6 +190,12 @@ def ours(args) -> dict:
     running["trainer"] = trainer
     initial = weights(trainer.unwrapped_model) if args.initial else None
     result = trainer.evaluate() if args.evaluate_only else trainer.fit()
+    refused = None
+    if args.evaluate_only:  # a Trainer without train_data refuses to train
+        try:
+            trainer.fit()
+        except ConfigError as err:
+            refused = str(err)
     peak = peak_memory() if args.peak else None  # before the summary gathers whole weights
     from accelerate.utils import gather_object
 
@@ -209,6 +216,8 @@ def ours(args) -> dict:
         summary["tied"] = plain.get_input_embeddings().weight is getattr(plain.get_output_embeddings(), "weight", 0)
     if args.history:
         summary["history"] = history.steps
+    if args.evaluate_only:
+        summary["fit_refused"] = refused
     if args.eval_sets:  # each set's figures at the last evaluation
         summary["evaluations"] = {key: value for key, value in result.items() if key.startswith("eval_")}
     if args.eval:  # the eval loss over every counted token once, and the same figure computed here directly

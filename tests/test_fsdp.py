@@ -331,7 +331,7 @@ def test_a_checkpoint_of_2_processes_continues_on_1_or_4_with_the_same_global_ba
            "ddp": [*common, "--batch_size", "2", "--accumulation", "4", "--resume_from", str(start["ddp"]), "--ddp"],
            # The DDP checkpoint continued sharded, on 1 process: another format and another split at once.
            "fsdp from ddp": [*common, "--batch_size", "2", "--accumulation", "4", "--resume_from", str(start["ddp"])],
-           # Another global batch (1 x 3): fit() would refuse it, but the weights serve an evaluation.
+           # A Trainer without train_data (and another global batch, 1 x 3): the weights serve an evaluation.
            "evaluate": ["--optimizer", "adamw", "--batch_size", "3", "--resume_from", str(start["fsdp"]), "--eval",
                         "--evaluate_only"],
            # A model built on meta starts from the same weights on 1 process as on 2.
@@ -348,6 +348,7 @@ def test_a_checkpoint_of_2_processes_continues_on_1_or_4_with_the_same_global_ba
     assert evaluated["weights"] == {name: tensor.flatten().tolist() for name, tensor in
                                     read_sharded_weights(start["fsdp"]).items() if name in evaluated["weights"]}
     assert evaluated["eval_loss"] == pytest.approx(evaluated["eval_reference"], rel=1e-6)
+    assert evaluated["fit_refused"].startswith("fit(): this Trainer was built with train_data=None")
     on_one = json.loads((tmp_path / "one" / "meta" / "ragged.json").read_text())
     assert on_one["initial"] == runs["fsdp, built on meta"][0]["initial"]
     result = launch(tmp_path / "four", *common, "--batch_size", "1", "--accumulation", "2", "--resume_from",

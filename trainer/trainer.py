@@ -32,7 +32,7 @@ from trainer.config import TrainConfig
 from trainer.console import banner, progress_bar, say
 from trainer.data import batches_per_epoch, data_loader, examples_per_process, start_epoch
 from trainer.ema import WeightAverage
-from trainer.errors import DataError, peer_loss_in_a_line
+from trainer.errors import ConfigError, DataError, peer_loss_in_a_line
 from trainer.evaluation import Evaluator, MetricsFn, PredictFn, named_sets
 from trainer.losses import LossFn, model_loss
 from trainer.parallel import Parallelism
@@ -55,6 +55,7 @@ class Trainer:
         config: a :class:`TrainConfig`; ``batch_size`` is per process.
         train_data: a map-style Dataset (each process its share, as DistributedSampler deals it), a stream (an
             IterableDataset, with ``max_steps``: ``trainer.streams``) or a DataLoader used as is (``trainer.data``).
+            None: a Trainer for :meth:`evaluate` and :meth:`predict` alone (of a checkpoint: ``resume``).
         eval_data: optional Dataset, IterableDataset or DataLoader for :meth:`evaluate`, each example counted once;
             or a dict of them by name, each evaluated apart (``eval_<name>_loss``, ...).
         loss_fn: ``loss_fn(model, batch) -> scalar tensor`` (a mean), or ``-> (loss_sum, count)`` to weigh every
@@ -79,7 +80,7 @@ class Trainer:
             splits a model that has no tensor-parallel plan of its own (``trainer.tensor_parallel``).
     """
 
-    def __init__(self, model: torch.nn.Module, config: TrainConfig, train_data: Dataset | DataLoader,
+    def __init__(self, model: torch.nn.Module, config: TrainConfig, train_data: Optional[Dataset | DataLoader],
                  eval_data: Optional[Dataset | DataLoader] = None, loss_fn: Optional[LossFn] = None,
                  metrics_fn: Optional[MetricsFn] = None, optimizer: Optional[torch.optim.Optimizer] = None,
                  lr_scheduler: Optional[Any] = None, collate_fn: Optional[Callable] = None,
@@ -92,11 +93,11 @@ class Trainer:
         self.loss_fn = loss_fn or model_loss
         loader = functools.partial(data_loader, config=config, accelerator=acc, dp=self.parallel.dp,
                                    collate_fn=collate_fn)  # fmt: skip
-        train_loader = loader(train_data, model, "train_data")
+        train_loader = None if train_data is None else loader(train_data, model, "train_data")  # None: no fit()
         eval_loaders = {name: loader(part, model, f"eval_data[{name!r}]" if name else "eval_data", evaluation=True)
                         for name, part in named_sets(eval_data).items()}  # fmt: skip
-        self.state = TrainState(batches_per_epoch(train_loader), config.gradient_accumulation_steps)
-        self.total_steps = config.max_steps or config.epochs * self.state.steps_per_epoch
+        self.state = TrainState(train_loader and batches_per_epoch(train_loader), config.gradient_accumulation_steps)
+        self.total_steps = config.max_steps or config.epochs * (self.state.steps_per_epoch or 0)
         model = self.parallel.apply(model, optim.prebuilt(optimizer, lr_scheduler), parallelize_fn)
         optimizer, lr_scheduler, self.optimization = optim.build(model, config, optimizer, lr_scheduler,
                                                                  self.total_steps)  # fmt: skip
@@ -105,7 +106,8 @@ class Trainer:
         self.eval_loaders = {name: acc.prepare(part) for name, part in eval_loaders.items()}  # '': the one set
         self.ema = WeightAverage.for_config(config, self.unwrapped_model)  # None without ema_decay
         self.host = host_group(acc.num_processes, config.collective_timeout_s)  # agreements off the device
-        self.stream = self.train_loader.dataset if isinstance(self.train_loader.dataset, StreamShard) else None
+        self.stream = getattr(self.train_loader, "dataset", None)
+        self.stream = self.stream if isinstance(self.stream, StreamShard) else None
         self.telemetry = Telemetry(acc, self.parallel.dp.size)
         self.steps = StepRunner(self.model, self.optimizer, self.lr_scheduler, self.loss_fn, self.parallel,
                                 self.telemetry.window, config, self.optimization, self.host if self.stream else None)
@@ -217,6 +219,9 @@ class Trainer:
         ``skipped_steps``, ``stopped`` (None, or why it stopped early) and, with eval data, ``evaluate()``'s figures.
         A preemption signal on any rank stops every rank after the same step, with a checkpoint, raising
         :class:`trainer.Preempted` (exit status 75): run it again with ``resume="auto"`` to continue."""
+        if self.train_loader is None:
+            raise ConfigError("fit(): this Trainer was built with train_data=None, for evaluate() and predict() "
+                              "alone: pass train_data to train")  # fmt: skip
         if self.cannot_train_on is not None:
             raise self.cannot_train_on  # the checkpoint's global batch or settings differ (trainer.resume_policy)
         say(self.describe())
