@@ -153,14 +153,19 @@ def test_preflight_inside_a_two_node_launch_checks_the_shared_output_dir(tmp_pat
 
 def test_preflight_names_a_config_it_cannot_read_or_the_launch_would_refuse(tmp_path):
     """Read alone: an empty file, invalid YAML, an unknown distributed_type, no processes, and what the trainer
-    refuses at once (CPU offload, fp16 with FSDP2) are PROBLEM lines, not tracebacks or 'no problems found'."""
+    refuses at once (CPU offload, fp16 with FSDP2, DeepSpeed, Megatron-LM, fp8) are PROBLEM lines, not tracebacks or
+    'no problems found'."""
     from trainer.check import describe_config
 
     fsdp = (CONFIGS / "fsdp.yaml").read_text()
     files = {"empty": "", "invalid": "a: [\n", "typo": "distributed_type: FSPD\nnum_processes: 2\n",
              "none": fsdp.replace("num_processes: 2", "num_processes: 0"),
              "refused": fsdp.replace("fsdp_offload_params: false", "fsdp_offload_params: true").replace(
-                 "mixed_precision: 'no'", "mixed_precision: fp16")}  # fmt: skip
+                 "mixed_precision: 'no'", "mixed_precision: fp16"),
+             # Answers of `accelerate config` the trainer does not run: what the launch says, said first.
+             "deepspeed": "distributed_type: DEEPSPEED\nnum_processes: 2\ndeepspeed_config:\n  zero_stage: 3\n",
+             "megatron": "distributed_type: MEGATRON_LM\nnum_processes: 2\n",
+             "fp8": "distributed_type: MULTI_GPU\nnum_processes: 2\nmixed_precision: fp8\n"}  # fmt: skip
     problems = {}
     for name, text in files.items():
         (tmp_path / f"{name}.yaml").write_text(text)
@@ -173,6 +178,9 @@ def test_preflight_names_a_config_it_cannot_read_or_the_launch_would_refuse(tmp_
     assert [p.split(":")[0] for p in problems["refused"]] == ["the accelerate config sets fsdp_offload_params",
                                                               "mixed precision fp16 with FSDP2 is not supported (its "
                                                               "loss scaler would have to see sharded gradients)"]
+    from trainer.unsupported import DEEPSPEED, FP8, MEGATRON
+
+    assert (problems["deepspeed"], problems["megatron"], problems["fp8"]) == ([DEEPSPEED], [MEGATRON], [FP8])
 
 
 def test_preflight_asks_wandb_only_of_a_job_that_uses_it(tmp_path):

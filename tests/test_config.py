@@ -100,3 +100,15 @@ def test_wandb_project_is_a_name_or_null():
 def test_the_constructor_suggests_the_closest_field_as_the_yaml_path_does():
     with pytest.raises(ConfigError, match="TrainConfig: unknown key 'batchsize'. Did you mean: batch_size"):
         TrainConfig(batchsize=3)
+
+
+@pytest.mark.parametrize("key,file", [("mixed_precision", "bf16.yaml or fp16.yaml"), ("bf16", "bf16.yaml"),
+                                      ("fp16", "fp16.yaml"), ("fsdp", "fsdp.yaml"), ("deepspeed", "fsdp.yaml")])
+def test_a_setting_of_the_accelerate_config_names_the_file_that_sets_it(key, file, tmp_path):
+    """transformers' TrainingArguments take these; here the accelerate config at launch does, for every process."""
+    with pytest.raises(ConfigError, match=f"'{key}' is not a TrainConfig key: the accelerate config chosen at "
+                                          f"launch sets it.*accelerate_configs/{file}"):
+        TrainConfig(**{key: True})
+    (tmp_path / "run.yaml").write_text(f"{key}: true\n")
+    with pytest.raises(ConfigError, match=f"run.yaml: '{key}' is not a TrainConfig key"):
+        TrainConfig.from_yaml(tmp_path / "run.yaml")

@@ -15,7 +15,7 @@ import torch
 
 from trainer.export import read_sharded_weights
 
-from conftest import ROOT, accelerate_launch, clean_env, run
+from conftest import ROOT, accelerate_launch, clean_env, free_port, run
 
 pytestmark = pytest.mark.xdist_group("fsdp")  # one worker runs the module: its launch of every job runs once
 RAGGED = ROOT / "tests" / "ragged_lm.py"
@@ -374,6 +374,36 @@ def test_an_fsdp_version_1_config_is_refused_in_one_line(tmp_path):
         "with `accelerate to-fsdp2 --config_file <yours> --output_file <new>` (or set fsdp_version: 2 under "
         "fsdp_config)"
     ]
+
+
+def test_launches_the_trainer_does_not_run_are_refused_in_one_line_and_a_blank_block_class_is_unset(tmp_path):
+    """What accelerate launch sets in each process for DeepSpeed, Megatron-LM and fp8: one line each, in one
+    process; and FSDP2 with fsdp_transformer_layer_cls_to_wrap: '' (`accelerate config` answered with Enter)
+    shards as if no class were named."""
+    script = f"""
+import os, torch, trainer as t
+cases = {{"deepspeed": {{"ACCELERATE_USE_DEEPSPEED": "true"}}, "megatron": {{"ACCELERATE_USE_MEGATRON_LM": "true"}},
+         "fp8": {{"ACCELERATE_MIXED_PRECISION": "fp8"}},
+         "blank": {{"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2",
+                   "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP", "FSDP_TRANSFORMER_CLS_TO_WRAP": ""}}}}
+for name, env in cases.items():
+    os.environ.update(env)
+    try:
+        t.Trainer(torch.nn.Linear(1, 1), t.TrainConfig(output_dir=r"{tmp_path}/" + name), [[1.0]])
+        print(name, "BUILT")
+    except t.ConfigError as err:
+        print(name, "REFUSED", err)
+    for key in env:
+        os.environ.pop(key, None)
+"""
+    one = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}  # fmt: skip
+    out = run([sys.executable, "-c", script], env=clean_env(**one)).stdout
+    from trainer.unsupported import DEEPSPEED, FP8, MEGATRON
+
+    for name, message in (("deepspeed", DEEPSPEED), ("megatron", MEGATRON), ("fp8", FP8)):
+        assert f"{name} REFUSED {message}" in out, out
+    assert "blank BUILT" in out and "names no block class" in out, out
 
 
 def test_save_async_without_sharding_is_refused_in_one_line(tmp_path):

@@ -34,6 +34,7 @@ from trainer.materialize import built_on_meta, fill, initialise, region, to_upca
 from trainer.mesh import TP, data_mesh, data_parallel_group, requested_layout
 from trainer.model_state import ModelState
 from trainer.tensor_parallel import ParallelizeFn, tensor_parallel
+from trainer.unsupported import blank_block_class_unset, refusal_of_the_launch
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,9 @@ class Parallelism:
     honour before anything is built."""
 
     def __init__(self, config: TrainConfig):
+        if (refused := refusal_of_the_launch()) is not None:  # DeepSpeed, Megatron-LM, fp8: said, not run as DDP
+            raise ConfigError(refused)
+        blank_block_class_unset()
         self.plugin = requested_plugin(config)  # an FSDP accelerate config, or None: DDP
         self.accelerator = acc = build_accelerator(config)
         self.layout = requested_layout(acc.num_processes, self.plugin is not None)  # a refused mesh stops here

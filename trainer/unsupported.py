@@ -1,0 +1,48 @@
+"""Answers of ``accelerate config`` that this trainer does not run, each refused by name with what to use instead:
+at the launch (what ``accelerate launch`` put in each process's environment) and by ``python -m trainer.check``
+(what the file says), in the same words. Left alone, each would run as something else without a word (DeepSpeed
+as plain DDP) or fail deep inside accelerate.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+DEEPSPEED = ("the accelerate config asks for DeepSpeed (distributed_type: DEEPSPEED), which this trainer does not "
+             "run: shard the model with FSDP2 instead (accelerate_configs/fsdp.yaml: DeepSpeed ZeRO-3's full "
+             "sharding), or train with DDP (accelerate_configs/multi_gpu.yaml)")  # fmt: skip
+MEGATRON = ("the accelerate config asks for Megatron-LM (distributed_type: MEGATRON_LM), which this trainer does not "
+            "run: for tensor parallelism set tp_size in a parallelism_config under FSDP2 (accelerate_configs/"
+            "hsdp.yaml shows the section)")  # fmt: skip
+FP8 = ("the accelerate config asks for mixed_precision: fp8, which this trainer does not run yet: use bf16 "
+       "(accelerate_configs/bf16.yaml; no loss scaler, any GPU since Ampere)")  # fmt: skip
+XLA = "the accelerate config asks for XLA (TPU), which this trainer does not run: it runs on CUDA GPUs and CPUs"
+
+# What the launcher writes into each process's environment for each answer (accelerate.utils.launch).
+_LAUNCHED = {"ACCELERATE_USE_DEEPSPEED": DEEPSPEED, "ACCELERATE_USE_MEGATRON_LM": MEGATRON}
+
+
+def refusal_of_the_launch() -> Optional[str]:
+    """Why this process's launch cannot run, from what ``accelerate launch`` set, or None."""
+    for variable, message in _LAUNCHED.items():
+        if os.environ.get(variable, "false").lower() == "true":
+            return message
+    if os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower() == "fp8":
+        return FP8
+    return None
+
+
+def refusal_of_the_file(distributed_type: str, mixed_precision: str) -> Optional[str]:
+    """The same, from an accelerate config file's ``distributed_type`` and ``mixed_precision``."""
+    by_type = {"DEEPSPEED": DEEPSPEED, "MEGATRON_LM": MEGATRON, "XLA": XLA}
+    if distributed_type in by_type:
+        return by_type[distributed_type]
+    return FP8 if str(mixed_precision).lower() == "fp8" else None
+
+
+def blank_block_class_unset() -> None:
+    """``accelerate config`` answered with Enter writes ``fsdp_transformer_layer_cls_to_wrap: ''``: no class named,
+    as if unset (the model's own ``_no_split_modules`` then), not a class called ''."""
+    if os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP", "unset").strip(" ,") == "":
+        del os.environ["FSDP_TRANSFORMER_CLS_TO_WRAP"]
