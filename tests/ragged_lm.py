@@ -29,6 +29,7 @@ from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadMo
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from trainer import ConfigError, TrainConfig, Trainer  # noqa: E402
+from trainer.errors import Refusal  # noqa: E402
 
 SEQ, VOCAB = 32, 64
 
@@ -115,6 +116,36 @@ def pair_loss(model, batch):
     return total, labels.ne(-100).sum()
 
 
+def inject_out_of_memory(model: torch.nn.Module, args, running: dict) -> list:
+    """torch.OutOfMemoryError in training forwards (or backwards) of micro-batches above ``args.oom_above`` examples,
+    on rank ``args.oom_rank`` (-1: every rank), as a GPU's allocator raises it; returns the list it notes each in."""
+    raised = []
+
+    def too_large(inputs: dict) -> bool:
+        rank = running["trainer"].accelerator.process_index if "trainer" in running else 0
+        ids = inputs.get("input_ids")
+        return (model.training and ids is not None and ids.shape[0] > args.oom_above
+                and args.oom_rank in (-1, rank))  # fmt: skip
+
+    def in_forward(module, positional, inputs):
+        if args.oom_in == "forward" and too_large(inputs):
+            raised.append("forward")
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+    def in_backward(module, positional, inputs, output):
+        if args.oom_in == "backward" and too_large(inputs):
+
+            def fail(grad):
+                raised.append("backward")
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+            output.logits.register_hook(fail)
+
+    model.register_forward_pre_hook(in_forward, with_kwargs=True)
+    model.register_forward_hook(in_backward, with_kwargs=True)
+    return raised
+
+
 class History:
     """Every step's weights, whole (collective under FSDP2: every process records)."""
 
@@ -159,7 +190,7 @@ def ours(args) -> dict:
                          eval_every=args.save_every if args.best else None,
                          keep_best=("eval_tail_loss" if args.eval_sets else "eval_loss") if args.best else None,
                          keep_best_mode="max", stall_warning_s=1.0 if args.stall_in_block else 60.0,
-                         ema_decay=args.ema, ema_start_step=args.ema_start,
+                         ema_decay=args.ema, ema_start_step=args.ema_start, auto_microbatch=args.auto_microbatch,
                          resume=args.resume_from or ("auto" if args.save_every else None))  # fmt: skip
     seen, history = Seen(), History()
     floor = reset_peak_memory() if args.peak else None
@@ -170,6 +201,7 @@ def ours(args) -> dict:
     first = next(m for m in model.modules() if type(m).__name__ in ("Conv1D", "Linear"))
     first.register_forward_pre_hook(lambda module, inputs: computed.add(str(module.weight.dtype)))
     running = {}  # the Trainer, once built
+    ooms = inject_out_of_memory(model, args, running) if args.oom_above is not None else []
     if args.stall_in_block:  # rank 1 stuck inside the first block's forward at step 2, as a hung kernel would be
 
         def stuck(module, inputs):
@@ -216,6 +248,8 @@ def ours(args) -> dict:
         summary["tied"] = plain.get_input_embeddings().weight is getattr(plain.get_output_embeddings(), "weight", 0)
     if args.history:
         summary["history"] = history.steps
+    if args.auto_microbatch:
+        summary["ooms"], summary["pieces"] = len(ooms), trainer.steps.split.pieces
     if args.evaluate_only:
         summary["fit_refused"] = refused
     if args.eval_sets:  # each set's figures at the last evaluation
@@ -353,6 +387,11 @@ def main() -> None:
     parser.add_argument("--eval", action="store_true", help="evaluate on the training rows after training")
     parser.add_argument("--ddp", action="store_true", help="under an FSDP launch: this job as DDP (the reference)")
     parser.add_argument("--bf16_model", action="store_true", help="build the model in bf16")
+    parser.add_argument("--expect_refusal", action="store_true", help="a refusal is this job's result")
+    parser.add_argument("--auto_microbatch", action="store_true")
+    parser.add_argument("--oom_above", type=int, default=None, help="out of memory above this many examples")
+    parser.add_argument("--oom_rank", type=int, default=-1, help="on this rank (-1: every rank)")
+    parser.add_argument("--oom_in", choices=["forward", "backward"], default="forward")
     parser.add_argument("--ema", type=float, default=None, help="ema_decay")
     parser.add_argument("--ema_start", type=int, default=0, help="ema_start_step")
     parser.add_argument("--history", action="store_true", help="record every step's weights")
@@ -385,7 +424,12 @@ def main() -> None:
             from trainer import distributed_state
 
             distributed_state()
-        summary = ours(job) if job.trainer == "ours" else hf(job)
+        try:
+            summary = ours(job) if job.trainer == "ours" else hf(job)
+        except Refusal as err:  # said the same way on every rank: the launch goes on to the next job
+            if not job.expect_refusal:
+                raise
+            summary = {"refused": str(err)}
         os.environ.clear()
         os.environ.update(saved)
         if int(os.environ.get("RANK", "0")) == 0:

@@ -1,8 +1,9 @@
 """On a host with a GPU (skipped without CUDA): the launch paths a GPU user takes, for real.
 
 bf16 and fp16 on the GPU, a crash and resume ending bit-identical on one GPU, pinned memory and fused AdamW in
-use, the fp32 output copy gone under mixed precision, ``compile``, the banner, cpu.yaml staying on the CPU, and
-more processes than GPUs refused with one message. Run: ``python -m pytest -q tests/test_gpu.py``.
+use, the fp32 output copy gone under mixed precision, ``compile``, the banner, cpu.yaml staying on the CPU, more
+processes than GPUs refused with one message, and a real out-of-memory met by ``auto_microbatch``. Run:
+``python -m pytest -q tests/test_gpu.py``.
 """
 
 from __future__ import annotations
@@ -10,13 +11,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 
 import pytest
 import torch
 from test_checkpoint import assert_bit_identical, final_weights, result_line
 from test_gpt2 import load_example
 
-from conftest import ROOT, SCENARIOS, accelerate_launch, clean_env, torchrun
+from conftest import ROOT, SCENARIOS, accelerate_launch, clean_env, run, torchrun
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -155,3 +157,41 @@ def test_hsdp_and_tensor_parallelism_over_nccl_equal_ddp_on_four_gpus(tmp_path):
     for one, other in (("hsdp", "fsdp"), ("hsdp", "ddp"), ("tp x fsdp", "ddp, llama")):
         assert largest_difference(runs[one], runs[other]) < 1e-5, (one, other)
         assert runs[one]["eval_loss"] == pytest.approx(runs[other]["eval_loss"], rel=1e-5)
+
+
+HUNGRY = """
+import json, sys, torch, trainer as t
+total = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0
+torch.manual_seed(0)
+x = torch.randn(32, 4)
+rows = [{"x": x[i], "y": x[i, :1] * 2} for i in range(32)]
+weights = {}
+for name, hungry in (("plain", False), ("hungry", True)):
+    def loss_fn(model, batch, hungry=hungry):
+        if hungry and model.training:  # 0.3 of the GPU's memory an example: 4 do not fit, 2 do
+            if total:
+                held = torch.empty(int(batch["x"].shape[0] * total * 0.3), dtype=torch.uint8, device=batch["x"].device)
+                del held
+            elif batch["x"].shape[0] > 2:  # (no GPU: as the allocator would)
+                raise torch.OutOfMemoryError("CUDA out of memory")
+        return ((model(batch["x"]) - batch["y"]) ** 2).mean()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    config = t.TrainConfig(output_dir=sys.argv[1] + "/" + name, batch_size=4, max_steps=4, lr=0.1, shuffle=False,
+                           auto_microbatch=True, log_every=1)
+    trainer = t.Trainer(model, config, train_data=rows, loss_fn=loss_fn)
+    trainer.fit()
+    weights[name] = [p.detach().cpu().flatten().tolist() for p in trainer.unwrapped_model.parameters()]
+    pieces = trainer.steps.split.pieces
+print(json.dumps({"weights": weights, "pieces": pieces}))
+"""
+
+
+def test_a_real_out_of_memory_on_the_gpu_cuts_the_micro_batch_with_the_same_updates(tmp_path):
+    """auto_microbatch against the GPU's own allocator: 4 examples ask 1.2 x the GPU's memory, 2 fit."""
+    result = run([sys.executable, "-c", HUNGRY, str(tmp_path)], env=gpu_env())
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert "out of memory at step 1 (rank 0 in forward) with micro-batches of 4 example(s)" in result.stdout
+    assert summary["pieces"] == 2
+    for plain, hungry in zip(summary["weights"]["plain"], summary["weights"]["hungry"], strict=True):
+        assert hungry == pytest.approx(plain, abs=1e-6)

@@ -4,7 +4,8 @@ Each micro-batch's loss is weighed as its share of the global batch's mean (``tr
 backward reduces the gradients across processes (``Parallelism.gradient_sync``), and the window's gradients are
 clipped, stepped and zeroed. What watches the step wraps its phases (:class:`Phases`: where each rank is, for the
 stall reporter, and the forward pass's time, for the log window); the NaN guard decides whether the update is taken
-(``nan_policy: skip``).
+(``nan_policy: skip``). With ``auto_microbatch``, the micro-batches are cut in pieces and the window runs again
+after an out-of-memory on any rank (``trainer.microbatch``).
 
 The calls into accelerate's prepared optimizer go around what they cost when it buys nothing (measured):
 ``optimizer.step()`` without a grad scaler only forwards the call, after asking importlib twice whether the LOMO
@@ -27,6 +28,7 @@ from trainer.agreement import StreamAgreement
 from trainer.config import TrainConfig
 from trainer.gradients import clip_, total_norm
 from trainer.log_window import LogWindow
+from trainer.microbatch import cut
 from trainer.nonfinite import NonFiniteGuard
 from trainer.optim import Optimization
 from trainer.parallel import Parallelism, unused_parameters
@@ -141,6 +143,7 @@ class StepRunner:
         self.lr: Any = None
         self.grad_norm: Optional[torch.Tensor] = None
         self.average: Any = None  # an EMA of the weights (trainer.ema), updated after each step taken
+        self.split: Any = None  # auto_microbatch: how the micro-batches are cut (trainer.microbatch)
 
     def begin(self) -> None:
         """Before ``fit()``'s first step: the model in training mode, its buffers kept (nan_policy skip)."""
@@ -154,14 +157,11 @@ class StepRunner:
 
     def run(self, window: StepBatches, step: int, measure_norm: bool) -> None:
         """Optimizer step ``step`` over ``window``; ``measure_norm``: it logs, so its gradient norm is measured."""
-        phases, last = self.phases, len(window.micro_batches) - 1
-        for index, batch in enumerate(window.micro_batches):
-            with self.parallel.gradient_sync(self.model, sync=index == last):
-                with phases(step, "forward"):
-                    objective, loss, weight = self._loss(window, batch)
-                with phases(step, "backward"):
-                    self.stepper.backward(objective)
-            self.window.add(self.nonfinite.observe(loss), step, batch, find_batch_size(batch), weight)
+        phases = self.phases
+        if self.split is None:
+            self._run_whole(window, step)
+        else:  # auto_microbatch
+            self._run_in_pieces(window, step)
         if not self.nonfinite.skip_this_step():
             with phases(step, "optimizer"):
                 self.weighing.finish(window, self.model.parameters())
@@ -177,10 +177,56 @@ class StepRunner:
         self.window.steps += 1
         phases(step, "data")
 
-    def _loss(self, window: StepBatches, batch: Any) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    def _run_whole(self, window: StepBatches, step: int) -> None:
+        """The window's forwards and backwards, the gradients reduced across processes in the last backward."""
+        last = len(window.micro_batches) - 1
+        for index, batch in enumerate(window.micro_batches):
+            with self.parallel.gradient_sync(self.model, sync=index == last):
+                with self.phases(step, "forward"):
+                    objective, loss, weight = self._loss(window, batch)
+                with self.phases(step, "backward"):
+                    self.stepper.backward(objective)
+            self.window.add(self.nonfinite.observe(loss), step, batch, find_batch_size(batch), weight)
+
+    def _run_in_pieces(self, window: StepBatches, step: int) -> None:
+        """The window's forwards and backwards with each micro-batch cut in ``split.pieces``, no gradient all-reduce
+        until every rank got through them all; run again, in twice the pieces, after an out-of-memory on any rank
+        (``trainer.microbatch``)."""
+        first_try = self.split.random_state()
+        while (done := self._pieces_once(window, step)) is None:
+            self.stepper.zero_grad()
+            window.summed.clear()
+            self.split.rerun(first_try)
+        for loss, piece, weight in done:
+            self.window.add(self.nonfinite.observe(loss), step, piece, find_batch_size(piece), weight)
+        self.split.reduce_gradients(self.model.parameters())
+
+    def _pieces_once(self, window: StepBatches, step: int) -> Optional[list]:
+        """One try of the window: each piece's (loss, piece, weight), or None when some rank ran out of memory."""
+        done = []
+        for batch in window.micro_batches:
+            for piece, share in cut(batch, self.split.pieces):
+                where = "forward"
+                try:
+                    with self.parallel.gradient_sync(self.model, sync=False):
+                        with self.phases(step, "forward"):
+                            objective, loss, weight = self._loss(window, piece, share)
+                        where = "backward"
+                        with self.phases(step, "backward"):
+                            self.stepper.backward(objective)
+                    where = ""
+                except torch.OutOfMemoryError:
+                    pass  # (leaving the handler frees the failed try's tensors)
+                objective = None
+                if self.split.ran_out(where, step, batch, self.model):  # every rank, after every piece
+                    return None
+                done.append((loss, piece, weight))
+        return done
+
+    def _loss(self, window: StepBatches, batch: Any, share: Optional[float] = None) -> tuple[torch.Tensor, ...]:
         try:
             with self.autocast():
-                return self.weighing.loss(window, self.model, batch)
+                return self.weighing.loss(window, self.model, batch, share)
         except RuntimeError as err:  # free when nothing is raised
             refusal = unused_parameters(err)
             if refusal is None:

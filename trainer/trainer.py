@@ -35,6 +35,7 @@ from trainer.ema import WeightAverage
 from trainer.errors import ConfigError, DataError, peer_loss_in_a_line
 from trainer.evaluation import Evaluator, MetricsFn, PredictFn, named_sets
 from trainer.losses import LossFn, model_loss
+from trainer.microbatch import MicroBatchSplit
 from trainer.parallel import Parallelism
 from trainer.preemption import PreemptionWatch, stop
 from trainer.resume_policy import RunSetup, find_resume_point
@@ -113,6 +114,7 @@ class Trainer:
                                 self.telemetry.window, config, self.optimization, self.host if self.stream else None)
         self.weighing, self.nonfinite, self.autocast = self.steps.weighing, self.steps.nonfinite, self.steps.autocast
         self.steps.average = self.ema
+        self.steps.split = MicroBatchSplit.for_run(config, self.parallel, self.host)  # None without auto_microbatch
         self.evaluator = Evaluator(self.unwrapped_model, self.loss_fn, metrics_fn, acc, self.parallel.dp, self.autocast,
                                    self.weighing.count, self.parallel.lockstep, self.host,
                                    functools.partial(loader, model=self.unwrapped_model, evaluation=True))  # fmt: skip
@@ -125,8 +127,9 @@ class Trainer:
         self.checkpoints = Checkpointer.for_run(config, acc, setup, self.parallel.model_state(self.model, optimizer),
                                                 self.lr_scheduler, self.state, self.keep_best, self.callbacks,
                                                 self.stream, self.host)  # fmt: skip
-        if self.ema is not None:
-            self.checkpoints.register("ema", self.ema)
+        for name, part in (("ema", self.ema), ("microbatch", self.steps.split)):
+            if part is not None:
+                self.checkpoints.register(name, part)
         self.state.run_id, self.cannot_train_on = new_run_id(acc), None  # cannot_train_on: a loaded checkpoint's
         if (point := self.checkpoints.resume_point(lambda: find_resume_point(config))) is not None:
             self.load_checkpoint(point, verified=True)

@@ -133,19 +133,24 @@ class Weighing:
             window.tokens, window.counts = tokens, iter(counts)
         return window
 
-    def loss(self, window: StepBatches, model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """(objective to backward, loss to log, its weight) for one micro-batch of ``window``."""
+    def loss(self, window: StepBatches, model: torch.nn.Module, batch: Any,
+             share: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor, Any]:  # fmt: skip
+        """(objective to backward, loss to log, its weight) for one micro-batch of ``window``; or, with ``share``, for
+        a piece of one holding that share of its examples (``auto_microbatch``)."""
         if window.tokens is not None:
-            return self._token_loss(window, model, batch)
+            return self._token_loss(window, model, batch, share is not None)
         loss, count = checked(self.loss_fn(model, batch), self.loss_fn)
         if count is not None:  # (loss_sum, count): divided by the window's count in finish()
             window.summed.append(count)
             return loss, loss.detach(), count
+        if share is not None and share != 1:  # a piece of a micro-batch: its share of the micro-batch's mean
+            return loss * share / window.divisor, loss.detach() * share, share
         objective = loss if window.divisor == 1 else loss / window.divisor
         return objective, loss.detach(), 1
 
-    def _token_loss(self, window: StepBatches, model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, ...]:
-        tokens, here = window.total_tokens(), next(window.counts)
+    def _token_loss(self, window: StepBatches, model: torch.nn.Module, batch: Any,
+                    piece: bool = False) -> tuple[torch.Tensor, ...]:  # fmt: skip
+        tokens, here = window.total_tokens(), self.count(batch) if piece else next(window.counts)
         if self.passes_count:
             self.probe.passed = False
             loss = model_loss(model, batch, num_items_in_batch=tokens)

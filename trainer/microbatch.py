@@ -1,0 +1,166 @@
+"""``auto_microbatch``: a micro-batch that does not fit in memory is cut in pieces, on every rank alike, and the step
+runs again: the same examples, the same global batch, the same updates (each piece's loss weighed as its share of
+the window's, ``trainer.weighing``), to the float floor of the other split.
+
+Ranks learn of an out-of-memory (``torch.OutOfMemoryError``, raised on the host when an allocation fails) where no
+collective can be pending: every piece runs its forward and backward without any gradient all-reduce (DDP's
+``no_sync``), then the ranks compare notes (one small all-reduce on the host group). If any rank ran out of memory,
+every rank drops the step's gradients, puts its random state back, doubles the pieces each micro-batch is cut into
+and starts the step again; the main process says so in one line. Once every piece of the window got through, the
+gradients are all-reduced (divided by the process count first, as DDP does) and the step goes on. So an OOM in any
+forward or backward, on one rank or all, costs one rerun of that step, never a hang. The price, while it is on: the
+gradient all-reduce waits for the window's last backward instead of overlapping it, and one host all-reduce per
+piece. The number of pieces is kept in checkpoints, so a resumed run starts with the split that fit.
+
+A piece of one example that still does not fit ends the job in one line naming the model's size and the memory.
+A sharded model (FSDP2) gathers its weights inside forward and backward, where one rank's OOM would leave the
+others waiting in a collective: refused there for now.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Mapping
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from accelerate.utils import find_batch_size
+
+from trainer.console import say
+from trainer.errors import Refusal, ShardingError
+
+
+class OutOfMemory(Refusal, RuntimeError):
+    """A micro-batch of one example does not fit in the device's memory."""
+
+
+class MicroBatchSplit:
+    """How many pieces each micro-batch is cut into (1, 2, 4, ...), agreed by every rank; a checkpoint part."""
+
+    def __init__(self, host_group: Any, world: int, dp_group: Any, device: torch.device):
+        self.pieces = 1
+        self.host_group, self.world, self.dp_group, self.device = host_group, world, dp_group, device
+        self.rank = dist.get_rank() if world > 1 else 0
+
+    @classmethod
+    def for_run(cls, config: Any, parallel: Any, host_group: Any) -> Optional["MicroBatchSplit"]:
+        if not config.auto_microbatch:
+            return None
+        if parallel.sharded is not None:
+            raise ShardingError("auto_microbatch is not supported with a sharded model yet (FSDP2 gathers weights "
+                                "inside forward and backward, where one rank's out-of-memory would leave the others "
+                                "waiting): set auto_microbatch: false and choose batch_size, or train with DDP")
+        acc = parallel.accelerator
+        return cls(host_group, parallel.dp.size, parallel.dp.group, acc.device)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"pieces": self.pieces}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.pieces = int(state.get("pieces", 1))
+
+    def ran_out(self, where: str, step: int, batch: Any, model: torch.nn.Module) -> bool:
+        """Whether any rank ran out of memory (``where``: this rank's "forward" / "backward", "" if it did not) since
+        the last call; the same answer on every rank. When one did, the pieces double (said once), or, at one example
+        a piece already, the job ends."""
+        codes = {"": 0, "forward": 1, "backward": 2}
+        if self.world > 1:
+            notes = torch.zeros(self.world, dtype=torch.int32)
+            notes[self.rank] = codes[where]
+            dist.all_reduce(notes, op=dist.ReduceOp.MAX, group=self.host_group)
+            failed = {rank: code for rank, code in enumerate(notes.tolist()) if code}
+        else:
+            failed = {0: codes[where]} if where else {}
+        if not failed:
+            return False
+        names = {1: "forward", 2: "backward"}
+        ranks = ", ".join(f"rank {rank} in {names[code]}" for rank, code in failed.items())
+        size = find_batch_size(batch) or 1
+        if self.pieces >= size:
+            raise OutOfMemory(f"out of memory at step {step} ({ranks}) with micro-batches of one example: the model "
+                              f"({sum(p.numel() for p in model.parameters()):,} parameters) and one example do not "
+                              f"fit in {memory_words(self.device)}; shard the model (accelerate_configs/fsdp.yaml), "
+                              "recompute activations (activation_checkpointing: true), or shorten the examples")
+        before = -(-size // self.pieces)
+        self.pieces *= 2
+        say(f"out of memory at step {step} ({ranks}) with micro-batches of {before} example(s): every rank now cuts "
+            f"each micro-batch into {self.pieces} pieces ({-(-size // self.pieces)} example(s) each) and reruns the "
+            "step; the global batch and its updates stay the same")  # fmt: skip
+        return True
+
+    def random_state(self) -> tuple:
+        """The random state a rerun of the step starts from again (its dropout masks as the first try's)."""
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        return torch.get_rng_state(), cuda
+
+    def rerun(self, state: tuple) -> None:
+        """Before the step runs again: its random state back, what the failed try held freed."""
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], self.device)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def reduce_gradients(self, parameters: Iterable[torch.nn.Parameter]) -> None:
+        """The window's gradients averaged over the processes, as DDP would have (each divided by the process count,
+        then summed). A parameter some rank has no gradient for gets zeros where another has one, so that every
+        rank reduces the same tensors."""
+        if self.world == 1:
+            return
+        trainable = [p for p in parameters if p.requires_grad]
+        held = torch.tensor([p.grad is not None for p in trainable], dtype=torch.int32)
+        dist.all_reduce(held, op=dist.ReduceOp.MAX, group=self.host_group)
+        works = []
+        for parameter, anyone in zip(trainable, held.tolist(), strict=True):
+            if not anyone:
+                continue
+            if parameter.grad is None:
+                parameter.grad = torch.zeros_like(parameter)
+            parameter.grad.div_(self.world)
+            works.append(dist.all_reduce(parameter.grad, group=self.dp_group, async_op=True))
+        for work in works:
+            work.wait()
+
+
+def cut(batch: Any, pieces: int) -> list[tuple[Any, float]]:
+    """``batch`` cut along its first dimension into ``pieces`` (at most one example each), with the share of its
+    examples each holds. Tensors are cut; mappings, lists and tuples are cut member by member; anything else (a
+    flag, a name) goes with every piece."""
+    size = find_batch_size(batch) or 1
+    parts = min(pieces, size)
+    if parts == 1:
+        return [(batch, 1.0)]
+    cut_up = _cut(batch, parts)
+    return [(piece, (find_batch_size(piece) or 1) / size) for piece in cut_up]
+
+
+def _cut(value: Any, parts: int) -> list[Any]:
+    if isinstance(value, torch.Tensor) and value.dim() > 0:
+        return list(torch.tensor_split(value, parts))
+    if isinstance(value, Mapping):
+        members = {key: _cut(member, parts) for key, member in value.items()}
+        pieces = [{key: members[key][i] for key in value} for i in range(parts)]
+        try:
+            return [type(value)(piece) for piece in pieces]  # dict, transformers' BatchEncoding
+        except TypeError:
+            return pieces
+    if isinstance(value, list) and not any(isinstance(m, (torch.Tensor, Mapping, list, tuple)) for m in value):
+        bounds = [len(chunk) for chunk in torch.tensor_split(torch.arange(len(value)), parts)]  # one per example
+        starts = [sum(bounds[:i]) for i in range(parts)]
+        return [value[start:start + length] for start, length in zip(starts, bounds, strict=True)]
+    if isinstance(value, (list, tuple)):
+        members = [_cut(member, parts) for member in value]
+        rebuilt = [[member[i] for member in members] for i in range(parts)]
+        if hasattr(value, "_fields"):  # a namedtuple
+            return [type(value)(*piece) for piece in rebuilt]
+        return [type(value)(piece) for piece in rebuilt]
+    return [value] * parts
+
+
+def memory_words(device: torch.device) -> str:
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        return f"{torch.cuda.get_device_name(device)}'s {total / 2**30:.1f} GiB"
+    return f"this {device.type} device's memory"
