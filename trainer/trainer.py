@@ -97,7 +97,8 @@ class Trainer:
         train_loader = None if train_data is None else loader(train_data, model, "train_data")  # None: no fit()
         eval_loaders = {name: loader(part, model, f"eval_data[{name!r}]" if name else "eval_data", evaluation=True)
                         for name, part in named_sets(eval_data).items()}  # fmt: skip
-        self.state = TrainState(train_loader and batches_per_epoch(train_loader), config.gradient_accumulation_steps)
+        per_epoch = None if train_loader is None else batches_per_epoch(train_loader)  # (a stream has no len())
+        self.state = TrainState(per_epoch, config.gradient_accumulation_steps)
         self.total_steps = config.max_steps or config.epochs * (self.state.steps_per_epoch or 0)
         model = self.parallel.apply(model, optim.prebuilt(optimizer, lr_scheduler), parallelize_fn)
         optimizer, lr_scheduler, self.optimization = optim.build(model, config, optimizer, lr_scheduler,
