@@ -9,7 +9,9 @@ name, as torchtitan's ``CheckpointManager`` holds its ``states``. Those the Trai
   random state (and, under DDP, the model and optimizer files);
 - ``train``: where training stands (``trainer.state``); ``data``: a stream's position per process
   (``trainer.streams``); ``best``: keep_best's record (``trainer.callbacks.KeepBest``);
-- ``callbacks``: every callback with ``state_dict`` (``EarlyStopping``'s patience, a user's own).
+- ``callbacks``: every callback with ``state_dict`` (``EarlyStopping``'s patience, a user's own);
+- ``ema`` (with ``ema_decay``): the average of the weights (``trainer.ema``, files of its own); ``microbatch``
+  (with ``auto_microbatch``): how the micro-batches are cut (``trainer.microbatch``).
 
 Parts whose state is plain data go into ``trainer_state.json`` under their names; parts that write files (those
 with ``save(folder)`` and ``load(folder, state)``) write them into the checkpoint folder. Where and how a
