@@ -187,7 +187,7 @@ def ours(args) -> dict:
                          epochs=args.epochs, max_steps=args.max_steps, shuffle=False, log_every=1,
                          save_every=args.save_every, keep_last=args.keep_last, save_async=args.save_async,
                          activation_checkpointing=args.recompute, reduce_every_micro_batch=args.reduce_every,
-                         eval_every=args.save_every if args.best else None,
+                         eval_every=args.eval_every or (args.save_every if args.best else None),
                          keep_best=("eval_tail_loss" if args.eval_sets else "eval_loss") if args.best else None,
                          keep_best_mode="max", stall_warning_s=1.0 if args.stall_in_block else 60.0,
                          ema_decay=args.ema, ema_start_step=args.ema_start, auto_microbatch=args.auto_microbatch,
@@ -392,6 +392,7 @@ def main() -> None:
     parser.add_argument("--oom_above", type=int, default=None, help="out of memory above this many examples")
     parser.add_argument("--oom_rank", type=int, default=-1, help="on this rank (-1: every rank)")
     parser.add_argument("--oom_in", choices=["forward", "backward"], default="forward")
+    parser.add_argument("--eval_every", type=int, default=None, help="evaluate every N steps while training")
     parser.add_argument("--ema", type=float, default=None, help="ema_decay")
     parser.add_argument("--ema_start", type=int, default=0, help="ema_start_step")
     parser.add_argument("--history", action="store_true", help="record every step's weights")

@@ -76,10 +76,10 @@ VARIANTS = {
                                                "{two_sets}/checkpoints/step-00000004"],
     # Rank 1 stuck inside its first block's forward: rank 0 waits in the next block's all-gather, in forward too.
     "fsdp, rank 1 stalled inside a block": [*SHORT, "--stall_in_block", "4"],
-    # An average of the weights (ema_decay 0.5 after step 2), evaluated and exported; resumed from the sharded
-    # checkpoint of step 4 sharded, and as DDP.
-    "fsdp, ema": [*RESUMED, *EMA, "--eval", "--eval_examples", "8"],
-    "ddp, ema": [*RESUMED, *EMA, "--eval", "--eval_examples", "8", "--history", "--ddp"],
+    # An average of the weights (ema_decay 0.5 after step 2), evaluated (every 3 steps, and at the end) and
+    # exported; resumed from the sharded checkpoint of step 4 sharded, and as DDP.
+    "fsdp, ema": [*RESUMED, *EMA, "--eval", "--eval_examples", "8", "--eval_every", "3"],
+    "ddp, ema": [*RESUMED, *EMA, "--eval", "--eval_examples", "8", "--eval_every", "3", "--history", "--ddp"],
     "fsdp, ema resumed at step 4": [*RESUMED, *EMA, "--resume_from", "{ema}/checkpoints/step-00000004"],
     "ddp, ema resumed from fsdp's step 4": [*RESUMED, *EMA, "--ddp", "--resume_from",
                                             "{ema}/checkpoints/step-00000004"],

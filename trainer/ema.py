@@ -39,6 +39,13 @@ class WeightAverage:
         self.weights = [p for _, p in trainable]
         with torch.no_grad():
             self.average = [p.detach().clone() for p in self.weights]
+        # FSDP2 keeps the root's gathered weights after a forward (and any group's after an evaluation's): they must
+        # be let go when the weights under them change, or the next forward computes with the old ones.
+        self._sharded: list = []
+        if any(hasattr(p, "to_local") for p in self.weights):  # DTensors: a sharded model (no import otherwise)
+            from torch.distributed.fsdp import FSDPModule
+
+            self._sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
 
     @classmethod
     def for_config(cls, config: Any, model: torch.nn.Module) -> Optional["WeightAverage"]:
@@ -62,15 +69,21 @@ class WeightAverage:
             self._swap()
 
     def copy_to_model(self) -> None:
+        self._let_go_of_gathered_weights()
         with torch.no_grad():
             torch._foreach_copy_(_pieces(self.weights), _pieces(self.average))
 
     def _swap(self) -> None:
+        self._let_go_of_gathered_weights()
         with torch.no_grad():
             for piece, average in zip(_pieces(self.weights), _pieces(self.average), strict=True):
                 held = piece.clone()  # one tensor's worth of extra memory at a time
                 piece.copy_(average)
                 average.copy_(held)
+
+    def _let_go_of_gathered_weights(self) -> None:
+        for module in self._sharded:  # FSDPModule.reshard(): back to this process's shards, which are swapped
+            module.reshard()
 
     # ---------------------------------------------------------------- the checkpoint's ``ema`` part (collective)
 
