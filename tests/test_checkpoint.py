@@ -101,7 +101,7 @@ def test_hard_crash_then_restart_ends_bit_identical(failed_then_resumed, referen
     assert_bit_identical(final_weights(reference), final_weights(out))
 
 
-@pytest.mark.parametrize("launcher", ["accelerate-shipped-config", "torchrun-c10d", "accelerate-c10d-own-store"])
+@pytest.mark.parametrize("launcher", ["accelerate-shipped-config", "torchrun-c10d"])
 def test_elastic_restart_finishes_by_itself_bit_identical(tmp_path, reference, launcher):
     """A worker dies; the launcher restarts the job (--max_restarts 1), which resumes from its checkpoint. With the
     shipped config as it is (static rendezvous: one store for every attempt, pytorch/pytorch#135712) the restarted
@@ -110,11 +110,8 @@ def test_elastic_restart_finishes_by_itself_bit_identical(tmp_path, reference, l
         result = torchrun(SCENARIOS, "resume", "--output_dir", tmp_path, "--crash_at", 13, "--crash_rank", 0,
                           run_args=["--max-restarts", "1", "--monitor-interval", "0.5"])  # fmt: skip
     else:
-        elastic, env = ["--max_restarts", "1", "--monitor_interval", "0.5"], clean_env()
-        if launcher == "accelerate-c10d-own-store":  # the recipe that worked before: a store per attempt
-            elastic += ["--rdzv_backend", "c10d"]
-            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        result = launch_resume(tmp_path, "--crash_at", 13, "--crash_rank", 0, run_args=elastic, env=env, timeout=120)
+        elastic = ["--max_restarts", "1", "--monitor_interval", "0.5"]
+        result = launch_resume(tmp_path, "--crash_at", 13, "--crash_rank", 0, run_args=elastic, timeout=120)
     assert "CRASH rank 0 after step 13" in result.stdout and "step 12, epoch 2, batch 0" in result.stdout
     assert_bit_identical(final_weights(reference), final_weights(tmp_path))
 
