@@ -83,6 +83,8 @@ VARIANTS = {
     "fsdp, ema resumed at step 4": [*RESUMED, *EMA, "--resume_from", "{ema}/checkpoints/step-00000004"],
     "ddp, ema resumed from fsdp's step 4": [*RESUMED, *EMA, "--ddp", "--resume_from",
                                             "{ema}/checkpoints/step-00000004"],
+    "fsdp, ema, the highest eval loss kept as best": [*RESUMED, "--ema", "0.5", "--eval", "--eval_examples", "8",
+                                                      "--best"],
     # Out of memory above 1 example a micro-batch, with auto_microbatch: in rank 1's forwards, in every rank's
     # backwards (checkpointed every 2 steps, and resumed at step 2 with the split that fit).
     "ddp, clipped, out of memory in rank 1's forward": [*CLIPPED, "--ddp", *OOM, "--oom_rank", "1"],
@@ -672,6 +674,15 @@ def test_an_average_of_the_weights_is_sharded_evaluated_exported_and_resumed_bit
     # The checkpoint holds the average (its ema part), so a resume from step 4 (sharded, or as DDP) reaches it.
     assert runs["fsdp, ema resumed at step 4"][0]["weights"] == sharded["weights"]
     assert runs["ddp, ema resumed from fsdp's step 4"][0]["weights"] == sharded["weights"]
+    # keep_best judges the average's evaluations; the model fit() ends with (and final/) holds the best
+    # checkpoint's average, not that checkpoint's weights, nor the last step's average.
+    best, folder = runs["fsdp, ema, the highest eval loss kept as best"]
+    step = json.loads((folder / "checkpoints" / "step-00000012" / "trainer_state.json").read_text())["best"]["step"]
+    assert step < 12
+    checkpoint = folder / "checkpoints" / f"step-{step:08d}"
+    average, weights = read_sharded_weights(checkpoint / "ema", part="ema"), read_sharded_weights(checkpoint)
+    assert best["weights"] == {name: average[name].flatten().tolist() for name in best["weights"]}
+    assert best["weights"] != {name: weights[name].flatten().tolist() for name in best["weights"]}
 
 
 def test_a_micro_batch_out_of_memory_on_any_rank_is_cut_in_pieces_with_the_same_updates(fsdp):

@@ -222,19 +222,20 @@ def read_shards(state: dict[str, Any], folder: Path) -> None:
         raise RuntimeError(f"{type(first).__name__}: {first}") from err
 
 
-def read_sharded_weights(folder: Path) -> dict[str, torch.Tensor]:
+def read_sharded_weights(folder: Path, part: str = "model") -> dict[str, torch.Tensor]:
     """The whole model's tensors from a sharded checkpoint's ``shards/``, read on this one process (no process
-    group)."""
-    entries, fetch = sharded_weights(folder)
+    group); ``part="ema"`` with ``folder`` a checkpoint's ``ema``: the average of the weights (``trainer.ema``)."""
+    entries, fetch = sharded_weights(folder, part)
     return fetch([name for name, _ in entries])
 
 
-def sharded_weights(folder: Path) -> tuple[list[tuple[str, int]], Callable[[list[str]], dict[str, torch.Tensor]]]:
+def sharded_weights(folder: Path, part: str = "model",
+                    ) -> tuple[list[tuple[str, int]], Callable[[list[str]], dict[str, torch.Tensor]]]:  # fmt: skip
     """A sharded checkpoint's model tensors on this one process (no process group): each name and its bytes, and a
     function that reads the named ones whole (and nothing else)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader, prefix = safe_reader(folder), "model."
+    reader, prefix = safe_reader(folder), f"{part}."
     shapes = {name.removeprefix(prefix): entry for name, entry in reader.read_metadata().state_dict_metadata.items()
               if name.startswith(prefix) and isinstance(entry, TensorStorageMetadata)}  # fmt: skip
 
