@@ -260,11 +260,13 @@ OTHER_NAMES = {"learning_rate": "lr", "num_train_epochs": "epochs", "per_device_
 
 # Settings other trainers take in their config that the accelerate config at launch decides here.
 LAUNCH_SETTINGS = {
-    "mixed_precision": "launch with accelerate_configs/bf16.yaml or fp16.yaml", "fp16": "launch with "
-    "accelerate_configs/fp16.yaml", "bf16": "launch with accelerate_configs/bf16.yaml", "fsdp": "launch with "
-    "accelerate_configs/fsdp.yaml", "fsdp_config": "launch with accelerate_configs/fsdp.yaml", "deepspeed": "this "
-    "trainer shards with FSDP2 instead: launch with accelerate_configs/fsdp.yaml",
-}  # fmt: skip
+    "mixed_precision": "accelerate_configs/bf16.yaml or fp16.yaml",
+    "bf16": "accelerate_configs/bf16.yaml",
+    "fp16": "accelerate_configs/fp16.yaml",
+    "fsdp": "accelerate_configs/fsdp.yaml",
+    "fsdp_config": "accelerate_configs/fsdp.yaml",
+    "deepspeed": "accelerate_configs/fsdp.yaml: this trainer shards with FSDP2",
+}
 
 
 def _check_keys(cls: type, values: dict[str, Any], source: str) -> None:
@@ -273,7 +275,7 @@ def _check_keys(cls: type, values: dict[str, Any], source: str) -> None:
     for key in values:
         if key in LAUNCH_SETTINGS and key not in valid:
             raise ConfigError(f"{source}: '{key}' is not a TrainConfig key: the accelerate config chosen at launch "
-                              f"sets it, for every process alike ({LAUNCH_SETTINGS[key]})")  # fmt: skip
+                              f"sets it, for every process alike (launch with {LAUNCH_SETTINGS[key]})")  # fmt: skip
         if key not in valid:
             names = {**{name: name for name in valid}, **{k: v for k, v in OTHER_NAMES.items() if v in valid}}
             close = difflib.get_close_matches(str(key).lower(), list(names), n=3, cutoff=0.5)
