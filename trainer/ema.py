@@ -39,8 +39,8 @@ class WeightAverage:
         self.weights = [p for _, p in trainable]
         with torch.no_grad():
             self.average = [p.detach().clone() for p in self.weights]
-        # FSDP2 keeps the root's gathered weights after a forward (and any group's after an evaluation's): they must
-        # be let go when the weights under them change, or the next forward computes with the old ones.
+        # FSDP2 keeps the root group's gathered weights after a forward (backward would gather them again at once):
+        # they must be let go when the shards under them change, or the next forward computes with the old ones.
         self._sharded: list = []
         if any(hasattr(p, "to_local") for p in self.weights):  # DTensors: a sharded model (no import otherwise)
             from torch.distributed.fsdp import FSDPModule
