@@ -8,7 +8,8 @@ collective can be pending: every piece runs its forward and backward without any
 every rank drops the step's gradients, puts its random state back, doubles the pieces each micro-batch is cut into
 and starts the step again; the main process says so in one line. Once every piece of the window got through, the
 gradients are all-reduced (divided by the process count first, as DDP does) and the step goes on. So an OOM in any
-forward or backward, on one rank or all, costs one rerun of that step, never a hang. The price, while it is on: the
+forward or backward, on one rank or all, costs one rerun of that step. (An OOM elsewhere, in the optimizer's first
+step as it allocates its state, say, is not caught: it ends the job as before.) The price, while it is on: the
 gradient all-reduce waits for the window's last backward instead of overlapping it, and one host all-reduce per
 piece. The number of pieces is kept in checkpoints, so a resumed run starts with the split that fit.
 
