@@ -21,12 +21,11 @@ others waiting in a collective: refused there for now.
 from __future__ import annotations
 
 import gc
-from collections.abc import Mapping
 from typing import Any, Iterable, Optional
 
 import torch
 import torch.distributed as dist
-from accelerate.utils import find_batch_size
+from accelerate.utils import find_batch_size, recursively_apply
 
 from trainer.console import say
 from trainer.errors import Refusal, ShardingError
@@ -127,37 +126,20 @@ class MicroBatchSplit:
 
 def cut(batch: Any, pieces: int) -> list[tuple[Any, float]]:
     """``batch`` cut along its first dimension into ``pieces`` (at most one example each), with the share of its
-    examples each holds. Tensors are cut; mappings, lists and tuples are cut member by member; anything else (a
-    flag, a name) goes with every piece."""
+    examples each holds: accelerate's ``recursively_apply`` slices every tensor in its mappings, lists and tuples;
+    anything else (a flag, a list of names) goes whole with every piece."""
     size = find_batch_size(batch) or 1
     parts = min(pieces, size)
     if parts == 1:
         return [(batch, 1.0)]
-    cut_up = _cut(batch, parts)
-    return [(piece, (find_batch_size(piece) or 1) / size) for piece in cut_up]
+    lengths = [len(chunk) for chunk in torch.tensor_split(torch.arange(size), parts)]
+    starts = [sum(lengths[:i]) for i in range(parts)]
+    return [(recursively_apply(_rows, batch, slice(start, start + length)), length / size)
+            for start, length in zip(starts, lengths, strict=True)]  # fmt: skip
 
 
-def _cut(value: Any, parts: int) -> list[Any]:
-    if isinstance(value, torch.Tensor) and value.dim() > 0:
-        return list(torch.tensor_split(value, parts))
-    if isinstance(value, Mapping):
-        members = {key: _cut(member, parts) for key, member in value.items()}
-        pieces = [{key: members[key][i] for key in value} for i in range(parts)]
-        try:
-            return [type(value)(piece) for piece in pieces]  # dict, transformers' BatchEncoding
-        except TypeError:
-            return pieces
-    if isinstance(value, list) and not any(isinstance(m, (torch.Tensor, Mapping, list, tuple)) for m in value):
-        bounds = [len(chunk) for chunk in torch.tensor_split(torch.arange(len(value)), parts)]  # one per example
-        starts = [sum(bounds[:i]) for i in range(parts)]
-        return [value[start:start + length] for start, length in zip(starts, bounds, strict=True)]
-    if isinstance(value, (list, tuple)):
-        members = [_cut(member, parts) for member in value]
-        rebuilt = [[member[i] for member in members] for i in range(parts)]
-        if hasattr(value, "_fields"):  # a namedtuple
-            return [type(value)(*piece) for piece in rebuilt]
-        return [type(value)(piece) for piece in rebuilt]
-    return [value] * parts
+def _rows(tensor: torch.Tensor, rows: slice) -> torch.Tensor:
+    return tensor[rows] if tensor.dim() else tensor  # a 0-dim tensor goes whole
 
 
 def memory_words(device: torch.device) -> str:
