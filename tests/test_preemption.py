@@ -76,6 +76,17 @@ def workers_alive(output_dir: Path) -> int:
     return sum(str(output_dir) in line and "scenarios.py" in line for line in ps.splitlines())
 
 
+def kill_the_launcher(launcher: subprocess.Popen, output_dir: Path, within_s: float) -> float:
+    """SIGKILL to the launcher alone, as the OOM killer or `kill -9` sends it; the seconds until its workers were
+    gone, or ``within_s`` if they were not by then."""
+    killed = time.monotonic()
+    launcher.kill()
+    launcher.wait()
+    while workers_alive(output_dir) and time.monotonic() - killed < within_s:
+        time.sleep(0.1)
+    return time.monotonic() - killed
+
+
 def test_sigterm_to_the_job_saves_exits_in_seconds_and_the_rerun_is_bit_identical(tmp_path, reference):  # noqa: F811
     launcher, log = start_slow_job(tmp_path)
     signalled = time.monotonic()
@@ -96,13 +107,9 @@ def test_sigterm_to_the_job_saves_exits_in_seconds_and_the_rerun_is_bit_identica
 
 def test_a_killed_launcher_takes_its_workers_with_it_after_their_checkpoint(tmp_path, reference):  # noqa: F811
     launcher, log = start_slow_job(tmp_path)
-    killed = time.monotonic()
-    launcher.kill()  # SIGKILL to the launcher alone, as the OOM killer or `kill -9` does
-    launcher.wait()
-    while workers_alive(tmp_path) and time.monotonic() - killed < 30:
-        time.sleep(0.1)
+    seconds = kill_the_launcher(launcher, tmp_path, within_s=30)
     assert not workers_alive(tmp_path), "the workers outlived their launcher"
-    print(f"SIGKILL to the launcher: its workers gone {time.monotonic() - killed:.1f} s later")
+    print(f"SIGKILL to the launcher: its workers gone {seconds:.1f} s later")
     log.seek(0)
     step = preempted_at(log.read(), "SIGTERM")  # their death signal, set at start (PR_SET_PDEATHSIG)
     assert latest(tmp_path) == f"step-{step:08d}"
@@ -118,13 +125,9 @@ def test_a_killed_launcher_takes_the_workers_of_a_stalled_job_with_it(tmp_path):
     s) or the collective timeout."""
     launcher, log = start_slow_job(tmp_path, "--stall_at", "5", "--stall_s", "900", "--stall_deaf",
                                    "--stall_warning_s", "2", until="trainer: stalled for")  # fmt: skip
-    killed = time.monotonic()
-    launcher.kill()  # SIGKILL to the launcher alone
-    launcher.wait()
-    while workers_alive(tmp_path) and time.monotonic() - killed < 60:
-        time.sleep(0.1)
+    seconds = kill_the_launcher(launcher, tmp_path, within_s=60)
     assert not workers_alive(tmp_path), "the workers of a stalled job outlived their launcher"
-    print(f"SIGKILL to a stalled job's launcher: its workers gone {time.monotonic() - killed:.1f} s later")
+    print(f"SIGKILL to a stalled job's launcher: its workers gone {seconds:.1f} s later")
     log.seek(0)
     output = log.read()
     for rank in (0, 1):
