@@ -128,21 +128,27 @@ def inject_out_of_memory(model: torch.nn.Module, args, running: dict) -> list:
                 and args.oom_rank in (-1, rank))  # fmt: skip
 
     def in_forward(module, positional, inputs):
+        running["large"] = too_large(inputs)  # for the hook on a block's output, which has no input_ids
         if args.oom_in == "forward" and too_large(inputs):
             raised.append("forward")
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
 
+    def fail(grad):
+        raised.append("backward")
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
     def in_backward(module, positional, inputs, output):
         if args.oom_in == "backward" and too_large(inputs):
-
-            def fail(grad):
-                raised.append("backward")
-                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
-
             output.logits.register_hook(fail)
+
+    def in_middle_block(module, positional, output):  # its backward: after later blocks' reduce-scatters
+        if args.oom_in == "middle_block_backward" and running.get("large"):
+            (output[0] if isinstance(output, tuple) else output).register_hook(fail)
 
     model.register_forward_pre_hook(in_forward, with_kwargs=True)
     model.register_forward_hook(in_backward, with_kwargs=True)
+    blocks = model.transformer.h
+    blocks[len(blocks) // 2].register_forward_hook(in_middle_block)
     return raised
 
 
@@ -391,7 +397,7 @@ def main() -> None:
     parser.add_argument("--auto_microbatch", action="store_true")
     parser.add_argument("--oom_above", type=int, default=None, help="out of memory above this many examples")
     parser.add_argument("--oom_rank", type=int, default=-1, help="on this rank (-1: every rank)")
-    parser.add_argument("--oom_in", choices=["forward", "backward"], default="forward")
+    parser.add_argument("--oom_in", choices=["forward", "backward", "middle_block_backward"], default="forward")
     parser.add_argument("--eval_every", type=int, default=None, help="evaluate every N steps while training")
     parser.add_argument("--ema", type=float, default=None, help="ema_decay")
     parser.add_argument("--ema_start", type=int, default=0, help="ema_start_step")

@@ -94,6 +94,14 @@ VARIANTS = {
                                                        "{oom}/checkpoints/step-00000002"],
     "ddp, out of memory even at one example": ["--batch_size", "2", "--max_steps", "1", "--ddp", "--auto_microbatch",
                                                "--oom_above", "0", "--expect_refusal"],
+    # Sharded: rank 1 out of memory in forward (after the root's all-gather), and in the backward of the third of 4
+    # blocks (after the fourth's reduce-scatter: rank 0 stops at its next collective); a piece of one example.
+    "fsdp, clipped, out of memory in rank 1's forward": [*CLIPPED, *OOM, "--oom_rank", "1"],
+    "fsdp, clipped, 4 blocks": [*CLIPPED, "--layers", "4"],
+    "fsdp, clipped, 4 blocks, out of memory in rank 1's third block's backward": [
+        *CLIPPED, "--layers", "4", *OOM, "--oom_rank", "1", "--oom_in", "middle_block_backward"],
+    "fsdp, out of memory even at one example": ["--batch_size", "2", "--max_steps", "1", "--auto_microbatch",
+                                                "--oom_above", "0", "--expect_refusal"],
     "fsdp, cosine down to a floor": ["--batch_size", "4", "--max_steps", "6", "--optimizer", "adamw", "--lr", "0.01",
                                      "--warmup", "2", "--schedule", "cosine_with_min_lr", "--min_lr_ratio", "0.1"],
 }
@@ -392,18 +400,17 @@ def test_an_fsdp_version_1_config_is_refused_in_one_line(tmp_path):
 def test_launches_the_trainer_does_not_run_are_refused_in_one_line_and_a_blank_block_class_is_unset(tmp_path):
     """What accelerate launch sets in each process for DeepSpeed, Megatron-LM and fp8: one line each, in one
     process; FSDP2 with fsdp_transformer_layer_cls_to_wrap: '' (`accelerate config` answered with Enter) shards as if
-    no class were named; auto_microbatch under FSDP2 is refused (for now)."""
+    no class were named."""
     script = f"""
 import os, torch, trainer as t
 cases = {{"deepspeed": {{"ACCELERATE_USE_DEEPSPEED": "true"}}, "megatron": {{"ACCELERATE_USE_MEGATRON_LM": "true"}},
          "fp8": {{"ACCELERATE_MIXED_PRECISION": "fp8"}},
          "blank": {{"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2",
-                   "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP", "FSDP_TRANSFORMER_CLS_TO_WRAP": ""}},
-         "auto_microbatch": {{"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}}}}
+                   "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP", "FSDP_TRANSFORMER_CLS_TO_WRAP": ""}}}}
 for name, env in cases.items():
     os.environ.update(env)
     try:
-        config = t.TrainConfig(output_dir=r"{tmp_path}/" + name, auto_microbatch=name == "auto_microbatch")
+        config = t.TrainConfig(output_dir=r"{tmp_path}/" + name)
         t.Trainer(torch.nn.Linear(1, 1), config, [[1.0]])
         print(name, "BUILT")
     except t.errors.Refusal as err:
@@ -419,7 +426,6 @@ for name, env in cases.items():
     for name, message in (("deepspeed", DEEPSPEED), ("megatron", MEGATRON), ("fp8", FP8)):
         assert f"{name} REFUSED {message}" in out, out
     assert "blank BUILT" in out and "names no block class" in out, out
-    assert "auto_microbatch REFUSED auto_microbatch is not supported with a sharded model yet" in out, out
 
 
 def test_save_async_without_sharding_is_refused_in_one_line(tmp_path):
@@ -708,6 +714,27 @@ def test_a_micro_batch_out_of_memory_on_any_rank_is_cut_in_pieces_with_the_same_
     assert runs["ddp, out of memory even at one example"][0]["refused"].startswith(
         "out of memory at step 1 (rank 0 in forward, rank 1 in forward) with micro-batches of one example: the model "
         "(28,544 parameters) and one example do not fit in this cpu device's memory; shard the model")  # fmt: skip
+
+
+def test_a_sharded_model_out_of_memory_on_one_rank_stops_every_rank_before_its_next_collective(fsdp):
+    """FSDP2 gathers weights and reduce-scatters gradients inside forward and backward: rank 1 runs out there, rank 0
+    learns of it before its next collective, both rerun in smaller pieces and reach the weights of the run that
+    never ran out (the failed try's gradients left nowhere, the root's gathered ones included)."""
+    runs, result = fsdp
+    pairs = (("fsdp, clipped, out of memory in rank 1's forward", "fsdp, clipped"),
+             ("fsdp, clipped, 4 blocks, out of memory in rank 1's third block's backward", "fsdp, clipped, 4 blocks"))
+    for name, reference in pairs:
+        summary, expected = runs[name][0], runs[reference][0]
+        assert summary["pieces"] == 4 and summary["ooms"] == 0, name  # rank 0's count: rank 1 alone ran out
+        for weight, values in expected["weights"].items():
+            np.testing.assert_allclose(summary["weights"][weight], values, rtol=0, atol=2e-6, err_msg=name)
+        np.testing.assert_allclose(summary["losses"], expected["losses"], rtol=1e-5, err_msg=name)
+    assert "out of memory at step 1 (rank 1 in backward) with micro-batches of 2 example(s): every rank now cuts " \
+           "each micro-batch into 4 pieces" in result.stdout  # fmt: skip
+    assert runs["fsdp, out of memory even at one example"][0]["refused"].startswith(
+        "out of memory at step 1 (rank 0 in forward, rank 1 in forward) with micro-batches of one example: the model "
+        "(28,544 parameters, sharded) and one example do not fit in this cpu device's memory; shard it over more "
+        "processes")  # fmt: skip
 
 
 def test_an_export_goes_into_a_folder_of_its_own_and_replaces_one_whole_only_when_told(fsdp, tmp_path):

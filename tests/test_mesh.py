@@ -52,6 +52,10 @@ VARIANTS = {
     "ddp, llama": [*LLAMA, *FOUR, *EVALUATED, *DDP_4, "--ddp"],
     "tp x fsdp, resumed as fsdp": [*LLAMA, *FOUR, *FSDP_4, "--resume_from", "{tp}/checkpoints/step-00000002"],
     "tp x fsdp, resumed as ddp": [*LLAMA, *FOUR, *DDP_4, "--ddp", "--resume_from", "{tp}/checkpoints/step-00000002"],
+    # auto_microbatch: tensor parallelism's collectives run inside the model's own forward, HSDP's after the
+    # reduce-scatter: refused by name for now.
+    "hsdp, auto_microbatch": [*FOUR, "--auto_microbatch", "--expect_refusal"],
+    "tp x fsdp, auto_microbatch": [*LLAMA, *TWO, *TP_FSDP, "--auto_microbatch", "--expect_refusal"],
 }
 
 
@@ -113,6 +117,14 @@ def test_tensor_parallelism_alone_and_under_fsdp_equals_ddp_and_a_group_reads_on
         np.testing.assert_allclose(run_["grad_norms"], ddp["grad_norms"], rtol=1e-5)
     assert tp_fsdp["eval_loss"] == pytest.approx(ddp["eval_loss"], rel=1e-6)
     assert tp_fsdp["predicted"] == ddp["predicted"]
+
+
+def test_auto_microbatch_is_refused_by_name_on_a_mesh_it_cannot_watch(meshes):
+    runs = meshes[0]
+    assert runs["hsdp, auto_microbatch"][0]["refused"].startswith(
+        "auto_microbatch is not supported with HSDP 2 x 2 (replicate x shard) yet")
+    assert runs["tp x fsdp, auto_microbatch"][0]["refused"].startswith(
+        "auto_microbatch is not supported with TP 2 x FSDP 2 yet")
 
 
 def test_the_export_of_any_mesh_is_the_whole_trained_model(meshes):

@@ -96,7 +96,8 @@ class TrainConfig:
     # None: true when keep_best is set.
     load_best_at_end: Optional[bool] = None
     # A micro-batch that runs out of device memory (on any rank) is cut in two, on every rank alike, and the step
-    # reruns: the same global batch and updates (trainer/microbatch.py). DDP and one process; not under FSDP2 yet.
+    # reruns: the same global batch and updates (trainer/microbatch.py). DDP, FSDP2 and one process; not with
+    # tp_size or HSDP yet.
     auto_microbatch: bool = False
     # An exponential moving average of the trainable weights (trainer/ema.py): after each optimizer step taken,
     # average <- average + (1 - ema_decay) * (weights - average); until step ema_start_step it follows the weights.

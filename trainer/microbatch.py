@@ -13,9 +13,17 @@ step as it allocates its state, say, is not caught: it ends the job as before.) 
 gradient all-reduce waits for the window's last backward instead of overlapping it, and one host all-reduce per
 piece. The number of pieces is kept in checkpoints, so a resumed run starts with the split that fit.
 
+A sharded model (FSDP2) gathers its weights inside forward and backward and reduce-scatters its gradients inside
+backward, where one rank's OOM would leave the others waiting in a collective. There every all-gather and
+reduce-scatter FSDP2 issues while a piece runs goes through this module (``set_custom_all_gather`` /
+``set_custom_reduce_scatter``), which first asks the host group whether any rank ran out: its buffers are
+allocated by then, so a rank fails before the collective or not at all. A rank that ran out keeps answering
+those questions until every rank has left the piece; the others stop at their next collective, and FSDP2's
+per-iteration state is reset (``FSDPModule.reset_iter_state``) before the rerun. Each piece reduce-scatters its
+own gradients (they add up in the shards). The price: one host all-reduce before each of FSDP2's collectives, a
+tensor-parallel or hybrid (HSDP) mesh refused for now.
+
 A piece of one example that still does not fit ends the job in one line naming the model's size and the memory.
-A sharded model (FSDP2) gathers its weights inside forward and backward, where one rank's OOM would leave the
-others waiting in a collective: refused there for now.
 """
 
 from __future__ import annotations
@@ -35,6 +43,10 @@ class OutOfMemory(Refusal, RuntimeError):
     """A micro-batch of one example does not fit in the device's memory."""
 
 
+class RanOutElsewhere(Exception):
+    """Another rank ran out of memory in this piece: this one stops at its next collective (FSDP2)."""
+
+
 class MicroBatchSplit:
     """How many pieces each micro-batch is cut into (1, 2, 4, ...), agreed by every rank; a checkpoint part."""
 
@@ -42,17 +54,67 @@ class MicroBatchSplit:
         self.pieces = 1
         self.host_group, self.world, self.dp_group, self.device = host_group, world, dp_group, device
         self.rank = dist.get_rank() if world > 1 else 0
+        self.sharded: Any = None  # the root FSDPModule of a sharded model
+        self.armed = False  # inside a piece's forward and backward: FSDP2's collectives ask first
 
     @classmethod
-    def for_run(cls, config: Any, parallel: Any, host_group: Any) -> Optional["MicroBatchSplit"]:
+    def for_run(cls, config: Any, parallel: Any, host_group: Any,
+                model: torch.nn.Module) -> Optional["MicroBatchSplit"]:  # fmt: skip
         if not config.auto_microbatch:
             return None
-        if parallel.sharded is not None:
-            raise ShardingError("auto_microbatch is not supported with a sharded model yet (FSDP2 gathers weights "
-                                "inside forward and backward, where one rank's out-of-memory would leave the others "
-                                "waiting): set auto_microbatch: false and choose batch_size, or train with DDP")
         acc = parallel.accelerator
-        return cls(host_group, parallel.dp.size, parallel.dp.group, acc.device)
+        split = cls(host_group, parallel.dp.size, parallel.dp.group, acc.device)
+        if parallel.sharded is not None:
+            split.watch_collectives(model, parallel.layout)
+        return split
+
+    def watch_collectives(self, model: torch.nn.Module, layout: Any) -> None:
+        """Every sharded module's all-gathers and reduce-scatters ask first (:class:`AskFirstAllGather`)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if layout.tp > 1 or layout.hybrid:
+            raise ShardingError(f"auto_microbatch is not supported with {layout.describe()} yet (its collectives "
+                                "run where one rank's out-of-memory would leave the others waiting): set "
+                                "auto_microbatch: false and choose batch_size, or shard without tp_size or "
+                                "dp_replicate_size")  # fmt: skip
+        if not hasattr(FSDPModule, "reset_iter_state"):
+            raise ShardingError(f"auto_microbatch with a sharded model needs FSDPModule.reset_iter_state, which "
+                                f"torch {torch.__version__} lacks: upgrade torch, or set auto_microbatch: false "
+                                "and choose batch_size")  # fmt: skip
+        self.sharded = model
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_all_gather(AskFirstAllGather(self))
+                module.set_custom_reduce_scatter(AskFirstReduceScatter(self))
+
+    def ask(self) -> None:
+        """Before one of FSDP2's collectives in a piece: every rank's answer to whether it ran out; raises
+        :class:`RanOutElsewhere` when one did (that rank is in :meth:`ran_out`, answering until all arrive)."""
+        if not self.armed or self.world == 1:
+            return
+        notes = torch.zeros(self.world + 1, dtype=torch.int32)
+        notes[self.world] = 1  # this rank is still inside the piece
+        dist.all_reduce(notes, op=dist.ReduceOp.MAX, group=self.host_group)
+        if notes[: self.world].any():
+            raise RanOutElsewhere()
+
+    def reset(self) -> None:
+        """After a failed try of a sharded model: FSDP2's per-iteration state back to the start of a step, and the
+        failed try's gradients dropped from the gathered weights of each module whose reduce-scatter had not run
+        (the root's, say): ``reset_iter_state`` leaves them (torch 2.13), the rerun's backward would add to them,
+        and each holds a whole module's memory."""
+        if self.sharded is None:
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        self.sharded.reset_iter_state()
+        for module in self.sharded.modules():
+            if isinstance(module, FSDPModule):
+                for group in getattr(module._get_fsdp_state(), "_fsdp_param_groups", ()):
+                    for param in group.fsdp_params:
+                        if getattr(param, "_unsharded_param", None) is not None:
+                            param._unsharded_param.grad = None
+                        param.unsharded_accumulated_grad = None
 
     def state_dict(self) -> dict[str, int]:
         return {"pieces": self.pieces}
@@ -66,10 +128,13 @@ class MicroBatchSplit:
         a piece already, the job ends."""
         codes = {"": 0, "forward": 1, "backward": 2}
         if self.world > 1:
-            notes = torch.zeros(self.world, dtype=torch.int32)
-            notes[self.rank] = codes[where]
-            dist.all_reduce(notes, op=dist.ReduceOp.MAX, group=self.host_group)
-            failed = {rank: code for rank, code in enumerate(notes.tolist()) if code}
+            while True:  # until no rank is inside the piece: each round answers another rank's ask()
+                notes = torch.zeros(self.world + 1, dtype=torch.int32)
+                notes[self.rank] = codes[where]
+                dist.all_reduce(notes, op=dist.ReduceOp.MAX, group=self.host_group)
+                if not notes[self.world]:
+                    break
+            failed = {rank: code for rank, code in enumerate(notes[: self.world].tolist()) if code}
         else:
             failed = {0: codes[where]} if where else {}
         if not failed:
@@ -78,10 +143,13 @@ class MicroBatchSplit:
         ranks = ", ".join(f"rank {rank} in {names[code]}" for rank, code in failed.items())
         size = find_batch_size(batch) or 1
         if self.pieces >= size:
+            size = f"{sum(p.numel() for p in model.parameters()):,} parameters"  # a sharded one's: all of them
+            shard = ("shard it over more processes" if self.sharded is not None
+                     else "shard the model (accelerate_configs/fsdp.yaml)")  # fmt: skip
             raise OutOfMemory(f"out of memory at step {step} ({ranks}) with micro-batches of one example: the model "
-                              f"({sum(p.numel() for p in model.parameters()):,} parameters) and one example do not "
-                              f"fit in {memory_words(self.device)}; shard the model (accelerate_configs/fsdp.yaml), "
-                              "recompute activations (activation_checkpointing: true), or shorten the examples")
+                              f"({size}{', sharded' if self.sharded is not None else ''}) and one example do not fit "
+                              f"in {memory_words(self.device)}; {shard}, recompute activations "
+                              "(activation_checkpointing: true), or shorten the examples")  # fmt: skip
         before = -(-size // self.pieces)
         self.pieces *= 2
         say(f"out of memory at step {step} ({ranks}) with micro-batches of {before} example(s): every rank now cuts "
@@ -107,7 +175,7 @@ class MicroBatchSplit:
         """The window's gradients averaged over the processes, as DDP would have (each divided by the process count,
         then summed). A parameter some rank has no gradient for gets zeros where another has one, so that every
         rank reduces the same tensors."""
-        if self.world == 1:
+        if self.world == 1 or self.sharded is not None:  # FSDP2: each piece reduce-scattered its own
             return
         trainable = [p for p in parameters if p.requires_grad]
         held = torch.tensor([p.grad is not None for p in trainable], dtype=torch.int32)
@@ -122,6 +190,31 @@ class MicroBatchSplit:
             works.append(dist.all_reduce(parameter.grad, group=self.dp_group, async_op=True))
         for work in works:
             work.wait()
+
+
+class AskFirstAllGather:
+    """FSDP2's all-gather, asking first whether a rank ran out (its buffers are allocated by then): the ``Comm``
+    of ``set_custom_all_gather``."""
+
+    def __init__(self, split: MicroBatchSplit):
+        self.split = split
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+                 async_op: bool = False) -> Any:  # fmt: skip
+        self.split.ask()
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class AskFirstReduceScatter(AskFirstAllGather):
+    """FSDP2's reduce-scatter of gradients, asking first: the ``Comm`` of ``set_custom_reduce_scatter``."""
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                 async_op: bool = False) -> Any:  # fmt: skip
+        self.split.ask()
+        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
 def cut(batch: Any, pieces: int) -> list[tuple[Any, float]]:

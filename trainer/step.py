@@ -28,7 +28,7 @@ from trainer.agreement import StreamAgreement
 from trainer.config import TrainConfig
 from trainer.gradients import clip_, total_norm
 from trainer.log_window import LogWindow
-from trainer.microbatch import cut
+from trainer.microbatch import RanOutElsewhere, cut
 from trainer.nonfinite import NonFiniteGuard
 from trainer.optim import Optimization
 from trainer.parallel import Parallelism, unused_parameters
@@ -194,6 +194,7 @@ class StepRunner:
         (``trainer.microbatch``)."""
         first_try = self.split.random_state()
         while (done := self._pieces_once(window, step)) is None:
+            self.split.reset()
             self.stepper.zero_grad()
             window.summed.clear()
             self.split.rerun(first_try)
@@ -203,12 +204,13 @@ class StepRunner:
 
     def _pieces_once(self, window: StepBatches, step: int) -> Optional[list]:
         """One try of the window: each piece's (loss, piece, weight), or None when some rank ran out of memory."""
-        done = []
+        done, sharded = [], self.split.sharded is not None  # sharded: each piece reduce-scatters its gradients
         for batch in window.micro_batches:
             for piece, share in cut(batch, self.split.pieces):
                 where = "forward"
                 try:
-                    with self.parallel.gradient_sync(self.model, sync=False):
+                    self.split.armed = True  # FSDP2's collectives ask first (trainer.microbatch)
+                    with self.parallel.gradient_sync(self.model, sync=sharded):
                         with self.phases(step, "forward"):
                             objective, loss, weight = self._loss(window, piece, share)
                         where = "backward"
@@ -217,6 +219,10 @@ class StepRunner:
                     where = ""
                 except torch.OutOfMemoryError:
                     pass  # (leaving the handler frees the failed try's tensors)
+                except RanOutElsewhere:
+                    where = ""
+                finally:
+                    self.split.armed = False
                 objective = None
                 if self.split.ran_out(where, step, batch, self.model):  # every rank, after every piece
                     return None

@@ -115,7 +115,7 @@ class Trainer:
                                 self.telemetry.window, config, self.optimization, self.host if self.stream else None)
         self.weighing, self.nonfinite, self.autocast = self.steps.weighing, self.steps.nonfinite, self.steps.autocast
         self.steps.average = self.ema
-        self.steps.split = MicroBatchSplit.for_run(config, self.parallel, self.host)  # None without auto_microbatch
+        self.steps.split = MicroBatchSplit.for_run(config, self.parallel, self.host, self.model)  # (auto_microbatch)
         self.evaluator = Evaluator(self.unwrapped_model, self.loss_fn, metrics_fn, acc, self.parallel.dp, self.autocast,
                                    self.weighing.count, self.parallel.lockstep, self.host,
                                    functools.partial(loader, model=self.unwrapped_model, evaluation=True))  # fmt: skip
