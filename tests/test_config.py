@@ -91,6 +91,14 @@ def test_constructor_validates_too():
         TrainConfig().replace(warmup_steps=-1)
 
 
+def test_a_path_is_taken_where_a_string_is_expected(tmp_path):
+    """trainer.best_checkpoint and last_checkpoint are Paths: resume= takes one as it is, as output_dir does."""
+    config = TrainConfig(output_dir=tmp_path / "run", resume=tmp_path / "run" / "checkpoints" / "step-00000004")
+    assert config.output_dir == str(tmp_path / "run") and config.resume.endswith("step-00000004")
+    with pytest.raises(ConfigError, match="resume must be str, got 4"):
+        TrainConfig(resume=4)
+
+
 def test_wandb_project_is_a_name_or_null():
     assert TrainConfig(wandb_project="p").wandb_project == "p"
     with pytest.raises(ConfigError, match="wandb_project must be a wandb project name"):

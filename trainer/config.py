@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import signal
 import typing
 from dataclasses import dataclass
@@ -304,8 +305,9 @@ def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
 def _coerce(key: str, value: Any, annotation: Any) -> Any:
     """Return ``value`` as the field's type, or raise a ConfigError naming ``key``.
 
-    Strict, with two deliberate leniencies: an int where a float is expected, and a numeric string for a float
-    (PyYAML reads ``1e-3`` as a string because it lacks a dot).
+    Strict, with three deliberate leniencies: an int where a float is expected, a numeric string for a float
+    (PyYAML reads ``1e-3`` as a string because it lacks a dot), and a path (``pathlib.Path``, as
+    ``trainer.best_checkpoint`` is) for a string.
     """
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is typing.Union and type(None) in args:  # Optional[X]
@@ -342,6 +344,7 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             raise ConfigError(f"{key} must be a finite number, got {value!r}")
         return float(value)
     if annotation is str:
+        value = os.fspath(value) if isinstance(value, os.PathLike) else value
         if not isinstance(value, str):
             raise wrong()
         return value

@@ -122,7 +122,7 @@ class Trainer:
         self.keep_best = hooks.KeepBest(config.keep_best, config.keep_best_mode, config.load_best_at_end is not False)
         self.should_stop, self.stop_reason, self.stopped = False, None, None  # stop_reason: said with the stop
         self.preemption: Optional[PreemptionWatch] = None  # while fit() runs: the signals it watches
-        self.last_eval: Optional[tuple[int, dict[str, float]]] = None  # (step, metrics) of the latest evaluate()
+        self.last_eval: Optional[tuple[int, dict[str, float]]] = None  # eval_data's latest evaluate(): (step, metrics)
         setup = RunSetup(config, self.parallel.dp.size, optimizer, lr_scheduler, self.optimization, bool(self.stream),
                          acc.mixed_precision)  # fmt: skip
         self.checkpoints = Checkpointer.for_run(config, acc, setup, self.parallel.model_state(self.model, optimizer),
@@ -150,14 +150,17 @@ class Trainer:
         """``eval_loss``, ``eval_examples``, ``eval_<name>`` of each ``metrics_fn`` figure (and ``eval_perplexity``
         for a language model's own loss): means over the whole eval set, every example counted once whatever the
         process count (``trainer.evaluation``); for named sets (``eval_data={"val": ..., "test": ...}``)
-        ``eval_val_loss``, ``eval_test_loss``, ... ``data``: other data than ``eval_data`` (a set or a dict)."""
+        ``eval_val_loss``, ``eval_test_loss``, ... ``data``: other data than ``eval_data`` (a set or a dict), whose
+        figures are logged and returned but not judged: ``keep_best`` and the callbacks' ``on_evaluate``
+        (``EarlyStopping``) follow the evaluations of ``eval_data`` alone."""
         loaders = self.eval_loaders if data is None else self.evaluator.loaders(data)
         with self.ema.swapped_in() if self.ema and self.config.ema_eval else contextlib.nullcontext():
             step, metrics = self.state.step, self.evaluator.evaluate(loaders, self.state.step)
-        self.last_eval = (step, metrics)
         self.telemetry.log_evaluation(metrics, step)
         self.nonfinite.check_evaluation(metrics, step, str(self.last_checkpoint or ""))
-        hooks.call(self.callbacks, "on_evaluate", self, metrics=metrics)
+        if data is None:
+            self.last_eval = (step, metrics)
+            hooks.call(self.callbacks, "on_evaluate", self, metrics=metrics)
         return metrics
 
     def predict(self, data: Dataset, predict_fn: Optional[PredictFn] = None) -> torch.Tensor:
