@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -80,7 +81,7 @@ def job(args) -> None:
         Path(args.output_dir, "result.json").write_text(json.dumps({
             "world_size": acc.num_processes, "device": acc.device.type, "mixed_precision": acc.mixed_precision,
             "before": before, "result": result, "log_history": trainer.log_history, "logits_dtype": str(logits.dtype),
-            "fused_optimizer": bool(trainer.optimizer.optimizer.defaults.get("fused")),
+            "fused_optimizer": bool(getattr(trainer.optimizer, "optimizer", trainer.optimizer).defaults.get("fused")),
             "pin_memory": trainer.train_loader.base_dataloader.pin_memory,
         }))  # fmt: skip
 
@@ -397,6 +398,47 @@ def faults(args) -> None:
     say("RESULT " + json.dumps(trainer.fit()))
 
 
+class DictClassifier(TinyClassifier):
+    def forward(self, x, labels):
+        out = super().forward(x, labels)
+        return {"logits": out.logits, "loss": out.loss}
+
+
+@dataclasses.dataclass
+class OutputRecord:
+    logits: torch.Tensor
+    loss: torch.Tensor
+
+
+class DataclassClassifier(TinyClassifier):
+    def forward(self, x, labels):
+        out = super().forward(x, labels)
+        return OutputRecord(out.logits, out.loss)
+
+
+def outputs(args) -> None:
+    """The same classifier returning a SimpleNamespace, a dict and a dataclass: how far each weight moved in 4
+    steps, or the refusal's text."""
+    from trainer.errors import Refusal
+
+    moved = {}
+    for name, model_class in (("namespace", TinyClassifier), ("dict", DictClassifier),
+                              ("dataclass", DataclassClassifier)):  # fmt: skip
+        torch.manual_seed(0)
+        model = model_class()
+        before = [p.detach().clone() for p in model.parameters()]
+        config = TrainConfig(output_dir=f"{args.output_dir}/{name}", batch_size=8, max_steps=4, lr=3e-3)
+        try:
+            trainer = Trainer(model, config, train_data=Examples(64))
+            trainer.fit()
+        except Refusal as err:
+            moved[name] = str(err)
+            continue
+        after = [getattr(p, "full_tensor", p.detach)() for p in trainer.model.parameters()]
+        moved[name] = min(float((a - b).abs().max()) for a, b in zip(after, before, strict=True))
+    say("RESULT " + json.dumps(moved))
+
+
 def too_small(args) -> None:
     Trainer(TinyClassifier(), TrainConfig(output_dir=args.output_dir, batch_size=1), train_data=Examples(1))
 
@@ -412,7 +454,7 @@ def world_guard(args) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("case", choices=["job", "resume", "hf_export", "user_loader", "too_small", "world_guard",
-                                         "predict", "stop", "patience", "best", "noisy", "faults"])
+                                         "predict", "stop", "patience", "best", "noisy", "faults", "outputs"])
     parser.add_argument("--resume", default="auto", type=lambda v: None if v == "none" else v)
     parser.add_argument("--crash_at", type=int, default=0)
     parser.add_argument("--crash_rank", type=int, default=1)

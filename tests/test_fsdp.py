@@ -428,6 +428,18 @@ for name, env in cases.items():
     assert "blank BUILT" in out and "names no block class" in out, out
 
 
+def test_a_model_output_fsdp2_cannot_look_into_is_refused_and_a_dict_or_a_dataclass_trains(tmp_path):
+    """FSDP2 finds a module's output tensors in dicts, tuples and dataclasses only: from a SimpleNamespace no
+    gradient reached the shards and the weights never moved, without an error. Now one line at the first step."""
+    result = accelerate_launch(ROOT / "tests" / "scenarios.py", "outputs", "--output_dir", tmp_path, config="fsdp.yaml")
+    moved = json.loads(result.stdout.split("RESULT ")[-1].splitlines()[0])
+    assert moved["namespace"] == (
+        "TinyClassifier.forward returns a SimpleNamespace, in which FSDP2 finds no tensor: no gradient would reach the "
+        "sharded weights, and they would never change (without an error). Return a dict, a tuple, a dataclass or a "
+        "transformers ModelOutput instead")  # fmt: skip
+    assert moved["dict"] > 1e-3 and moved["dataclass"] == moved["dict"]  # every tensor moved, alike
+
+
 def test_save_async_without_sharding_is_refused_in_one_line(tmp_path):
     assert refusal(tmp_path, "save_async=True") == [
         "trainer: save_async: true writes a sharded (FSDP2) model's checkpoints in the background, and this run is "

@@ -35,6 +35,7 @@ from accelerate.utils import FullyShardedDataParallelPlugin, parse_flag_from_env
 from trainer.activation_checkpointing import checkpoint_activations, outermost
 from trainer.console import say
 from trainer.errors import ShardingError
+from trainer.fsdp_outputs import refuse_outputs_fsdp2_cannot_see
 from trainer.materialize import (
     META,
     built_on_meta,
@@ -153,6 +154,8 @@ def shard(model: torch.nn.Module, plugin: FullyShardedDataParallelPlugin, mesh: 
             after = {} if group is model else {"reshard_after_forward": bool(plugin.reshard_after_forward)}
             fully_shard(group, mesh=mesh, **after, **precision)
         done.add(id(group))
+    if mesh is not None:
+        refuse_outputs_fsdp2_cannot_see(model)
     return ShardedModel(
         processes=world,
         mesh=name or f"{FULLY_SHARDED} over {world} processes",

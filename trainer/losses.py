@@ -20,14 +20,15 @@ LossFn = Callable[[torch.nn.Module, Any], Any]  # -> a scalar tensor, or (loss_s
 
 
 def model_loss(model: torch.nn.Module, batch: Any, **loss_kwargs: Any) -> torch.Tensor:
-    """The default loss: ``model(**batch).loss``, as transformers models compute it when given labels.
-    ``loss_kwargs`` (``num_items_in_batch``) go to forward with the batch."""
+    """The default loss: ``model(**batch).loss``, as transformers models compute it when given labels (a model
+    returning a plain dict: its ``"loss"``). ``loss_kwargs`` (``num_items_in_batch``) go to forward with the batch."""
     if not isinstance(batch, Mapping):  # a dict, or transformers' BatchEncoding from its collators
         raise LossFnError(
             f"the default loss calls model(**batch).loss, but the batch is a {type(batch).__name__}; "
             "pass loss_fn=lambda model, batch: ... to the Trainer"
         )
-    loss = getattr(model(**batch, **loss_kwargs), "loss", None)
+    output = model(**batch, **loss_kwargs)
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
     if loss is None:
         raise LossFnError("the default loss calls model(**batch).loss, but the model returned no loss (no labels in "
                           "the batch?); pass loss_fn=lambda model, batch: ... to the Trainer")  # fmt: skip
