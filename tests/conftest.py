@@ -162,3 +162,40 @@ def job_exits(stderr: str, runs: int) -> list[int]:
 
 def read_summary(output_dir: Path) -> dict:
     return json.loads((output_dir / "same_updates.json").read_text())
+
+
+# ------------------------------------------------------------- `accelerate config`, interactive, through a pty
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def accelerate_config(path, answers: dict[str, str], expect_ok: bool = True) -> list[tuple[str, str]]:
+    """Answer ``accelerate config`` as a person at a terminal would: ``answers`` by a part of the question (a menu
+    entry's label for menus), Enter (the default) for the rest. Returns the questions asked and the answers; with
+    ``expect_ok=False``, also accelerate's last words when it stopped without writing the file."""
+    pexpect = pytest.importorskip("pexpect")
+    command = ["-m", "accelerate.commands.accelerate_cli", "config", "--config_file", str(path)]
+    child = pexpect.spawn(sys.executable, command, env=clean_env(), encoding="utf-8", timeout=60, dimensions=(50, 200))
+    menu = r"arrow or number keys.*?\n((?:.*\n)*?.*)\x1b\[\d+A"  # the options, then the cursor moves back up
+    question = r"([^\n]*)(\[[^\]\n]*\]|\? ?): ?$"
+    asked = []
+    while child.expect([menu, question, pexpect.EOF]) != 2:
+        if child.match.re.pattern == menu:
+            lines = [line for line in ANSI.sub("", child.before).splitlines() if line.strip()]
+            text = [line for line in lines if "Please select a choice" not in line][-1]
+            shown = [ANSI.sub("", line) for line in child.match.group(1).splitlines() if ANSI.sub("", line).strip()]
+            options = [line.replace("➔", "").strip() for line in shown]
+            at = next(i for i, line in enumerate(shown) if "➔" in line)  # the menu opens at its default
+            wanted = next((v for k, v in answers.items() if k in text), options[at])
+            asked.append((text.strip("- "), wanted))
+            moves = options.index(wanted) - at
+            child.send(("\x1b[B" * moves if moves > 0 else "\x1b[A" * -moves) + "\r")  # arrows, then Enter
+        else:
+            text = ANSI.sub("", child.match.group(0)).strip()
+            reply = next((v for k, v in answers.items() if k in text), "")
+            asked.append((text, reply))
+            child.send(reply + "\r")
+    last_words = ANSI.sub("", child.before or "").strip().splitlines()[-1:]
+    child.close()
+    assert (child.exitstatus == 0) == expect_ok, (asked, last_words)
+    return asked if expect_ok else asked + [("stopped", last_words[0] if last_words else "")]

@@ -5,13 +5,12 @@ torch.cuda reports GPUs, and any real CUDA work fails); tests/test_gpu.py repeat
 from __future__ import annotations
 
 import json
-import re
 import sys
 import time
 
 import pytest
 
-from conftest import CONFIGS, ROOT, SCENARIOS, accelerate_launch, clean_env, pretend_gpus, run, torchrun
+from conftest import CONFIGS, ROOT, SCENARIOS, accelerate_config, accelerate_launch, pretend_gpus, run, torchrun
 
 GPT2 = ROOT / "examples" / "gpt2.py"
 REFUSAL = "trainer: cannot start: "
@@ -66,39 +65,10 @@ def test_several_processes_asked_of_accelerates_cpu_launcher_stop_naming_what_wo
 
 # ------------------------------------------------------------- `accelerate config`, interactive, through a pty
 
-ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
-
 # The README's walk-through for CPU processes ("Your own cluster's config"), and the multi-CPU answers that
 # accelerate's CPU launcher cannot honour without mpirun.
 README_CPU_ANSWERS = {"Which type of machine": "multi-GPU", "How many GPU(s)": "2", "What GPU(s) (by id)": "-1,-1"}
 MULTI_CPU_ANSWERS = {"Which type of machine": "multi-CPU", "How many processes": "2"}
-
-
-def accelerate_config(path, answers: dict[str, str]) -> list[tuple[str, str]]:
-    """Answer ``accelerate config`` as a person at a terminal would: ``answers`` by a part of the question (a menu
-    entry's label for menus), Enter (the default) for the rest. Returns the questions asked and the answers."""
-    pexpect = pytest.importorskip("pexpect")
-    command = ["-m", "accelerate.commands.accelerate_cli", "config", "--config_file", str(path)]
-    child = pexpect.spawn(sys.executable, command, env=clean_env(), encoding="utf-8", timeout=60, dimensions=(50, 200))
-    menu = r"arrow or number keys.*?\n((?:.*\n)*?.*)\x1b\[\d+A"  # the options, then the cursor moves back up
-    question = r"([^\n]*)(\[[^\]\n]*\]|\? ?): ?$"
-    asked = []
-    while child.expect([menu, question, pexpect.EOF]) != 2:
-        if child.match.re.pattern == menu:
-            text = [line for line in ANSI.sub("", child.before).splitlines() if line.strip().endswith("?")][-1]
-            options = [ANSI.sub("", line).replace("➔", "").strip() for line in child.match.group(1).splitlines()]
-            options = [option for option in options if option]
-            wanted = next((v for k, v in answers.items() if k in text), options[0])
-            asked.append((text.strip("- "), wanted))
-            child.send("\x1b[B" * options.index(wanted) + "\r")  # arrow down to the entry, then Enter
-        else:
-            text = ANSI.sub("", child.match.group(0)).strip()
-            reply = next((v for k, v in answers.items() if k in text), "")
-            asked.append((text, reply))
-            child.send(reply + "\r")
-    child.close()
-    assert child.exitstatus == 0, asked
-    return asked
 
 
 def test_the_readmes_accelerate_config_answers_give_k_cpu_processes_even_on_a_gpu_host(tmp_path):

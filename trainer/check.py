@@ -69,7 +69,8 @@ def describe_config(path: str, launched: bool, num_processes: Optional[int] = No
         + (f" (no GPU visible: the trainer runs the processes {how} on CPU)" if on_cpu and through_torchrun else ""),
         f"  mixed precision: {config.mixed_precision}",
     ]
-    if (refused := refusal_of_the_file(kind, config.mixed_precision)) is not None:
+    dynamo = (getattr(config, "dynamo_config", None) or {}).get("dynamo_backend")
+    if (refused := refusal_of_the_file(kind, config.mixed_precision, dynamo)) is not None:
         return lines, [refused], processes  # what the launch would say, and nothing it would not reach
     problems: Problems = []
     section = {k.removeprefix("parallelism_config_"): v for k, v in (config.parallelism_config or {}).items()}

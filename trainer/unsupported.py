@@ -30,15 +30,39 @@ def refusal_of_the_launch() -> Optional[str]:
             return message
     if os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower() == "fp8":
         return FP8
-    return None
+    sharded = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    return refusal_of_dynamo(os.environ.get("ACCELERATE_DYNAMO_BACKEND"), sharded)
 
 
-def refusal_of_the_file(distributed_type: str, mixed_precision: str) -> Optional[str]:
-    """The same, from an accelerate config file's ``distributed_type`` and ``mixed_precision``."""
+def refusal_of_the_file(distributed_type: str, mixed_precision: str,
+                        dynamo_backend: Optional[str] = None) -> Optional[str]:  # fmt: skip
+    """The same, from an accelerate config file's ``distributed_type``, ``mixed_precision`` and
+    ``dynamo_config.dynamo_backend``."""
     by_type = {"DEEPSPEED": DEEPSPEED, "MEGATRON_LM": MEGATRON, "XLA": XLA}
     if distributed_type in by_type:
         return by_type[distributed_type]
-    return FP8 if str(mixed_precision).lower() == "fp8" else None
+    if str(mixed_precision).lower() == "fp8":
+        return FP8
+    return refusal_of_dynamo(dynamo_backend, distributed_type == "FSDP")
+
+
+def refusal_of_dynamo(backend: Optional[str], sharded: bool) -> Optional[str]:
+    """``accelerate config``'s torch dynamo answer: accelerate compiles the model as it prepares it. Refused under
+    FSDP2 (as ``compile: true`` is: the trainer shards the model itself, and a whole-model compile of it is
+    untested), and for a backend this torch does not have (accelerate's menu still offers ones torch dropped, such
+    as nvprims_nvfuser, which would fail at the first step)."""
+    if backend is None or backend.upper() == "NO":
+        return None
+    if sharded:
+        return (f"the accelerate config asks for torch dynamo (dynamo_backend: {backend}), which this trainer does "
+                "not run with FSDP2 yet: answer no to torch dynamo (dynamo_backend: 'NO'), or train with DDP")
+    import torch
+    import torch._dynamo
+
+    if backend.lower() in torch._dynamo.list_backends(exclude_tags=()):
+        return None
+    return (f"the accelerate config asks for dynamo_backend: {backend}, which torch {torch.__version__} does not "
+            "have: choose inductor (it compiles; eager and aot_eager only trace), or answer no to torch dynamo")
 
 
 def blank_block_class_unset() -> None:

@@ -1,0 +1,104 @@
+"""Every path of ``accelerate config`` a user can take here, answered through a pty as a person at a terminal
+answers it: the file it writes, what ``python -m trainer.check`` says of that file, and what a launch of it does
+(a few steps of training, or one ``trainer:`` line naming the setting). The README's CPU walk-through and the
+multi-CPU answers are in tests/test_hosts.py."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from trainer.unsupported import DEEPSPEED, FP8, MEGATRON, XLA
+
+from conftest import SCENARIOS, accelerate_config, free_port, run, run_together
+
+GPUS = {"Which type of machine": "multi-GPU", "How many GPU(s)": "2"}
+FSDP = {**GPUS, "FullyShardedDataParallel": "yes"}
+
+
+def preflight(path, ok: bool = False) -> str:
+    """What ``python -m trainer.check`` says of the file (its exit status: 0 when ``ok``)."""
+    return run([sys.executable, "-m", "trainer.check", "--config_file", str(path)], expect_ok=ok).stdout
+
+
+def launch_command(path, *args) -> list:
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", path, "--main_process_port",
+            free_port(), SCENARIOS, *args]  # fmt: skip
+
+
+def test_fsdp_with_enter_for_every_default_trains_sharded(tmp_path):
+    """The answers a new user gives: FSDP, then Enter. accelerate writes fsdp_version 2 and a blank block class,
+    which is no class named (the model's own, else one group, said in a line), and the launch trains sharded."""
+    path = tmp_path / "fsdp.yaml"
+    accelerate_config(path, FSDP)
+    written = path.read_text()
+    assert "fsdp_version: 2" in written and "fsdp_transformer_layer_cls_to_wrap: ''" in written
+    assert "preflight: no problems found" in preflight(path, ok=True)
+    result = run([str(c) for c in launch_command(path, "outputs", "--output_dir", tmp_path / "out")])
+    assert "device cpu (FSDP2)" in result.stdout and "names no block class" in result.stdout
+    moved = json.loads(result.stdout.split("RESULT ")[-1].splitlines()[0])
+    assert moved["dict"] > 1e-3, "the sharded weights trained"
+
+
+def test_torch_dynamo_and_checked_collectives_train_as_ddp(tmp_path):
+    """Yes to torch dynamo (Enter for its backend: inductor, which compiles on a CPU too) and to checking distributed
+    operations: DDP, compiled by accelerate as it prepares the model, trained."""
+    path = tmp_path / "dynamo.yaml"
+    accelerate_config(path, {**GPUS, "torch dynamo": "yes", "checked while running": "yes"})
+    assert "dynamo_backend: INDUCTOR" in path.read_text() and "debug: true" in path.read_text()
+    assert "preflight: no problems found" in preflight(path, ok=True)
+    run([str(c) for c in launch_command(path, "job", "--output_dir", tmp_path / "out")])
+    report = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert report["world_size"] == 2 and report["result"]["eval_loss"] < report["before"]["eval_loss"]
+
+
+REFUSED = {  # answers, what the preflight says, what the launch's one trainer: line says
+    "fsdp version 1": ({**FSDP, "FSDP version": "1"}, "fsdp_version 1: the trainer shards with FSDP2",
+                       "the accelerate config asks for FSDP version 1; this trainer shards with FSDP2"),
+    "fsdp, parameters offloaded to the CPU": ({**FSDP, "offload parameters": "yes"}, "fsdp_offload_params",
+                                              "the accelerate config sets fsdp_offload_params: CPU offload is not"),
+    "fsdp with torch dynamo": ({**FSDP, "torch dynamo": "yes"}, "asks for torch dynamo (dynamo_backend: INDUCTOR)",
+                               "asks for torch dynamo (dynamo_backend: INDUCTOR), which this trainer does not run"),
+    "a dynamo backend torch dropped": ({**GPUS, "torch dynamo": "yes", "dynamo backend": "nvprims_nvfuser"},
+                                       "dynamo_backend: NVPRIMS_NVFUSER, which torch",
+                                       "dynamo_backend: NVPRIMS_NVFUSER, which torch"),
+    "megatron-lm": ({**GPUS, "Megatron-LM": "yes"}, MEGATRON, MEGATRON),
+}
+
+
+def test_answers_the_trainer_does_not_run_stop_the_preflight_and_the_launch_in_one_line(tmp_path):
+    paths = {name: tmp_path / f"{i}.yaml" for i, name in enumerate(REFUSED)}
+    for name, (answers, said, _) in REFUSED.items():
+        accelerate_config(paths[name], answers)
+        verdict = preflight(paths[name])
+        assert "PROBLEM: " in verdict and said in verdict, (name, verdict)
+    launches = run_together([(launch_command(paths[name], "job", "--output_dir", tmp_path / f"out{i}"), tmp_path)
+                             for i, name in enumerate(REFUSED)], expect_ok=False)  # fmt: skip
+    for (name, (_, _, line)), result in zip(REFUSED.items(), launches, strict=True):
+        output = result.stdout + result.stderr
+        said = [text for text in output.splitlines() if text.startswith("trainer: ") and line in text]
+        assert result.returncode != 0 and said, (name, output[-2000:])
+        assert "[rank0]: Traceback" not in output and "[rank1]: Traceback" not in output, (name, output[-2000:])
+
+
+@pytest.mark.parametrize("answer, package, refusal", [
+    ({**GPUS, "DeepSpeed?": "yes"}, "DeepSpeed is not installed", DEEPSPEED),
+    ({**GPUS, "mixed precision": "fp8"}, "FP8 (either torchao, Transformer Engine or MSAMP) is not installed", FP8),
+    ({"Which type of machine": "TPU"}, None, XLA),
+])  # fmt: skip
+def test_deepspeed_fp8_and_tpu_answers_are_refused_by_name(tmp_path, answer, package, refusal):
+    """DeepSpeed and fp8: accelerate config itself stops without their packages; the file it writes where they are
+    installed (the same keys) is refused by the preflight, as the launch refuses it (tests/test_fsdp.py). A TPU
+    file (XLA) is written here, and refused."""
+    path = tmp_path / "answered.yaml"
+    asked = accelerate_config(path, answer, expect_ok=package is None)
+    if package is not None:
+        assert package in asked[-1][1] and not path.exists()
+        kind = "DEEPSPEED" if refusal == DEEPSPEED else "MULTI_GPU"
+        precision = "fp8" if refusal == FP8 else "'no'"
+        path.write_text(f"compute_environment: LOCAL_MACHINE\ndistributed_type: {kind}\nmixed_precision: {precision}\n"
+                        "num_machines: 1\nnum_processes: 2\nmachine_rank: 0\ngpu_ids: all\nuse_cpu: false\n"
+                        + ("deepspeed_config:\n  zero_stage: 3\n" if kind == "DEEPSPEED" else ""))  # fmt: skip
+    assert f"PROBLEM: {refusal}" in preflight(path)
