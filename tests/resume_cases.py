@@ -57,7 +57,8 @@ def captured(run) -> tuple[str, object]:
 def report(name: str, printed: str, got: object, main: bool, **figures) -> None:
     if not main:
         return
-    lines = [line for line in printed.splitlines() if line.startswith(("resumed", "changed", "trainer:", "resume="))]
+    lines = [line for line in printed.splitlines()
+             if line.startswith(("resumed", "loaded", "changed", "trainer:", "resume="))]  # fmt: skip
     refused = f"REFUSED {got}" if isinstance(got, Exception) else ""
     say(f"CASE {name} | {' || '.join(lines)} | {refused} | {json.dumps(figures)}")
 

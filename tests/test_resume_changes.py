@@ -45,6 +45,9 @@ def test_a_changed_optimizer_is_refused_naming_both_whoever_built_it(cases):
     for new in ("sgd", "adam"):
         assert (f"step-00000009: it was written with optimizer adamw, and this run has {new}: the saved optimizer "
                 f"state cannot go on as {new}'s. Resume with optimizer adamw") in cases[f"optimizer_{new}"]
+        # Loaded for evaluate() and predict(), not "resumed from": fit() refuses to continue from it.
+        assert "step-00000009 for evaluate() and predict() only: step 9, epoch 1" in cases[f"optimizer_{new}"]
+        assert "resumed from" not in cases[f"optimizer_{new}"]
     assert "its optimizer was AdamW, and this run's is RMSprop" in cases["user_optimizer"]
     assert "weight_decay 0.01 -> 0.0 changes the optimizer's parameter groups" in cases["weight_decay_off"]
     assert "Error(s) in loading state_dict" not in cases["weight_decay_off"], "named, not torch's words"

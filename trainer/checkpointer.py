@@ -192,10 +192,11 @@ class Checkpointer:
         position.batches_into_epoch = batches
         self.last = path
         saved_processes, processes = state["run"]["world_size"], self.accelerator.num_processes
+        if misfit or refused:  # fit() says why when it is called; evaluate() and predict() go on with the weights
+            say(f"loaded {path} for evaluate() and predict() only: step {position.step}, epoch {position.epoch}")
+            return misfit or refused
         say(f"resumed from {path}: step {position.step}, epoch {position.epoch}, batch {batches}{resplit}"
             f"{random_states(saved_processes, processes)}")  # fmt: skip
-        if misfit or refused:
-            return misfit or refused
         applied = self.setup.apply_changes(state["run"], position.step, own_settings)
         if applied:
             say(applied)
