@@ -27,6 +27,10 @@ downloading it first), tokenised as it is read, each process its own part; a res
 checkpoint left it. With no data flags it streams the built-in text::
 
     accelerate launch --config_file accelerate_configs/multi_gpu.yaml examples/gpt2.py --streaming
+
+``--pack-documents`` keeps documents apart: each (in pieces of ``--seq-len`` at most) attends to itself alone,
+a micro-batch's documents flattened into one row without padding by transformers' DataCollatorWithFlattening
+(``position_ids`` restart at each document), where the default blocks run across document boundaries.
 """
 
 from __future__ import annotations
@@ -40,7 +44,14 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, HfArgumentParser
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DataCollatorWithFlattening,
+    GPT2Config,
+    GPT2LMHeadModel,
+    HfArgumentParser,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 from trainer import TrainConfig, Trainer, distributed_state  # noqa: E402
@@ -76,6 +87,9 @@ class GPT2Args:
     train_file: Optional[list[str]] = field(default=None, metadata={"help": "local .txt or .jsonl files"})
     streaming: bool = field(default=False, metadata={"help": "read the text as a stream, tokenised as it is read"})
     eval_blocks: int = field(default=64, metadata={"help": "with --streaming: held-out sequences to evaluate on"})
+    pack_documents: bool = field(default=False, metadata={
+        "help": "each document (in pieces of seq_len at most) attends to itself alone: a micro-batch's documents "
+                "flattened into one row by DataCollatorWithFlattening, instead of blocks that cross them"})
     seq_len: int = 128
     eval_fraction: float = 0.05
     num_proc: int = 1  # processes for tokenising with datasets.map
@@ -103,6 +117,8 @@ def parse_args(argv=None) -> tuple[GPT2Args, TrainConfig]:
         TrainConfig.from_dict({**EXAMPLE_DEFAULTS, **from_file}, source=path)
         parser.set_defaults(**from_file)
     args, config = parser.parse_args_into_dataclasses(args=argv)
+    if args.pack_documents and args.streaming:
+        parser.error("--pack-documents takes a data set held whole, not --streaming")
     return args, config
 
 
@@ -149,9 +165,16 @@ def train_tokenizer(texts, vocab_size: int):
 
 def tokenize_and_pack(texts, tokenizer, args: GPT2Args, seed: int):
     """Token ids of every document, each ended by EOS, concatenated and cut into ``seq_len`` blocks; a held-out
-    eval split. Labels are the inputs: the model shifts them."""
+    eval split. Labels are the inputs: the model shifts them. With ``--pack-documents``: each document in pieces
+    of ``seq_len`` at most, left as lists for DataCollatorWithFlattening to flatten a micro-batch at a time."""
     tokenize, pack = packing(tokenizer, args.seq_len)
     tokens = texts.map(tokenize, batched=True, remove_columns=["text"], num_proc=args.num_proc)
+    if args.pack_documents:
+        pieces = tokens.map(lambda batch: {"input_ids": [ids[i : i + args.seq_len] for ids in batch["input_ids"]
+                                                         for i in range(0, len(ids), args.seq_len)]},
+                            batched=True, num_proc=args.num_proc)  # fmt: skip
+        split = pieces.train_test_split(test_size=args.eval_fraction, seed=seed)
+        return split["train"], split["test"]
     blocks = tokens.map(pack, batched=True, batch_size=1000, num_proc=args.num_proc)
     split = blocks.train_test_split(test_size=args.eval_fraction, seed=seed)
     return split["train"].with_format("torch"), split["test"].with_format("torch")
@@ -249,9 +272,12 @@ def main(argv=None) -> dict:
             n_head=args.n_head, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
         ))  # fmt: skip
     train_size = "streamed" if args.streaming else f"{len(train_data):,}"
+    what = (f"documents of {args.seq_len} tokens at most" if args.pack_documents
+            else f"sequences of {args.seq_len} tokens")  # fmt: skip
     state.print(f"gpt2 | {sum(p.numel() for p in model.parameters()):,} parameters, {train_size} train and "
-                f"{len(eval_data):,} eval sequences of {args.seq_len} tokens")  # fmt: skip
-    trainer = Trainer(model, config, train_data=train_data, eval_data=eval_data,
+                f"{len(eval_data):,} eval {what}")  # fmt: skip
+    flatten = DataCollatorWithFlattening() if args.pack_documents else None  # position_ids restart per document
+    trainer = Trainer(model, config, train_data=train_data, eval_data=eval_data, collate_fn=flatten,
                       callbacks=[Throughput(model, args.seq_len, args.peak_flops)])  # fmt: skip
     result = trainer.fit()
 

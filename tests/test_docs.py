@@ -47,7 +47,7 @@ def test_the_recipes_run_as_written(tmp_path):
     """Every block of docs/recipes.md, in order, as one script in a fresh folder: what a user pastes runs."""
     page = (ROOT / "docs" / "recipes.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", page, re.S)
-    assert len(blocks) >= 6, "the set-up and each recipe"
+    assert len(blocks) >= 7, "the set-up and each recipe"
     script = tmp_path / "recipes.py"
     script.write_text("\n\n".join(blocks))
     ran = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600,

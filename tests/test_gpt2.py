@@ -90,13 +90,14 @@ def test_streaming_trains_from_a_stream_on_two_processes_and_resumes_mid_stream(
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> tuple[dict[str, str], Path]:
     """The example's one-process runs, in one process (tests/jobs.py): a plain run ("plain"), a run ("first")
-    whose final/ a run from local files ("local") starts from. Their outputs by name, and the folder."""
+    whose final/ a run from local files ("local") starts from, and one of documents kept apart ("documents").
+    Their outputs by name, and the folder."""
     out = tmp_path_factory.mktemp("gpt2")
     text = out / "notes.txt"
     text.write_text("A trainer runs the same script on one process or many.\n" * 200)
     local = ["--model-name", out / "first" / "final", "--train-file", text, "--peak-flops", "1e12"]
     runs = {"plain": [*TINY, "--max-steps", "4"], "first": [*TINY, "--max-steps", "2"],
-            "local": [*TINY, "--max-steps", "4", *local]}  # fmt: skip
+            "local": [*TINY, "--max-steps", "4", *local], "documents": [*TINY, "--max-steps", "4", "--pack-documents"]}
     jobs = [[str(GPT2), *map(str, args), "--output-dir", str(out / name)] for name, args in runs.items()]
     outputs = split_jobs(python(JOBS, json.dumps(jobs)).stdout)
     return dict(zip(runs, outputs, strict=True)), out
@@ -149,6 +150,15 @@ def test_flags_take_hyphens_or_underscores_and_a_yaml_config(tmp_path):
         example.parse_args(["--config", str(run_yaml)])
     with pytest.raises(ConfigError, match="config file not found: .*nope.yaml"):
         example.parse_args(["--config", str(tmp_path / "nope.yaml")])
+
+
+@ONE_PROCESS_RUNS
+def test_pack_documents_trains_on_whole_documents_flattened_a_micro_batch_at_a_time(one_process):
+    outputs, folder = one_process
+    assert re.search(r"^gpt2 \| [\d,]+ parameters, [\d,]+ train and [\d,]+ eval documents of 32 tokens at most$",
+                     outputs["documents"], re.M)  # fmt: skip
+    assert re.search(r"^step 4/4 \| loss [\d.]+", outputs["documents"], re.M) and "eval loss" in outputs["documents"]
+    assert (folder / "documents" / "final" / "model.safetensors").is_file()
 
 
 @ONE_PROCESS_RUNS

@@ -9,6 +9,8 @@ named here instead, at the first batch.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -27,12 +29,31 @@ def model_loss(model: torch.nn.Module, batch: Any, **loss_kwargs: Any) -> torch.
             f"the default loss calls model(**batch).loss, but the batch is a {type(batch).__name__}; "
             "pass loss_fn=lambda model, batch: ... to the Trainer"
         )
+    if _keeps_a_cache(model):
+        loss_kwargs = {"use_cache": False, **loss_kwargs}
     output = model(**batch, **loss_kwargs)
     loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
     if loss is None:
         raise LossFnError("the default loss calls model(**batch).loss, but the model returned no loss (no labels in "
                           "the batch?); pass loss_fn=lambda model, batch: ... to the Trainer")  # fmt: skip
     return loss
+
+
+def _keeps_a_cache(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (under DDP's or torch.compile's wrapper) is a transformers model that builds a key-value
+    cache unless told not to (``config.use_cache``). A loss never reads one, and while one is built transformers
+    reads no document boundaries from ``position_ids``: a packed batch (``DataCollatorWithFlattening``) would attend
+    across its documents."""
+    inner = getattr(model, "module", model)
+    inner = getattr(inner, "_orig_mod", inner)
+    if not getattr(getattr(inner, "config", None), "use_cache", False):
+        return False
+    return "use_cache" in _forward_parameters(type(inner))
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_parameters(model_class: type) -> frozenset[str]:
+    return frozenset(inspect.signature(model_class.forward).parameters)
 
 
 def checked(loss: Any, loss_fn: LossFn) -> tuple[torch.Tensor, Any]:

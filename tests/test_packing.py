@@ -1,0 +1,22 @@
+"""Packed sequences: documents flattened into one row per micro-batch with ``position_ids`` restarting at each one
+(transformers' ``DataCollatorWithFlattening``) train exactly as the same documents padded, through 2 processes:
+each document attends to itself alone, and every counted token weighs the same."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from conftest import ROOT, accelerate_launch
+
+
+def test_packed_documents_give_the_losses_and_updates_of_the_same_documents_padded(tmp_path):
+    accelerate_launch(ROOT / "tests" / "packing.py", "--out", tmp_path, config="cpu.yaml", num_processes=2)
+    runs = json.loads((tmp_path / "packing.json").read_text())
+    for arch in ("gpt2", "llama"):
+        packed, padded = runs[f"{arch} packed"], runs[f"{arch} padded"]
+        assert len(packed["losses"]) == 4
+        np.testing.assert_allclose(packed["losses"], padded["losses"], rtol=1e-6, err_msg=arch)
+        for name, values in padded["weights"].items():
+            np.testing.assert_allclose(packed["weights"][name], values, rtol=0, atol=1e-6, err_msg=f"{arch} {name}")
