@@ -41,7 +41,8 @@ __all__ = ["export", "read_sharded_weights", "replacing", "write_model", "write_
 MAX_FILE_BYTES = 5 * 2**30  # an export's safetensors files: at most this much each, the most held at once
 INDEX = "model.safetensors.index.json"  # the files of an export written as several, as transformers names them
 EXPORTED = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|config\.json|"
-                      r"generation_config\.json")  # what an export writes (and may replace)
+                      r"generation_config\.json|adapter_model\.safetensors|adapter_config\.json")  # what an export
+# writes (and may replace): a PEFT model's is its adapter
 
 
 def write_model(state_dict: dict[str, Any], directory: Path, model: Optional[torch.nn.Module] = None) -> Path:

@@ -16,6 +16,11 @@ def is_transformers_model(model: torch.nn.Module) -> bool:
     return any(cls.__module__.split(".")[0] == "transformers" for cls in type(model).__mro__)
 
 
+def peft_model(model: torch.nn.Module) -> bool:
+    """A PEFT model (``get_peft_model``: LoRA and the like): a transformers model inside, which computes the loss."""
+    return hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None))
+
+
 def is_dataset(data: Any) -> bool:
     """A ``datasets.Dataset`` (map-style, arrow-backed)."""
     return type(data).__module__.startswith("datasets.") and type(data).__name__ == "Dataset"
@@ -69,9 +74,10 @@ class LossFunctionProbe:
 
     @classmethod
     def install(cls, model: torch.nn.Module) -> "LossFunctionProbe":
-        current = model.loss_function
+        owner = model.get_base_model() if peft_model(model) else model  # a PEFT wrapper only forwards the call
+        current = owner.loss_function
         if not isinstance(current, cls):
-            current = model.loss_function = cls(current)  # transformers' setter: the model's for the rest of its life
+            current = owner.loss_function = cls(current)  # transformers' setter: the model's for the rest of its life
         return current
 
 

@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 
 from trainer.errors import CheckpointError
+from trainer.hf import peft_model
 
 MODEL_CONFIG = "config.json"  # a transformers model's config, saved in each checkpoint for the export
 TIED_WEIGHTS = "tied_weights.json"  # a plain module's tied weights' names: accelerate's model file keeps one of each
@@ -129,6 +130,8 @@ class ModelState:
         it is written."""
         from trainer.export import replacing, write_model, write_streamed
 
+        if peft_model(self.model):
+            return self._export_adapter(directory, barrier)
         if self.format == DDP:  # (no torch.distributed.checkpoint here: its import costs a DDP run a second)
             if self.main:
                 with replacing(directory) as staging:
@@ -150,6 +153,25 @@ class ModelState:
         entries = [(name, tensor.numel() * tensor.element_size()) for name, tensor in state.items()]
         with replacing(directory) if self.main else contextlib.nullcontext(directory) as target:
             write_streamed(entries, gather, target, self.model, self.main)
+        barrier()
+
+    def _export_adapter(self, directory: Path, barrier: Callable[[], None]) -> None:
+        """A PEFT model's export is its adapter, as PEFT writes it (``adapter_config.json``,
+        ``adapter_model.safetensors``): what ``PeftModel.from_pretrained(base, directory)`` loads onto the base model,
+        and ``merge_and_unload()`` folds in. A sharded model's trainable tensors (the adapter's) are gathered first."""
+        from trainer.export import replacing
+
+        adapter = None
+        if self.format != DDP:  # collective: every process gathers each trainable tensor, the main one keeps them
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+            trainable = {name for name, p in self.model.named_parameters() if p.requires_grad}
+            state = get_model_state_dict(self.model)
+            adapter = {name: tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+                       for name, tensor in state.items() if name in trainable}  # fmt: skip
+        if self.main:
+            with replacing(directory) as staging:
+                self.model.save_pretrained(staging, state_dict=adapter)  # PEFT keeps the adapter's tensors of it
         barrier()
 
     def _dcp_state(self, folder: Path | None = None) -> dict[str, Any]:
