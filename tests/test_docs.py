@@ -17,6 +17,9 @@ def test_the_documentation_site_builds_strictly(tmp_path):
     assert built.returncode == 0, built.stdout + built.stderr
     api = (tmp_path / "api" / "index.html").read_text()
     assert "load_checkpoint" in api and "from_yaml" in api, "the API reference comes from the docstrings"
+    assert not re.search(r":(class|meth|func|attr):<code>", api), "a reST role left raw in a docstring"
+    menu = re.findall(r'<a href="#([^"]+)" class="nav-link">', api)
+    assert menu.count("trainer.Trainer") == 1 and "trainer" not in menu, "one menu entry for the Trainer"
 
 
 def test_the_readme_is_short_opens_with_the_two_set_up_commands_and_speaks_to_users():

@@ -1,6 +1,6 @@
 """Callbacks: any object with some of the Trainer's hook methods, called in order; one with ``state_dict()`` and
-``load_state_dict()`` is also checkpointed and gets its state back at a resume. Shipped here: :class:`EarlyStopping`,
-and :class:`KeepBest`, the trainer's own ``keep_best``.
+``load_state_dict()`` is also checkpointed and gets its state back at a resume. Shipped here: ``EarlyStopping``,
+and ``KeepBest``, the trainer's own ``keep_best``.
 
 Hooks, each called as ``hook(trainer, ...)``: ``on_train_begin``, ``on_epoch_begin``, ``on_step_end`` (after that
 step's logging, evaluation and checkpoint), ``on_log(metrics)``, ``on_evaluate(metrics)``, ``on_train_end(result)``.

@@ -49,7 +49,7 @@ class Checkpointer:
         background: the saves written while training goes on (``save_async``), or None.
         setup: how the run is set up (``trainer.resume_policy.RunSetup``): each checkpoint records it, a resume
             compares it.
-        parts: the registered parts, by name (:meth:`register` adds more).
+        parts: the registered parts, by name (``register`` adds more).
     """
 
     def __init__(self, accelerator: Accelerator, output_dir: str, keep_last: int,
@@ -83,7 +83,7 @@ class Checkpointer:
     def save(self, step: int, wait: bool = True) -> Path:
         """Step ``step``'s checkpoint, written by every rank and committed by the main process (the ``best``
         pointer follows keep_best's record, a part of it). With background saves and ``wait=False``, the shards are
-        written while training goes on and committed later (:meth:`wait`); the folder it will be is returned."""
+        written while training goes on and committed later (``wait``); the folder it will be is returned."""
         self.wait()  # one save in flight at a time
         acc = self.accelerator
         state = {"run": self.setup.record(), "sharding": self.parts["model"].format}  # the weights' format

@@ -64,7 +64,7 @@ class OncePerProcess(logging.Filter):
 
 
 def joined(process_index: int) -> None:
-    """This process joined the job as ``process_index``: :func:`say` speaks from process 0 alone, and library
+    """This process joined the job as ``process_index``: ``say`` speaks from process 0 alone, and library
     warnings come once per job (below ERROR from the main process only, each distinct one once)."""
     _process["main"] = process_index == 0
     if _process["quieted"]:

@@ -1,14 +1,14 @@
 """Every way the trainer refuses bad input, in one place; known refusals end a job with one line, not a traceback.
 
 Bad input the trainer recognises (a config key that does not exist, checkpoints that a run without ``resume`` would
-overwrite, a checkpoint that does not fit, data too small for the world, a NaN loss) raises a :class:`Refusal`
+overwrite, a checkpoint that does not fit, data too small for the world, a NaN loss) raises a ``Refusal``
 whose message names the culprit and the fix. A program may catch it like any exception. Uncaught, the hook
 installed when ``trainer`` is imported prints ``trainer: <message>`` and the process exits with status 1, as
 after any uncaught exception; every other exception keeps its traceback. A refusal that every rank raises alike
 (``job_wide``) is printed by the job's first process only, not once per process.
 
-Two ends of a job are not errors and are ``SystemExit``s instead: :class:`Preempted` (status 75, "try again") and
-:class:`LaunchMismatch` (a launch this host cannot honour).
+Two ends of a job are not errors and are ``SystemExit``s instead: ``Preempted`` (status 75, "try again") and
+``LaunchMismatch`` (a launch this host cannot honour).
 """
 
 from __future__ import annotations

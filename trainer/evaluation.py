@@ -1,9 +1,9 @@
 """Evaluation and prediction over a data set: every example counted exactly once, whatever the process count.
-:class:`Evaluator` is the Trainer's ``evaluate()`` and ``predict()``.
+``Evaluator`` is the Trainer's ``evaluate()`` and ``predict()``.
 
 Each process runs its own share, examples k, k+K, k+2K, ... (``trainer.data.ShardSampler``: no padded tail, so no
 example twice), on the plain module under the launch's autocast. Shares may differ in length, so nothing collective
-runs per batch (except a sharded model's forward, which every process runs in lockstep: :func:`in_lockstep`):
+runs per batch (except a sharded model's forward, which every process runs in lockstep: ``in_lockstep``):
 evaluation sums the loss and each metric per process and reduces the sums once at the end; prediction gathers each
 process's outputs once and interleaves them back into dataset order.
 """
@@ -40,7 +40,7 @@ class Evaluator:
         accelerator: the device; ``dp`` the data-parallel processes the sums are summed over
             (``trainer.parallel.DataParallel``); ``autocast``: the launch's.
         tokens: what a batch's loss weighs (``Weighing.count``: its counted tokens, or None for a batch's examples).
-        lockstep: a sharded model's forwards run in lockstep (:func:`in_lockstep`).
+        lockstep: a sharded model's forwards run in lockstep (``in_lockstep``).
         host: the job's gloo group (``trainer.agreement.host_group``; None with one process): ``predict()``
             gathers its rows on the CPU over it, never on a device.
         loader: builds the loader of a data set (each process its share, each example once).
@@ -75,7 +75,7 @@ class Evaluator:
         return metrics
 
     def loaders(self, data: Any) -> dict[str, DataLoader]:
-        """Each set of ``data`` (a data set, or a dict of named ones: :func:`named_sets`) as this process's loader."""
+        """Each set of ``data`` (a data set, or a dict of named ones: ``named_sets``) as this process's loader."""
         return {name: self.loader(part, name=f"eval_data[{name!r}]" if name else "data")
                 for name, part in named_sets(data).items()}  # fmt: skip
 
@@ -133,7 +133,7 @@ def evaluate(model: torch.nn.Module, loader, loss_fn, metrics_fn: Optional[Metri
     default loss of a transformers model (``tokens(batch)``), the count of a ``(loss_sum, count)`` loss, else every
     example once. ``metrics_fn(model, batch)`` returns ``{name: tensor}`` with one number per example of the batch
     (shape ``[batch]``); each metric's mean counts every example once. The sums are summed over the data-parallel
-    processes (``dp``, ``trainer.parallel.DataParallel``). ``lockstep``: see :func:`in_lockstep`.
+    processes (``dp``, ``trainer.parallel.DataParallel``). ``lockstep``: see ``in_lockstep``.
     """
     device = accelerator.device
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)

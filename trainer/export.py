@@ -46,7 +46,7 @@ EXPORTED = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\
 
 
 def write_model(state_dict: dict[str, Any], directory: Path, model: Optional[torch.nn.Module] = None) -> Path:
-    """Whole tensors already in memory (a DDP checkpoint's, with its tied names), written as :func:`write_streamed`
+    """Whole tensors already in memory (a DDP checkpoint's, with its tied names), written as ``write_streamed``
     writes them; a tensor held under two names is written under both (safetensors stores each storage once)."""
     seen: set[int] = set()
     tensors = {}

@@ -75,7 +75,7 @@ Source = Optional[Callable[[torch.Tensor, torch.Tensor], None]]  # (new tensor, 
 
 def fill(modules: list[torch.nn.Module], device: torch.device, source: Source, upcast: set[int]) -> None:
     """Give every tensor the modules hold a new whole copy on ``device`` (fp32 for the ``upcast`` ones), filled by
-    ``source`` (None: left for :func:`initialise`); a tensor held under two names (tied weights) stays one."""
+    ``source`` (None: left for ``initialise``); a tensor held under two names (tied weights) stays one."""
     made: dict[int, torch.Tensor] = {}
     for module, name, kind, tensor in list(_slots(modules)):
         if id(tensor) not in made:

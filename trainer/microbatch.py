@@ -69,7 +69,7 @@ class MicroBatchSplit:
         return split
 
     def watch_collectives(self, model: torch.nn.Module, layout: Any) -> None:
-        """Every sharded module's all-gathers and reduce-scatters ask first (:class:`AskFirstAllGather`)."""
+        """Every sharded module's all-gathers and reduce-scatters ask first (``AskFirstAllGather``)."""
         from torch.distributed.fsdp import FSDPModule
 
         if layout.tp > 1 or layout.hybrid:
@@ -89,7 +89,7 @@ class MicroBatchSplit:
 
     def ask(self) -> None:
         """Before one of FSDP2's collectives in a piece: every rank's answer to whether it ran out; raises
-        :class:`RanOutElsewhere` when one did (that rank is in :meth:`ran_out`, answering until all arrive)."""
+        ``RanOutElsewhere`` when one did (that rank is in ``ran_out``, answering until all arrive)."""
         if not self.armed or self.world == 1:
             return
         notes = torch.zeros(self.world + 1, dtype=torch.int32)

@@ -63,7 +63,7 @@ class ModelState:
         self.format = FULLY_SHARDED if sharded else DDP
 
     def save(self, folder: Path, in_background: bool = False) -> None:
-        """A sharded model's shards into ``folder/shards`` (unless ``in_background``: :meth:`save_async` then), a
+        """A sharded model's shards into ``folder/shards`` (unless ``in_background``: ``save_async`` then), a
         DDP model's files being accelerate's ``save_state``'s; and a transformers model's config, which
         ``python -m trainer.export`` puts beside the exported weights."""
         if self.format == FULLY_SHARDED and not in_background:
@@ -277,7 +277,7 @@ def sharded_weights(folder: Path, part: str = "model",
 
 
 def safe_reader(folder: Path) -> Any:
-    """DCP's reader of ``folder/shards``, its index read by :class:`_IndexUnpickler` (refused by name, before
+    """DCP's reader of ``folder/shards``, its index read by ``_IndexUnpickler`` (refused by name, before
     anything else is read, when it holds anything but DCP's metadata)."""
     reader = _safe_classes()[0](str(folder / SHARDS))
     reader.read_metadata()  # here, on every process: a refusal comes out whole, not inside DCP's collectives

@@ -15,7 +15,7 @@ NORM_NAMES = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|
 
 
 def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
-    """sgd / adam / adamw over the model's trainable parameters, ``weight_decay`` on those :func:`decayed` names.
+    """sgd / adam / adamw over the model's trainable parameters, ``weight_decay`` on those ``decayed`` names.
 
     Adam and AdamW use torch's fused kernel when every parameter is already on a CUDA device (one kernel per
     step instead of several per parameter); the Trainer moves the model to its device first for that reason.

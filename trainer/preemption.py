@@ -138,7 +138,7 @@ def stop(signal_number: int, step: int, total_steps: int, checkpoint_now: Callab
          accelerator: Any) -> Preempted:  # fmt: skip
     """What every rank does once the ranks agreed on a signal: commit a checkpoint of the step reached
     (``checkpoint_now``, whatever save_every says), requeue the job under Slurm (``slurm_requeue``, the main process
-    once the checkpoint is committed), and return the :class:`Preempted` to leave ``fit()`` with (status 75)."""
+    once the checkpoint is committed), and return the ``Preempted`` to leave ``fit()`` with (status 75)."""
     started = time.monotonic()
     saved = checkpoint_now()
     requeued = ""

@@ -2,7 +2,7 @@
 
 Each micro-batch's loss is weighed as its share of the global batch's mean (``trainer.weighing``), only the last
 backward reduces the gradients across processes (``Parallelism.gradient_sync``), and the window's gradients are
-clipped, stepped and zeroed. What watches the step wraps its phases (:class:`Phases`: where each rank is, for the
+clipped, stepped and zeroed. What watches the step wraps its phases (``Phases``: where each rank is, for the
 stall reporter, and the forward pass's time, for the log window); the NaN guard decides whether the update is taken
 (``nan_policy: skip``). With ``auto_microbatch``, the micro-batches are cut in pieces and the window runs again
 after an out-of-memory on any rank (``trainer.microbatch``).

@@ -21,7 +21,7 @@ from trainer.state import TrainState
 
 
 class Telemetry:
-    """This process's reporting; its sinks are opened once the run's id is known (:meth:`open`)."""
+    """This process's reporting; its sinks are opened once the run's id is known (``open``)."""
 
     def __init__(self, accelerator: Accelerator, replicas: int):
         self.accelerator, self.replicas = accelerator, replicas  # replicas: the data-parallel processes

@@ -53,18 +53,18 @@ class Trainer:
 
     Args:
         model: a plain ``torch.nn.Module``, built the same way on every process.
-        config: a :class:`TrainConfig`; ``batch_size`` is per process.
+        config: a ``TrainConfig``; ``batch_size`` is per process.
         train_data: a map-style Dataset (each process its share, as DistributedSampler deals it), a stream (an
             IterableDataset, with ``max_steps``: ``trainer.streams``) or a DataLoader used as is (``trainer.data``).
-            None: a Trainer for :meth:`evaluate` and :meth:`predict` alone (of a checkpoint: ``resume``).
-        eval_data: optional Dataset, IterableDataset or DataLoader for :meth:`evaluate`, each example counted once;
+            None: a Trainer for ``evaluate`` and ``predict`` alone (of a checkpoint: ``resume``).
+        eval_data: optional Dataset, IterableDataset or DataLoader for ``evaluate``, each example counted once;
             or a dict of them by name, each evaluated apart (``eval_<name>_loss``, ...).
         loss_fn: ``loss_fn(model, batch) -> scalar tensor`` (a mean), or ``-> (loss_sum, count)`` to weigh every
             item it counts alike across the global batch (``trainer.weighing``); default ``model(**batch).loss``,
             which for a transformers model weighs every counted token alike. It runs under the launch's autocast, on
             the prepared (DDP) model in training and the plain module in evaluation.
         metrics_fn: ``metrics_fn(model, batch) -> {name: tensor of shape [batch]}``, one number per example (say
-            ``(logits.argmax(-1) == labels).float()``); :meth:`evaluate` adds ``eval_<name>``, its mean.
+            ``(logits.argmax(-1) == labels).float()``); ``evaluate`` adds ``eval_<name>``, its mean.
         optimizer: built from ``config`` when not given; or a factory, ``optimizer(parameter_groups)`` (say
             ``lambda groups: torch.optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.95))``), called with the config's
             weight-decay groups once the model is wrapped or sharded: a sharded model takes a factory, not an
@@ -76,7 +76,7 @@ class Trainer:
         callbacks: objects with some of the hooks of ``trainer.callbacks``; one with ``state_dict`` and
             ``load_state_dict`` gets its state back at a resume. To stop early, a callback on any rank sets
             ``trainer.should_stop = True`` (and ``trainer.stop_reason``): every rank stops after the next step that
-            logs, checkpointed when ``save_every`` is set, and ``fit()`` says why (:class:`EarlyStopping`).
+            logs, checkpointed when ``save_every`` is set, and ``fit()`` says why (``EarlyStopping``).
         parallelize_fn: with ``tp_size`` in the launch's parallelism_config, ``parallelize_fn(model, tp_mesh)``
             splits a model that has no tensor-parallel plan of its own (``trainer.tensor_parallel``).
     """
@@ -225,7 +225,7 @@ class Trainer:
         ``train_loss`` (the last log window's mean; NaN when no step was trained), ``train_runtime_s``,
         ``skipped_steps``, ``stopped`` (None, or why it stopped early) and, with eval data, ``evaluate()``'s figures.
         A preemption signal on any rank stops every rank after the same step, with a checkpoint, raising
-        :class:`trainer.Preempted` (exit status 75): run it again with ``resume="auto"`` to continue."""
+        ``trainer.Preempted`` (exit status 75): run it again with ``resume="auto"`` to continue."""
         if self.train_loader is None:
             raise ConfigError("fit(): this Trainer was built with train_data=None, for evaluate() and predict() "
                               "alone: pass train_data to train")  # fmt: skip

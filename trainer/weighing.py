@@ -81,8 +81,8 @@ class StepBatches:
 class Weighing:
     """What each micro-batch's loss counts for in its optimizer step (see the module docstring).
 
-    :meth:`windows` readies each window; per micro-batch, :meth:`loss` -> (what to call backward on, the loss to log,
-    its weight in the logged mean); after the window's last backward, :meth:`finish` (before clipping)."""
+    ``windows`` readies each window; per micro-batch, ``loss`` -> (what to call backward on, the loss to log,
+    its weight in the logged mean); after the window's last backward, ``finish`` (before clipping)."""
 
     def __init__(self, dp: Any, model: torch.nn.Module, loss_fn: LossFn):
         self.world, self.group = dp.size, dp.group  # the data-parallel replicas, whose gradients are averaged
@@ -107,7 +107,7 @@ class Weighing:
         return labels.ne(IGNORE_INDEX).sum()
 
     def windows(self, batches: Iterable[tuple[list, Optional[int]]]) -> Iterator[StepBatches]:
-        """Each ``(micro_batches, total)`` of :func:`windows` as :class:`StepBatches`. Token counts are summed over
+        """Each ``(micro_batches, total)`` of ``windows`` as ``StepBatches``. Token counts are summed over
         the processes by an all-reduce issued one window ahead, so that no step waits for it."""
         if self.world == 1 or not self.counts_tokens:
             yield from (self._ready(micro_batches, total) for micro_batches, total in batches)
