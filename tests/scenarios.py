@@ -69,7 +69,8 @@ def say(line: str) -> None:
 def job(args) -> None:
     torch.manual_seed(0)
     config = TrainConfig(output_dir=args.output_dir, epochs=4, batch_size=8, lr=3e-3, log_every=2,
-                         lr_scheduler="cosine", warmup_steps=2, max_grad_norm=1.0)  # fmt: skip
+                         lr_scheduler="cosine", warmup_steps=2, max_grad_norm=1.0,
+                         profile_steps=args.profile_steps)  # fmt: skip
     trainer = Trainer(TinyClassifier(), config, train_data=Examples(64), eval_data=Examples(9, seed=1))
     before = trainer.evaluate()
     result = trainer.fit()
@@ -489,5 +490,6 @@ if __name__ == "__main__":
     parser.add_argument("--fault", default="")
     parser.add_argument("--find_unused_parameters", action="store_true")
     parser.add_argument("--sampler", choices=["none", "distributed", "own_part"], default="none")
+    parser.add_argument("--profile_steps", default=None)
     cli = parser.parse_args()
     globals()[cli.case](cli)

@@ -99,6 +99,14 @@ def test_a_path_is_taken_where_a_string_is_expected(tmp_path):
         TrainConfig(resume=4)
 
 
+def test_profile_steps_is_a_step_or_a_range():
+    assert TrainConfig(profile_steps="10-12").profile_steps == "10-12" and TrainConfig(profile_steps="3")
+    for bad in ("12-10", "0", "ten", "10-"):
+        with pytest.raises(ConfigError, match=f"profile_steps must be an optimizer step or a range of them, say "
+                                              f"'10-12' \\(or null for no trace\\); got '{bad}'"):  # fmt: skip
+            TrainConfig(profile_steps=bad)
+
+
 def test_wandb_project_is_a_name_or_null():
     assert TrainConfig(wandb_project="p").wandb_project == "p"
     with pytest.raises(ConfigError, match="wandb_project must be a wandb project name"):

@@ -115,6 +115,8 @@ class TrainConfig:
     # <experiment_name>.
     wandb_project: Optional[str] = None
     tensorboard: bool = False  # every process writes TensorBoard events to <output_dir>/tensorboard/rank<k>
+    # "10-12": a torch.profiler trace of those optimizer steps on every rank, <output_dir>/profile/rank<k>/trace.json
+    profile_steps: Optional[str] = None
     # Preemption (trainer/preemption.py): on any of these signals, every rank stops after the same step, commits a
     # checkpoint there and exits with status 75; "" leaves the signals alone. A second signal, or
     # preemption_grace_s after the first, exits at once. slurm_requeue: then `scontrol requeue` the job.
@@ -213,6 +215,10 @@ class TrainConfig:
         if self.load_best_at_end and self.keep_best is None:
             raise ConfigError("load_best_at_end needs keep_best (the evaluate() figure whose best is loaded), say "
                               "keep_best: eval_loss")  # fmt: skip
+        if self.profile_steps is not None:
+            from trainer.profiling import steps_of
+
+            steps_of(self.profile_steps)
         if self.wandb_project == "":
             raise ConfigError("wandb_project must be a wandb project name, or null to log without wandb; got ''")
 

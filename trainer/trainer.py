@@ -38,6 +38,7 @@ from trainer.losses import LossFn, model_loss
 from trainer.microbatch import MicroBatchSplit
 from trainer.parallel import Parallelism
 from trainer.preemption import PreemptionWatch, stop
+from trainer.profiling import StepProfiler
 from trainer.resume_policy import RunSetup, find_resume_point
 from trainer.sinks import new_run_id
 from trainer.stall import watch_stalls
@@ -116,6 +117,8 @@ class Trainer:
         self.weighing, self.nonfinite, self.autocast = self.steps.weighing, self.steps.nonfinite, self.steps.autocast
         self.steps.average = self.ema
         self.steps.split = MicroBatchSplit.for_run(config, self.parallel, self.host, self.model)  # (auto_microbatch)
+        if (profiler := StepProfiler.for_run(config, acc)) is not None:  # profile_steps
+            self.callbacks.append(profiler)
         self.evaluator = Evaluator(self.unwrapped_model, self.loss_fn, metrics_fn, acc, self.parallel.dp, self.autocast,
                                    self.weighing.count, self.parallel.lockstep, self.host,
                                    functools.partial(loader, model=self.unwrapped_model, evaluation=True))  # fmt: skip
