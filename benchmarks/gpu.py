@@ -198,10 +198,9 @@ def peak_flops() -> float | None:
 
     if not torch.cuda.is_available():
         return None
-    from gpt2 import PEAK_FLOPS  # examples/gpt2.py: dense bf16 peaks of common GPUs
+    from trainer.mfu import peak_flops_of  # dense bf16 peaks of common GPUs
 
-    name = torch.cuda.get_device_name(0)
-    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
+    return peak_flops_of(torch.cuda.get_device_name(0))
 
 
 def main() -> None:

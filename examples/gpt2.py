@@ -5,8 +5,9 @@ Python's own reference documentation, shipped with CPython as ``pydoc_data.topic
 byte-level BPE tokenizer trained on it in a second. It prints the loss falling, the eval loss and perplexity,
 tokens/s and model FLOPs utilisation, a generated sample, and saves model + tokenizer under <output_dir>/final
 (loadable with AutoModelForCausalLM / AutoTokenizer). Started again with the same output directory it continues
-from its latest checkpoint (``--resume auto`` is this example's default). On a GPU it allows TF32 matmuls, reads
-32 sequences a process per step instead of 8 (unless ``--batch-size`` says), and puts MFU on the step line.
+from its latest checkpoint (``--resume auto`` is this example's default). On a GPU it allows TF32 matmuls and reads
+32 sequences a process per step instead of 8 (unless ``--batch-size`` says); the Trainer puts MFU on the step line
+where it knows the device's peak (a GPU in its table, or ``--peak-flops``).
 
     accelerate launch --config_file accelerate_configs/multi_gpu.yaml examples/gpt2.py    # 2 processes
     torchrun --standalone --nproc_per_node 2 examples/gpt2.py
@@ -69,13 +70,6 @@ EXAMPLE_DEFAULTS = dict(output_dir="runs/gpt2", experiment_name="gpt2", batch_si
                         max_grad_norm=1.0, log_every=25, eval_every=100, save_every=100, resume="auto")  # fmt: skip
 GPU_BATCH_SIZE = 32
 
-# Dense bf16/fp16 peak FLOP/s of common GPUs, for MFU; override with --peak-flops.
-# Dense bf16/fp16 peaks. The first name found in the device's name counts, so a name that contains another comes
-# first ("H100 PCIe" before "H100", "L40S" and "L40" before "L4", "A100" before "A10").
-PEAK_FLOPS = {"H200": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "A100": 312e12,
-              "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10": 125e12, "RTX 4090": 165e12, "RTX 3090": 71e12,
-              "V100": 125e12, "T4": 65e12}  # fmt: skip
-
 
 @dataclass
 class GPT2Args:
@@ -98,7 +92,6 @@ class GPT2Args:
     n_layer: int = 4
     n_embd: int = 128
     n_head: int = 4
-    peak_flops: Optional[float] = field(default=None, metadata={"help": "device peak FLOP/s for MFU"})
     prompt: str = "The"
     sample_tokens: int = 60
 
@@ -214,33 +207,6 @@ def packing(tokenizer, seq_len: int):
     return tokenize, pack
 
 
-class Throughput:
-    """Model FLOPs utilisation on the step line, from the global tokens/s the Trainer counts from ``input_ids``."""
-
-    def __init__(self, model: torch.nn.Module, seq_len: int, peak_flops: Optional[float]):
-        config = model.config
-        n_params = sum(p.numel() for p in model.parameters())
-        # 6N per token for forward + backward, plus attention's 12 x layers x width x sequence (PaLM, app. B)
-        layers, width = config.num_hidden_layers, config.hidden_size  # GPT-2's n_layer, n_embd; any causal LM
-        self.flops_per_token = 6 * n_params + 12 * layers * width * seq_len
-        self.peak_flops = peak_flops
-
-    def on_log(self, trainer: Trainer, metrics: dict) -> None:
-        peak = self.peak_flops or gpu_peak_flops(trainer.accelerator.device)
-        if peak:
-            mfu = self.flops_per_token * metrics["tokens_per_s"] / (peak * trainer.accelerator.num_processes)
-            metrics["MFU"] = f"{100 * mfu:.1f}%"  # the Trainer prints it on the step line
-
-
-def gpu_peak_flops(device: torch.device) -> Optional[float]:
-    return peak_flops_of(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
-
-
-def peak_flops_of(name: str) -> Optional[float]:
-    """The peak of the GPU called ``name`` (``torch.cuda.get_device_name``), None for one not in the table."""
-    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
-
-
 def main(argv=None) -> dict:
     args, config = parse_args(argv)
     state = distributed_state(config.collective_timeout_s)  # rank and main_process_first before the Trainer
@@ -277,8 +243,7 @@ def main(argv=None) -> dict:
     state.print(f"gpt2 | {sum(p.numel() for p in model.parameters()):,} parameters, {train_size} train and "
                 f"{len(eval_data):,} eval {what}")  # fmt: skip
     flatten = DataCollatorWithFlattening() if args.pack_documents else None  # position_ids restart per document
-    trainer = Trainer(model, config, train_data=train_data, eval_data=eval_data, collate_fn=flatten,
-                      callbacks=[Throughput(model, args.seq_len, args.peak_flops)])  # fmt: skip
+    trainer = Trainer(model, config, train_data=train_data, eval_data=eval_data, collate_fn=flatten)
     result = trainer.fit()
 
     final = Path(config.output_dir) / "final"

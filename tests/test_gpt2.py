@@ -168,11 +168,37 @@ def test_model_name_and_train_file_take_local_paths(one_process):
                      re.M)  # fmt: skip
     assert re.search(r"^step 4/4 \| .* examples/s \| [\d,]+ tokens/s \| MFU [\d.]+%$", outputs["local"], re.M)
     assert not (folder / "local" / "tokenizer").exists(), "a --model-name run uses that model's tokenizer"
+    # Without --peak-flops a CPU's MFU is not guessed: said once, none on the step line.
+    assert outputs["plain"].count("MFU: the peak FLOP/s of this cpu is not known here: set peak_flops") == 1
+    assert " | MFU " not in outputs["plain"]
 
 
 def test_mfu_reads_the_peak_of_the_card_named_not_of_one_whose_name_it_contains():
-    example = load_example()
-    peaks = {name: example.peak_flops_of(name) for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe",
-                                                            "NVIDIA L40", "NVIDIA L4", "NVIDIA A10G", "NVIDIA B200")}
+    from trainer.mfu import peak_flops_of
+
+    peaks = {name: peak_flops_of(name) for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA L40",
+                                                     "NVIDIA L4", "NVIDIA A10G", "NVIDIA L40S", "NVIDIA A100-SXM4-80GB",
+                                                     "AMD Instinct MI300X")}  # fmt: skip
     assert peaks == {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA L40": 181e12,
-                     "NVIDIA L4": 121e12, "NVIDIA A10G": 125e12, "NVIDIA B200": None}  # fmt: skip
+                     "NVIDIA L4": 121e12, "NVIDIA A10G": 125e12, "NVIDIA L40S": 362e12,
+                     "NVIDIA A100-SXM4-80GB": 312e12, "AMD Instinct MI300X": None}  # fmt: skip
+
+
+def test_mfu_counts_6n_and_causal_attention_per_token_against_the_peak_of_every_process():
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from trainer import TrainConfig
+    from trainer.mfu import Utilisation
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=128, n_embd=32, n_layer=2, n_head=2))
+    parameters = sum(p.numel() for p in model.parameters())
+    gpu = Utilisation(model, TrainConfig(peak_flops=1e12), torch.device("cpu"), processes=2)
+    # 1,000 tokens/s in 10 examples/s: sequences of 100 tokens; attention 6 x 2 layers x 32 wide x 100 per token.
+    assert gpu.of(1000.0, 10.0) == pytest.approx((6 * parameters + 6 * 2 * 32 * 100) * 1000 / (1e12 * 2))
+    assert Utilisation(model, TrainConfig(flops_per_token=5e6, peak_flops=1e12), torch.device("cpu"), 1).of(
+        1000.0, 10.0) == pytest.approx(5e6 * 1000 / 1e12)  # fmt: skip
+    cpu = Utilisation(model, TrainConfig(), torch.device("cpu"), processes=1)
+    assert cpu.of(1000.0, 10.0) is None and cpu.said  # said once: a CPU's peak is not guessed
+    plain = Utilisation(torch.nn.Linear(4, 4), TrainConfig(peak_flops=1e12), torch.device("cpu"), processes=1)
+    assert plain.of(1000.0, 10.0) is None and not plain.said  # no FLOPs known: nothing to say

@@ -117,6 +117,10 @@ class TrainConfig:
     tensorboard: bool = False  # every process writes TensorBoard events to <output_dir>/tensorboard/rank<k>
     # "10-12": a torch.profiler trace of those optimizer steps on every rank, <output_dir>/profile/rank<k>/trace.json
     profile_steps: Optional[str] = None
+    # MFU on the step line (trainer/mfu.py): a model's forward + backward FLOPs per token (a transformers model's are
+    # computed), and a device's peak FLOP/s (a GPU in the table: its bf16 peak)
+    flops_per_token: Optional[float] = None
+    peak_flops: Optional[float] = None
     # Preemption (trainer/preemption.py): on any of these signals, every rank stops after the same step, commits a
     # checkpoint there and exits with status 75; "" leaves the signals alone. A second signal, or
     # preemption_grace_s after the first, exits at once. slurm_requeue: then `scontrol requeue` the job.
@@ -178,7 +182,7 @@ class TrainConfig:
             "epochs": 1, "batch_size": 1, "gradient_accumulation_steps": 1, "warmup_steps": 0,
             "num_workers": 0, "log_every": 1, "keep_last": 1, "max_steps": 1, "eval_every": 1, "save_every": 1,
             "lr": 0.0, "weight_decay": 0.0, "eps": 0.0, "collective_timeout_s": 1.0, "stall_warning_s": 0.1,
-            "preemption_grace_s": 1.0, "ema_start_step": 0,
+            "preemption_grace_s": 1.0, "ema_start_step": 0, "flops_per_token": 1.0, "peak_flops": 1.0,
         }  # fmt: skip
         for key, low in at_least.items():
             value = getattr(self, key)

@@ -24,7 +24,7 @@ from typing import Any, Iterator, Optional, TextIO
 from tqdm.auto import tqdm
 
 LIBRARIES = ("transformers", "accelerate", "datasets", "torch")
-STEP_FIGURES = ("step", "epoch", "train_loss", "lr", "examples_per_s", "tokens_per_s")  # the rest: a callback's
+STEP_FIGURES = ("step", "epoch", "train_loss", "lr", "examples_per_s", "tokens_per_s", "mfu")  # the rest: a callback's
 _process = {"main": True, "quieted": False}  # this process's place in the job, set once it has joined
 _said_once: set[str] = set()  # lines said once per process
 
@@ -87,11 +87,14 @@ def joined(process_index: int) -> None:
 
 def step_line(metrics: dict[str, Any], total_steps: int) -> str:
     """``step 300/300 | loss 4.746 | lr 0.0002 | 53.4 examples/s | 6,834 tokens/s``, then any figure logged with
-    ``trainer.log`` or added to ``metrics`` in ``on_log`` (``| MFU 41.5%``); ``grad_norm`` is in the logs only."""
+    ``trainer.log`` or added to ``metrics`` in ``on_log``; ``| MFU 41.5%`` where it is known (``trainer.mfu``);
+    ``grad_norm`` is in the logs only."""
     line = (f"step {metrics['step']}/{total_steps} | loss {metrics['train_loss']:.6g} | lr {metrics['lr']:.4g} | "
             f"{metrics['examples_per_s']:.1f} examples/s")  # fmt: skip
     if "tokens_per_s" in metrics:
         line += f" | {metrics['tokens_per_s']:,.0f} tokens/s"
+    if "mfu" in metrics:  # model FLOPs utilisation (trainer.mfu), a fraction
+        line += f" | MFU {100 * metrics['mfu']:.1f}%"
     for key, value in metrics.items():
         if key not in STEP_FIGURES and key != "grad_norm":  # logged, not said: the line stays short
             line += f" | {key} {value:.4g}" if isinstance(value, float) else f" | {key} {value}"

@@ -29,6 +29,7 @@ class Telemetry:
         self.figures = LoggedFigures(reserved=(*STEP_FIGURES, "grad_norm"))  # trainer.log's, until the next log
         self.sinks: list[Any] = []
         self.log_history: list[dict[str, Any]] = []
+        self.utilisation: Any = None  # MFU, where the model's FLOPs and the device's peak are known (trainer.mfu)
 
     def open(self, config: TrainConfig, run_id: str, step: int = 0) -> None:
         """This rank's sinks; ``run_id`` names its wandb run (a resume passes the checkpoint's: the run goes on from
@@ -55,6 +56,10 @@ class Telemetry:
                    "examples_per_s": global_view["global/examples_per_s"]}  # fmt: skip
         if "global/tokens_per_s" in global_view:
             metrics["tokens_per_s"] = global_view["global/tokens_per_s"]
+        if self.utilisation is not None:
+            mfu = self.utilisation.of(metrics.get("tokens_per_s"), metrics["examples_per_s"])
+            if mfu is not None:
+                metrics["mfu"] = global_view["global/mfu"] = mfu
         if grad_norm is not None:  # the norm before clipping of this step's gradients, the same on every rank
             whole = getattr(grad_norm, "full_tensor", lambda: grad_norm)()  # a sharded model's: summed from the shards
             metrics["grad_norm"] = global_view["global/grad_norm"] = float(whole)

@@ -35,6 +35,7 @@ from trainer.ema import WeightAverage
 from trainer.errors import ConfigError, DataError, peer_loss_in_a_line
 from trainer.evaluation import Evaluator, MetricsFn, PredictFn, named_sets
 from trainer.losses import LossFn, model_loss
+from trainer.mfu import Utilisation
 from trainer.microbatch import MicroBatchSplit
 from trainer.parallel import Parallelism
 from trainer.preemption import PreemptionWatch, stop
@@ -119,6 +120,7 @@ class Trainer:
         self.steps.split = MicroBatchSplit.for_run(config, self.parallel, self.host, self.model)  # (auto_microbatch)
         if (profiler := StepProfiler.for_run(config, acc)) is not None:  # profile_steps
             self.callbacks.append(profiler)
+        self.telemetry.utilisation = Utilisation(self.unwrapped_model, config, acc.device, acc.num_processes)
         self.evaluator = Evaluator(self.unwrapped_model, self.loss_fn, metrics_fn, acc, self.parallel.dp, self.autocast,
                                    self.weighing.count, self.parallel.lockstep, self.host,
                                    functools.partial(loader, model=self.unwrapped_model, evaluation=True))  # fmt: skip
