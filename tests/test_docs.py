@@ -47,6 +47,23 @@ def test_no_inline_code_is_broken_across_source_lines():
     assert not broken, "\n".join(broken)
 
 
+def test_the_getting_started_snippet_runs_as_written_on_one_process_and_two(tmp_path):
+    """The index page's "Your own model" block, saved as train.py and run as its next block says: python, then
+    accelerate launch with 2 processes (in a fresh folder: resume="auto" would continue the first run)."""
+    page = (ROOT / "docs" / "index.md").read_text()
+    (tmp_path / "train.py").write_text(re.findall(r"## Your own model\n\n```python\n(.*?)```", page, re.S)[0])
+    env = clean_env(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    one = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, capture_output=True, text=True, env=env,
+                         timeout=300)  # fmt: skip
+    assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-2000:]
+    assert float(one.stdout.strip().splitlines()[-1]) < 1.0, "it learned the sum of two inputs"
+    (tmp_path / "runs").rename(tmp_path / "one-process")
+    two = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                          str(ROOT / "accelerate_configs" / "cpu.yaml"), "--num_processes", "2", "train.py"],
+                         cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert two.returncode == 0 and "2 process(es)" in two.stdout, two.stdout[-2000:] + two.stderr[-2000:]
+
+
 def test_the_recipes_run_as_written(tmp_path):
     """Every block of docs/recipes.md, in order, as one script in a fresh folder: what a user pastes runs."""
     page = (ROOT / "docs" / "recipes.md").read_text()
