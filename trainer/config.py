@@ -121,6 +121,8 @@ class TrainConfig:
     # computed), and a device's peak FLOP/s (a GPU in the table: its bf16 peak)
     flops_per_token: Optional[float] = None
     peak_flops: Optional[float] = None
+    # fp32 matmuls on a GPU's tensor cores (TF32, a 10-bit mantissa; trainer/precision.py). Off, as in torch.
+    tf32: bool = False
     # Preemption (trainer/preemption.py): on any of these signals, every rank stops after the same step, commits a
     # checkpoint there and exits with status 75; "" leaves the signals alone. A second signal, or
     # preemption_grace_s after the first, exits at once. slurm_requeue: then `scontrol requeue` the job.

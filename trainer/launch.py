@@ -30,6 +30,7 @@ from trainer import console
 from trainer.config import TrainConfig
 from trainer.errors import LaunchMismatch, Refusal, WorldSizeMismatch
 from trainer.fsdp import accelerate_without_sharding
+from trainer.precision import apply_tf32, precision_words
 
 ELASTIC_RECIPE = (
     "The trainer keeps each attempt's keys apart in the launcher's store (pytorch/pytorch#135712); if restarts "
@@ -122,6 +123,9 @@ def build_accelerator(config: TrainConfig) -> Accelerator:
         )
     check_world_size(accelerator)
     share_cpu_threads(accelerator.device)
+    apply_tf32(config.tf32, accelerator.device)
+    if (words := precision_words(accelerator.device, accelerator.mixed_precision)) is not None:
+        console.say(words, once=True)
     if _needs_cpu_fallback():
         world = accelerator.num_processes
         console.say(f"No GPU on this host is visible to the processes: running the {world} launched processes as "
