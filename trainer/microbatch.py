@@ -143,13 +143,14 @@ class MicroBatchSplit:
         ranks = ", ".join(f"rank {rank} in {names[code]}" for rank, code in failed.items())
         size = find_batch_size(batch) or 1
         if self.pieces >= size:
-            size = f"{sum(p.numel() for p in model.parameters()):,} parameters"  # a sharded one's: all of them
-            shard = ("shard it over more processes" if self.sharded is not None
-                     else "shard the model (accelerate_configs/fsdp.yaml)")  # fmt: skip
+            parameters = f"{sum(p.numel() for p in model.parameters()):,} parameters"  # sharded: all of them
+            if self.sharded is not None:
+                parameters, shard = f"{parameters}, sharded", "shard it over more processes"
+            else:
+                shard = "shard the model (accelerate_configs/fsdp.yaml)"
             raise OutOfMemory(f"out of memory at step {step} ({ranks}) with micro-batches of one example: the model "
-                              f"({size}{', sharded' if self.sharded is not None else ''}) and one example do not fit "
-                              f"in {memory_words(self.device)}; {shard}, recompute activations "
-                              "(activation_checkpointing: true), or shorten the examples")  # fmt: skip
+                              f"({parameters}) and one example do not fit in {memory_words(self.device)}; {shard}, "
+                              "recompute activations (activation_checkpointing: true), or shorten the examples")
         before = -(-size // self.pieces)
         self.pieces *= 2
         say(f"out of memory at step {step} ({ranks}) with micro-batches of {before} example(s): every rank now cuts "

@@ -165,7 +165,8 @@ class ModelState:
         if self.format != DDP:  # collective: every process gathers each trainable tensor, the main one keeps them
             from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-            trainable = {name for name, p in self.model.named_parameters() if p.requires_grad}
+            trainable = {name.replace("_checkpoint_wrapped_module.", "")  # the state dict's names
+                         for name, p in self.model.named_parameters() if p.requires_grad}  # fmt: skip
             state = get_model_state_dict(self.model)
             adapter = {name: tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
                        for name, tensor in state.items() if name in trainable}  # fmt: skip
