@@ -65,9 +65,9 @@ class NonFiniteGuard:
         bad = self.accelerator.reduce(self._bad_in_window.float(), reduction="sum").item() > 0
         self._bad_in_window.zero_()
         self.skipped_steps += bad
-        with torch.no_grad():
-            for buffer, kept in zip(self._buffers, self._kept, strict=True):
-                (buffer if bad else kept).copy_(kept if bad else buffer)  # skipped: put back; else: keep a copy
+        if self._buffers:  # skipped: put them back; else: keep a copy. One foreach copy, not one call a buffer
+            with torch.no_grad():
+                torch._foreach_copy_(*((self._buffers, self._kept) if bad else (self._kept, self._buffers)))
         return bad
 
     def check(self, first_bad_step: torch.Tensor, last_good: str = "") -> None:
