@@ -21,13 +21,17 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+HOST_GROUPS: list = []  # every host group this process made, in order: the same on every rank (trainer.launch's exit)
+
 
 @functools.cache
 def host_group(world_size: int, timeout_s: float) -> Optional[Any]:
     """The job's host-side gloo group (None with one process). Collective the first time: every rank, together."""
     if world_size == 1:
         return None
-    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    HOST_GROUPS.append(group)
+    return group
 
 
 class StreamAgreement:

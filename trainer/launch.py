@@ -253,6 +253,8 @@ def _destroy_process_group_at_exit() -> None:
     gather, and frees them only when the barrier's own Work goes. So the barrier's Work is kept referenced here:
     its last reference is then this process's, dropped on the main thread, with the GIL, when the interpreter
     clears this module. (2-process torchrun jobs, two at a time on 2 cores: 6 aborts in 150 before, 0 in 200 after.)
+    The trainer's host (gloo) groups get the same barrier: one abort was still seen after a job that evaluated and
+    predicted, in a full suite run on a loaded host.
 
     On a clean exit, and after a refusal every rank meets alike (``job_wide``: the ranks decided together, as on a
     locked output_dir), whose wait is bounded: after any other uncaught exception the other ranks may never arrive."""
@@ -265,10 +267,14 @@ def _destroy_process_group_at_exit() -> None:
         if error is None or isinstance(error, Refusal) and error.job_wide:
             # On NCCL the barrier names this process's GPU (without it torch warns, guessing the device).
             on = {"device_ids": [torch.cuda.current_device()]} if nccl else {}
-            work = torch.distributed.barrier(async_op=True, **on)  # every rank's collectives are done first
-            _TEARDOWN_WORK.append(work)
+            works = [torch.distributed.barrier(async_op=True, **on)]  # every rank's collectives are done first
+            from trainer.agreement import HOST_GROUPS  # the host (gloo) groups' collectives too, the same way
+
+            works += [torch.distributed.barrier(group=group, async_op=True) for group in HOST_GROUPS]
+            _TEARDOWN_WORK.extend(works)
             try:
-                work.wait() if error is None else work.wait(timedelta(seconds=30))
+                for work in works:
+                    work.wait() if error is None else work.wait(timedelta(seconds=30))
             except RuntimeError:  # a peer that did not come: tear down anyway, but not NCCL, whose teardown after
                 if nccl:  # a timed-out collective can hang until its watchdog aborts (pytorch/pytorch#141510)
                     return
