@@ -20,7 +20,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,26 +28,19 @@ WARMUP = 5
 
 def child(ema: bool, steps: int) -> None:
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from step_times import StepEnds, small_gpt2
 
     from trainer import TrainConfig, Trainer
 
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=8192, n_positions=128, n_embd=256, n_layer=4, n_head=4))
-    ids = torch.randint(0, 8192, ((steps + WARMUP) * 8, 128))
-    rows = [{"input_ids": row, "labels": row} for row in ids]
-    ends: list[float] = []
-
-    class StepEnds:
-        def on_step_end(self, trainer) -> None:
-            ends.append(time.perf_counter())
+    model, rows = small_gpt2((steps + WARMUP) * 8)
+    ends = StepEnds()
 
     with tempfile.TemporaryDirectory() as out:
         config = TrainConfig(output_dir=out, batch_size=8, optimizer="adamw", lr=1e-4, max_steps=WARMUP + steps,
                              log_every=1000, shuffle=False, ema_decay=0.999 if ema else None)  # fmt: skip
-        Trainer(model, config, train_data=rows, callbacks=[StepEnds()]).fit()
-    seconds = statistics.median(b - a for a, b in zip(ends[WARMUP:-1], ends[WARMUP + 1:], strict=True))
+        Trainer(model, config, train_data=rows, callbacks=[ends]).fit()
+    seconds = ends.median(WARMUP)
     peak_kib = int(next(line for line in Path("/proc/self/status").read_text().splitlines()
                         if line.startswith("VmHWM")).split()[1])  # fmt: skip
     print(json.dumps({"step_s": seconds, "peak_mib": peak_kib / 1024}))

@@ -20,7 +20,6 @@ import os
 import statistics
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,28 +27,20 @@ WARMUP = 5
 
 
 def child(auto: bool, steps: int) -> None:
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from step_times import StepEnds, small_gpt2
 
     from trainer import TrainConfig, Trainer
 
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=8192, n_positions=128, n_embd=256, n_layer=4, n_head=4))
-    ids = torch.randint(0, 8192, ((steps + WARMUP) * 16, 128))
-    rows = [{"input_ids": row, "labels": row} for row in ids]
-    ends: list[float] = []
-
-    class StepEnds:
-        def on_step_end(self, trainer) -> None:
-            ends.append(time.perf_counter())
+    model, rows = small_gpt2((steps + WARMUP) * 16)
+    ends = StepEnds()
 
     with tempfile.TemporaryDirectory() as out:
         config = TrainConfig(output_dir=out, batch_size=4, gradient_accumulation_steps=2, optimizer="adamw", lr=1e-4,
                              max_steps=WARMUP + steps, log_every=1000, shuffle=False, auto_microbatch=auto)  # fmt: skip
-        trainer = Trainer(model, config, train_data=rows, callbacks=[StepEnds()])
+        trainer = Trainer(model, config, train_data=rows, callbacks=[ends])
         trainer.fit()
     if trainer.accelerator.is_main_process:
-        seconds = statistics.median(b - a for a, b in zip(ends[WARMUP:-1], ends[WARMUP + 1 :], strict=True))
+        seconds = ends.median(WARMUP)
         print(json.dumps({"step_s": seconds}))
 
 
