@@ -2,9 +2,10 @@
 
 FSDP2 starts a module's backward work (gathering its weights again, and for the root, the callback that
 reduce-scatters the gradients of every group whose inputs need none) from hooks on the tensors its forward returns.
-It finds them in tensors, dicts, lists, tuples, named tuples and dataclasses (transformers' ``ModelOutput`` is a
-dict), and nowhere else: a model returning a ``SimpleNamespace`` or an object of its own trains without an error,
-its loss going down batch by batch while no gradient ever reaches the sharded weights, so they never change
+It finds them in tensors, dicts, lists, tuples, named tuples and (from torch 2.12) dataclasses (transformers'
+``ModelOutput`` is a dict), and nowhere else: a model returning a ``SimpleNamespace``, an object of its own or
+(torch 2.11) a dataclass trains without an error, its loss going down batch by batch while no gradient ever reaches
+the sharded weights, so they never change
 (measured: a two-layer classifier, 16 steps of AdamW under FSDP2, its weights bit-identical to the initial ones).
 The check costs one walk of each sharded module's first training output; the hooks then remove themselves.
 """
@@ -40,24 +41,34 @@ def _check_once(handle: list) -> Callable:
         from torch.distributed.fsdp import FSDPModule
 
         name = next(c for c in type(module).__mro__[1:] if c is not FSDPModule).__name__  # fully_shard's subclass
+        containers = "a dict, a tuple, a dataclass" if _walks_dataclasses() else "a dict, a tuple"
         raise ShardingError(
             f"{name}.forward returns a {type(output).__name__}, in which FSDP2 finds no tensor: no gradient would "
-            "reach the sharded weights, and they would never change (without an error). Return a dict, a tuple, a "
-            "dataclass or a transformers ModelOutput instead")
+            "reach the sharded weights, and they would never change (without an error). Return "
+            f"{containers} or a transformers ModelOutput instead")
     return check
+
+
+def _walks_dataclasses() -> bool:
+    """torch >= 2.12: FSDP2 walks outputs with ``collect_grad_tensors``, which looks into dataclasses."""
+    try:
+        from torch.distributed.fsdp._common_utils import collect_grad_tensors  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _fsdp_finds(output: Any) -> bool:
     """Whether FSDP2's own walk of a module's output finds a tensor that needs gradients."""
-    try:
-        from torch.distributed.fsdp._common_utils import collect_grad_tensors  # torch >= 2.12
-    except ImportError:
-        from torch.distributed.utils import _apply_to_tensors  # earlier torch: FSDP2 walks with this
+    if _walks_dataclasses():
+        from torch.distributed.fsdp._common_utils import collect_grad_tensors
 
-        found = []
-        _apply_to_tensors(lambda tensor: found.append(tensor.requires_grad) or tensor, output)
-        return any(found)
-    return bool(collect_grad_tensors(output))
+        return bool(collect_grad_tensors(output))
+    # Earlier torch hooks what pytree's tree_flatten finds (FSDPState._register_pre_backward_hook): not a plain
+    # dataclass, which trained without an error and without moving a weight under torch 2.11.
+    from torch.utils._pytree import tree_flatten
+
+    return any(torch.is_tensor(t) and t.requires_grad for t in tree_flatten(output)[0])
 
 
 def _tensors_needing_grad(value: Any, depth: int, seen: set[int]) -> Iterator[torch.Tensor]:
