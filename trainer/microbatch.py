@@ -79,8 +79,8 @@ class MicroBatchSplit:
                                 "dp_replicate_size")  # fmt: skip
         if not hasattr(FSDPModule, "reset_iter_state"):
             raise ShardingError(f"auto_microbatch with a sharded model needs FSDPModule.reset_iter_state, which "
-                                f"torch {torch.__version__} lacks: upgrade torch, or set auto_microbatch: false "
-                                "and choose batch_size")  # fmt: skip
+                                f"torch {torch.__version__} lacks: use torch 2.13 or later, or set auto_microbatch: "
+                                "false and choose batch_size")  # fmt: skip
         self.sharded = model
         for module in model.modules():
             if isinstance(module, FSDPModule):
