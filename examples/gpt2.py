@@ -93,7 +93,8 @@ class GPT2Args:
     n_embd: int = 128
     n_head: int = 4
     prompt: str = "The"
-    sample_tokens: int = 60
+    sample_tokens: int = field(default=60, metadata={"help": "tokens sampled after --prompt at the end (at most "
+                                                             "what the context has left)"})
 
 
 def parse_args(argv=None) -> tuple[GPT2Args, TrainConfig]:
@@ -260,8 +261,11 @@ def main(argv=None) -> dict:
 
 @torch.no_grad()
 def sample(model: torch.nn.Module, tokenizer, prompt: str, new_tokens: int) -> str:
+    """The prompt and up to ``new_tokens`` sampled after it, no more than the model's context holds (GPT-2's
+    positions end at n_positions: past them its embedding has no row)."""
     model.eval()
     inputs = tokenizer(prompt, return_tensors="pt").to(next(model.parameters()).device)
+    new_tokens = min(new_tokens, model.config.n_positions - inputs["input_ids"].shape[1])
     generator_seed = torch.random.get_rng_state()
     torch.manual_seed(0)  # the same sample for the same weights
     output = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=True, top_k=40, temperature=0.8,

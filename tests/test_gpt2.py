@@ -77,8 +77,11 @@ def test_streaming_trains_from_a_stream_on_two_processes_and_resumes_mid_stream(
     outputs, folder = two_processes
     (first, _), (again, _) = outputs["streamed"], outputs["streamed again"]
     tmp_path = folder / "streamed"
-    assert re.search(r"^gpt2 \| [\d,]+ parameters, streamed train and 64 eval sequences of 32 tokens$", first,
-                     re.M)  # fmt: skip
+    held_out = re.search(r"^gpt2 \| [\d,]+ parameters, streamed train and (\d+) eval sequences of 32 tokens$", first,
+                         re.M)  # fmt: skip
+    # --eval-blocks 64 at most: the built-in text (Python's own documentation) held out only 32 on a host with
+    # Python 3.12.3 and tokenizers 0.23.2: which documents' hashes fall in the held-out part varies with the text.
+    assert held_out and 0 < int(held_out[1]) <= 64
     assert "unknown optimizer steps per epoch, 10 in all" in first
     assert f"resumed from {tmp_path}/checkpoints/step-00000010: step 10, epoch 0, batch 10" in again
     losses = logged_losses(first + again)
@@ -126,6 +129,17 @@ def load_example():
     sys.modules[spec.name] = module  # @dataclass looks its module up there
     spec.loader.exec_module(module)
     return module
+
+
+def test_the_closing_sample_stops_where_the_models_context_ends():
+    """--seq-len 32 with the default 60 sample tokens ended a finished run in an IndexError (no position past 32)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    example = load_example()
+    tokenizer = example.train_tokenizer({"text": ["The cat sat on the mat."] * 50}, vocab_size=300)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=16, n_embd=16, n_layer=1, n_head=2))
+    text = example.sample(model, tokenizer, "The", new_tokens=60)
+    assert text.startswith("The")  # and no IndexError past position 16
 
 
 def test_flags_take_hyphens_or_underscores_and_a_yaml_config(tmp_path):
