@@ -111,7 +111,7 @@ class Seen:
 def pair_loss(model, batch):
     """Sum of the token losses and the tokens counted: the trainer weighs each by its count."""
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
-    labels = batch["labels"][:, 1:]
+    labels = batch["labels"][:, 1:].to(logits.device)  # (a sharded model moved its inputs to its device)
     total = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB).float(), labels.reshape(-1), reduction="sum")
     return total, labels.ne(-100).sum()
 
@@ -319,7 +319,7 @@ def token_mean_loss(model: torch.nn.Module, rows: list[dict]) -> float:
     """The mean cross-entropy over every counted (shifted) token of ``rows``: each token once."""
     batch = torch.utils.data.default_collate([{k: v for k, v in r.items() if k != "index"} for r in rows])
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].double()
-    labels = batch["labels"][:, 1:]
+    labels = batch["labels"][:, 1:].to(logits.device)  # (a sharded model moved its inputs to its device)
     return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1)).item()
 
 

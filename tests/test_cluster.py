@@ -175,6 +175,8 @@ def test_preflight_names_a_config_it_cannot_read_or_the_launch_would_refuse(tmp_
     assert "invalid.yaml cannot be read by accelerate: while parsing a flow node" in problems["invalid"][0]
     assert "typo.yaml cannot be read by accelerate: 'FSPD' is not a valid DistributedType" in problems["typo"][0]
     assert problems["none"] == ["num_processes 0 and num_machines 1 must each be at least 1"]
+    # (On a host with fewer GPUs than the config's 2 processes, that is one more problem, of this host.)
+    problems["refused"] = [p for p in problems["refused"] if "but this machine has" not in p]
     assert [p.split(":")[0] for p in problems["refused"]] == ["the accelerate config sets fsdp_offload_params",
                                                               "mixed precision fp16 with FSDP2 is not supported (its "
                                                               "loss scaler would have to see sharded gradients)"]
