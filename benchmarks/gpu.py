@@ -192,6 +192,7 @@ def measure(variant: str, model: str, mode: str, batch: int, args) -> dict | Non
     if line is None:
         sys.stderr.write(f"{variant} {model} {mode} B={batch} failed:\n{done.stderr[-3000:]}\n")
         return None
+    print(f"{variant} {model} {mode} B={batch}: {line.removeprefix('RESULT ')}", flush=True)  # kept if cut short
     return json.loads(line.removeprefix("RESULT "))
 
 
