@@ -2,7 +2,8 @@
 
 bf16 and fp16 on the GPU, a crash and resume ending bit-identical on one GPU, pinned memory and fused AdamW in
 use, the fp32 output copy gone under mixed precision, ``compile``, the banner, cpu.yaml staying on the CPU, more
-processes than GPUs refused with one message, and a real out-of-memory met by ``auto_microbatch``. Run:
+processes than GPUs refused with one message (two handed the same GPU too), a real out-of-memory met by
+``auto_microbatch``; with 2 GPUs, DDP and FSDP2 over NCCL and a process bound to each GPU. Run:
 ``python -m pytest -q tests/test_gpu.py``.
 """
 
@@ -141,6 +142,48 @@ def test_fsdp2_on_one_gpu_saves_in_the_background_and_builds_a_meta_model_on_the
     assert "built on meta, each process initialised its shards" in result.stdout
     meta = json.loads((tmp_path / "meta" / "ragged.json").read_text())
     assert meta["tied"] and all(loss == loss for loss in meta["losses"])
+
+
+def test_two_processes_handed_the_same_gpu_stop_once_joined_with_one_message(tmp_path):
+    """CUDA_VISIBLE_DEVICES=0 in both processes (a wrapper meant to bind each to its own): the launch is not refused
+    for the count (each may have been given its own), and the processes, joined over NCCL, find they share one."""
+    result = accelerate_launch(SCENARIOS, "job", "--output_dir", tmp_path, config="multi_gpu.yaml", num_processes=2,
+                               env={**gpu_env(), "CUDA_VISIBLE_DEVICES": "0"}, expect_ok=False)  # fmt: skip
+    output = result.stdout + result.stderr
+    assert output.count(REFUSAL) == 1, output
+    assert "but it has 1 GPU(s) for them (ranks 0 and 1 share one, CUDA_VISIBLE_DEVICES='0' in each)" in output
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
+def test_each_process_bound_to_its_own_gpu_by_cuda_visible_devices_trains(tmp_path):
+    """srun --gpu-bind's way (here a shell that sets CUDA_VISIBLE_DEVICES=$LOCAL_RANK): each process sees one GPU
+    of 2 processes a machine, and they train as DDP over NCCL."""
+    worker = f"CUDA_VISIBLE_DEVICES=$LOCAL_RANK exec {sys.executable} {SCENARIOS} job --output_dir {tmp_path}"
+    result = torchrun("bash", "-c", worker, run_args=["--no-python"], env=gpu_env())
+    assert "trainer | 2 process(es) on 1 machine(s), device cuda (MULTI_GPU)" in result.stdout
+    report = json.loads((tmp_path / "result.json").read_text())
+    assert (report["device"], report["world_size"]) == ("cuda", 2)
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
+def test_ddp_and_fsdp2_over_nccl_on_two_gpus_agree_save_in_the_background_and_exit_cleanly(tmp_path):
+    """The multi-process GPU paths: DDP and FSDP2 over NCCL (2 processes), the token count's all-reduce, lockstep
+    evaluation, a sharded checkpoint written in the background beside NCCL (its gloo group), and the teardown."""
+    from test_mesh import largest_difference
+
+    common = ["--batch_size", "2", "--accumulation", "2", "--optimizer", "adamw", "--lr", "0.01", "--max_steps", "4",
+              "--save_every", "2", "--eval", "--eval_examples", "45"]  # fmt: skip
+    variants = {"fsdp": [*common, "--save_async"], "ddp": [*common, "--ddp"]}
+    result = accelerate_launch(ROOT / "tests" / "ragged_lm.py", "--out", tmp_path, "--variants", json.dumps(variants),
+                               config="fsdp.yaml", num_processes=2, env=gpu_env())  # fmt: skip
+    assert "trainer | 2 process(es) on 1 machine(s), device cuda (FSDP2)" in result.stdout
+    runs = {name: json.loads((tmp_path / name / "ragged.json").read_text()) for name in variants}
+    assert largest_difference(runs["fsdp"], runs["ddp"]) < 1e-5  # TF32 off (torch's default): to the float floor
+    assert runs["fsdp"]["eval_loss"] == pytest.approx(runs["ddp"]["eval_loss"], rel=1e-5)
+    assert (tmp_path / "fsdp" / "checkpoints" / "step-00000004" / "shards" / ".metadata").is_file()
+    output = result.stdout + result.stderr
+    assert "No device id is provided" not in output, "a barrier that does not name its GPU"
+    assert "has NOT been destroyed" not in output, "a process group left to the interpreter's exit"
 
 
 @pytest.mark.skipif(GPUS < 4, reason="needs 4 GPUs")

@@ -37,6 +37,57 @@ def test_more_processes_than_gpus_stop_at_once_with_one_message_naming_what_work
     assert time.monotonic() - started < 60
 
 
+BOUND = """
+import sys
+sys.path.insert(0, {root!r})
+from trainer.launch import check_launch_fits_host
+check_launch_fits_host()
+print("not refused")
+"""
+
+
+def test_a_launcher_that_gives_each_process_a_gpu_of_its_own_is_not_refused_for_the_count(tmp_path):
+    """srun --gpu-bind (or a wrapper) sets CUDA_VISIBLE_DEVICES per process: each sees one GPU of 2 processes a
+    machine, and accelerate takes each one's own. Refused before, as if 2 processes wanted 1 GPU."""
+    (tmp_path / "bound.py").write_text(BOUND.format(root=str(ROOT)))
+    result = torchrun(tmp_path / "bound.py", env={**pretend_gpus(2), "CUDA_VISIBLE_DEVICES": "1"})
+    assert result.stdout.count("not refused") == 2, result.stdout + result.stderr
+
+
+SHARED = """
+import sys, types
+sys.path.insert(0, {root!r})
+import torch
+import torch.distributed as dist
+from trainer import launch
+
+dist.init_process_group("gloo")
+launch._destroy_process_group_at_exit()  # the teardown distributed_state registers
+rank = dist.get_rank()
+uuid = "GPU-one" if sys.argv[1] == "shared" else f"GPU-{{rank}}"  # the GPU each process was given
+torch.cuda.get_device_properties = lambda device: types.SimpleNamespace(uuid=uuid)  # (no CUDA on this host)
+state = types.SimpleNamespace(num_processes=2, process_index=rank, device=torch.device("cuda", 0))
+launch._check_each_process_has_a_gpu(state, 60)
+print(f"rank {{rank}} has a GPU of its own")
+"""
+
+
+def test_two_processes_given_one_gpu_stop_once_joined_with_one_message(tmp_path):
+    """Where CUDA_VISIBLE_DEVICES hands each process its GPU, the processes compare their GPUs' UUIDs over the host
+    group once joined (2 real processes, gloo; the UUID each reads is set, this host having no GPU)."""
+    (tmp_path / "shared.py").write_text(SHARED.format(root=str(ROOT)))
+    env = {**pretend_gpus(1), "CUDA_VISIBLE_DEVICES": "0"}
+    apart = torchrun(tmp_path / "shared.py", "apart", env=env)
+    assert apart.stdout.count("has a GPU of its own") == 2
+    shared = torchrun(tmp_path / "shared.py", "shared", env=env, expect_ok=False)
+    output = shared.stdout + shared.stderr
+    assert output.count(REFUSAL) == 1, output
+    assert ("trainer: cannot start: this launch starts 2 processes on this machine, but it has 1 GPU(s) for them "
+            "(ranks 0 and 1 share one, CUDA_VISIBLE_DEVICES='0' in each): one process per GPU. Run `accelerate "
+            "launch --num_processes 1 ...`") in output  # fmt: skip
+    assert "has a GPU of its own" not in output
+
+
 @pytest.mark.parametrize("processes", [1, 2])
 def test_cpu_yaml_runs_on_the_cpu_of_a_host_with_a_gpu(tmp_path, processes):
     result = accelerate_launch(SCENARIOS, "job", "--output_dir", tmp_path, config="cpu.yaml",

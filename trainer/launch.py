@@ -16,6 +16,7 @@ import atexit
 import functools
 import os
 import signal
+import socket
 import sys
 import time
 from datetime import timedelta
@@ -76,6 +77,8 @@ def distributed_state(collective_timeout_s: Optional[float] = None) -> PartialSt
         raise RuntimeError(message) from err
     _destroy_process_group_at_exit()
     _end_with_the_launcher()
+    if state.num_processes > 1 and state.device.type == "cuda":
+        _check_each_process_has_a_gpu(state, collective_timeout_s)
     console.joined(state.process_index)
     return state
 
@@ -185,6 +188,8 @@ def check_launch_fits_host() -> None:
 
     - More processes on this machine than it has GPUs: every process after the last GPU would die with "invalid
       device ordinal" (or NCCL's "invalid usage" where two share one), behind a wall of launcher tracebacks.
+      Where CUDA_VISIBLE_DEVICES is set (a launcher binding each process to a GPU of its own), the processes join
+      first and compare their GPUs.
     - Several CPU processes asked of ``accelerate launch``'s CPU path (``use_cpu`` / ``--cpu``, or the multi-CPU
       file ``accelerate config`` writes): without mpirun it starts ONE process, which would train alone. It gives
       that process MASTER_ADDR only when it was asked for more than one, so a MASTER_ADDR the launcher itself did
@@ -193,14 +198,11 @@ def check_launch_fits_host() -> None:
     problem = None
     per_machine = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0  # those CUDA_VISIBLE_DEVICES leaves
-    if per_machine > gpus > 0 and not parse_flag_from_env("ACCELERATE_USE_CPU"):
-        problem = (
-            f"this launch starts {per_machine} processes on this machine, but it has {gpus} GPU(s): one process per "
-            f"GPU. Run `accelerate launch --num_processes {gpus} ...` (or --config_file "
-            f"accelerate_configs/single_gpu.yaml), or `torchrun --nproc_per_node {gpus} ...`; to run {per_machine} "
-            f"processes on the CPU instead: `accelerate launch --config_file accelerate_configs/cpu.yaml "
-            f"--num_processes {per_machine} ...`."
-        )
+    # Where CUDA_VISIBLE_DEVICES is set, a launcher may have given each process a GPU of its own (srun --gpu-bind,
+    # a wrapper): accelerate then takes each one's own. Whether two share one is checked once they have joined.
+    per_process = "CUDA_VISIBLE_DEVICES" in os.environ
+    if per_machine > gpus > 0 and not parse_flag_from_env("ACCELERATE_USE_CPU") and not per_process:
+        problem = _too_many_processes(per_machine, gpus)
     elif _lone_process_of_a_cpu_launch():
         problem = (
             "accelerate launch was asked for several CPU processes (use_cpu / --cpu, or a multi-CPU config from "
@@ -211,6 +213,47 @@ def check_launch_fits_host() -> None:
     if problem is None:
         return
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        raise LaunchMismatch(f"trainer: cannot start: {problem}")
+    time.sleep(5)  # let the first process say it: the launcher stops the others once one of them exits
+    raise LaunchMismatch(1)
+
+
+def _too_many_processes(per_machine: int, gpus: int, shared: str = "") -> str:
+    return (f"this launch starts {per_machine} processes on this machine, but it has {gpus} GPU(s){shared}: one "
+            f"process per GPU. Run `accelerate launch --num_processes {gpus} ...` (or --config_file "
+            f"accelerate_configs/single_gpu.yaml), or `torchrun --nproc_per_node {gpus} ...`; to run {per_machine} "
+            f"processes on the CPU instead: `accelerate launch --config_file accelerate_configs/cpu.yaml "
+            f"--num_processes {per_machine} ...`.")  # fmt: skip
+
+
+_GPUS_COMPARED: list[bool] = []  # once per process (every rank joins, through distributed_state, as often)
+
+
+def _check_each_process_has_a_gpu(state: PartialState, timeout_s: Optional[float]) -> None:
+    """Two processes of one machine on one GPU stop here, named, rather than at NCCL's first collective ("Duplicate
+    GPU detected"): each process's GPU (its UUID, whatever CUDA_VISIBLE_DEVICES numbers it) gathered over the
+    host group, once, on every multi-process CUDA job alike."""
+    from trainer.agreement import gather_objects, host_group
+
+    if _GPUS_COMPARED:
+        return
+    _GPUS_COMPARED.append(True)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    mine = (socket.gethostname(), str(torch.cuda.get_device_properties(state.device).uuid), visible)
+    everyone = gather_objects(mine, host_group(state.num_processes, timeout_s or 1800.0))
+    here = [rank for rank, (host, _, _) in enumerate(everyone) if host == mine[0]]
+    on_gpu: dict[str, list[int]] = {}
+    for rank in here:
+        on_gpu.setdefault(everyone[rank][1], []).append(rank)
+    shared = next((ranks for ranks in on_gpu.values() if len(ranks) > 1), None)
+    if shared is None:
+        return
+    settings = {everyone[rank][2] for rank in shared}
+    seen = f", CUDA_VISIBLE_DEVICES={settings.pop()!r} in each" if len(settings) == 1 and None not in settings else ""
+    problem = _too_many_processes(len(here), len(on_gpu), f" for them (ranks {shared[0]} and {shared[1]} share "
+                                                          f"one{seen})")  # fmt: skip
+    torch.distributed.destroy_process_group()  # no teardown barrier: NCCL would meet the shared GPU there
+    if state.process_index == here[0]:
         raise LaunchMismatch(f"trainer: cannot start: {problem}")
     time.sleep(5)  # let the first process say it: the launcher stops the others once one of them exits
     raise LaunchMismatch(1)
