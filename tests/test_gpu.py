@@ -2,8 +2,8 @@
 
 bf16 and fp16 on the GPU, a crash and resume ending bit-identical on one GPU, pinned memory and fused AdamW in
 use, the fp32 output copy gone under mixed precision, ``compile``, the banner, cpu.yaml staying on the CPU, more
-processes than GPUs refused with one message (two handed the same GPU too), a real out-of-memory met by
-``auto_microbatch``; with 2 GPUs, DDP and FSDP2 over NCCL and a process bound to each GPU. Run:
+processes than GPUs refused with one message (two launches sharing one GPU too), a real out-of-memory met by
+``auto_microbatch``; with 2 GPUs, DDP and FSDP2 over NCCL and each process bound to one GPU refused. Run:
 ``python -m pytest -q tests/test_gpu.py``.
 """
 
@@ -19,7 +19,17 @@ import torch
 from test_checkpoint import assert_bit_identical, final_weights, result_line
 from test_gpt2 import load_example
 
-from conftest import ROOT, SCENARIOS, accelerate_launch, clean_env, run, torchrun
+from conftest import (
+    ROOT,
+    SCENARIOS,
+    accelerate_launch,
+    accelerate_node,
+    clean_env,
+    free_port,
+    run,
+    run_together,
+    torchrun,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -144,25 +154,27 @@ def test_fsdp2_on_one_gpu_saves_in_the_background_and_builds_a_meta_model_on_the
     assert meta["tied"] and all(loss == loss for loss in meta["losses"])
 
 
-def test_two_processes_handed_the_same_gpu_stop_once_joined_with_one_message(tmp_path):
-    """CUDA_VISIBLE_DEVICES=0 in both processes (a wrapper meant to bind each to its own): the launch is not refused
-    for the count (each may have been given its own), and the processes, joined over NCCL, find they share one."""
-    result = accelerate_launch(SCENARIOS, "job", "--output_dir", tmp_path, config="multi_gpu.yaml", num_processes=2,
-                               env={**gpu_env(), "CUDA_VISIBLE_DEVICES": "0"}, expect_ok=False)  # fmt: skip
-    output = result.stdout + result.stderr
+def test_two_launches_of_a_multi_node_job_on_one_gpu_host_stop_once_joined_with_one_message(tmp_path):
+    """multi_node.yaml's two machines started on one host: each launch's one process is local rank 0 and takes
+    GPU 0. Joined over NCCL, they find they share it (their GPUs' UUIDs), before NCCL's first collective would."""
+    port = free_port()
+    results = run_together([(accelerate_node(rank, port, SCENARIOS, "job", "--output_dir", tmp_path / f"node{rank}"),
+                             ROOT) for rank in range(2)], env=gpu_env(), expect_ok=False)  # fmt: skip
+    output = "".join(result.stdout + result.stderr for result in results)
     assert output.count(REFUSAL) == 1, output
-    assert "but it has 1 GPU(s) for them (ranks 0 and 1 share one, CUDA_VISIBLE_DEVICES='0' in each)" in output
+    assert "this launch starts 2 processes on this machine, but it has 1 GPU(s) for them (ranks 0 and 1 share " \
+           "one)" in output  # fmt: skip
 
 
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
-def test_each_process_bound_to_its_own_gpu_by_cuda_visible_devices_trains(tmp_path):
-    """srun --gpu-bind's way (here a shell that sets CUDA_VISIBLE_DEVICES=$LOCAL_RANK): each process sees one GPU
-    of 2 processes a machine, and they train as DDP over NCCL."""
+def test_each_process_bound_to_its_own_gpu_by_cuda_visible_devices_is_told_why_it_cannot_run_so(tmp_path):
+    """srun --gpus-per-task's way (here a shell that sets CUDA_VISIBLE_DEVICES=$LOCAL_RANK): each process sees one
+    GPU; accelerate's barriers would address GPU 1 in the process that has only GPU 0."""
     worker = f"CUDA_VISIBLE_DEVICES=$LOCAL_RANK exec {sys.executable} {SCENARIOS} job --output_dir {tmp_path}"
-    result = torchrun("bash", "-c", worker, run_args=["--no-python"], env=gpu_env())
-    assert "trainer | 2 process(es) on 1 machine(s), device cuda (MULTI_GPU)" in result.stdout
-    report = json.loads((tmp_path / "result.json").read_text())
-    assert (report["device"], report["world_size"]) == ("cuda", 2)
+    result = torchrun("bash", "-c", worker, run_args=["--no-python"], env=gpu_env(), expect_ok=False)
+    output = result.stdout + result.stderr
+    assert output.count(REFUSAL) == 1, output
+    assert "If a launcher gives each process its own GPU this way" in output and "invalid device" not in output
 
 
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")

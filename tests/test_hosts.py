@@ -37,21 +37,16 @@ def test_more_processes_than_gpus_stop_at_once_with_one_message_naming_what_work
     assert time.monotonic() - started < 60
 
 
-BOUND = """
-import sys
-sys.path.insert(0, {root!r})
-from trainer.launch import check_launch_fits_host
-check_launch_fits_host()
-print("not refused")
-"""
-
-
-def test_a_launcher_that_gives_each_process_a_gpu_of_its_own_is_not_refused_for_the_count(tmp_path):
-    """srun --gpu-bind (or a wrapper) sets CUDA_VISIBLE_DEVICES per process: each sees one GPU of 2 processes a
-    machine, and accelerate takes each one's own. Refused before, as if 2 processes wanted 1 GPU."""
-    (tmp_path / "bound.py").write_text(BOUND.format(root=str(ROOT)))
-    result = torchrun(tmp_path / "bound.py", env={**pretend_gpus(2), "CUDA_VISIBLE_DEVICES": "1"})
-    assert result.stdout.count("not refused") == 2, result.stdout + result.stderr
+def test_a_launcher_that_gives_each_process_a_gpu_of_its_own_is_told_why_it_cannot_run_so(tmp_path):
+    """srun --gpus-per-task sets CUDA_VISIBLE_DEVICES per process: each of 2 processes a machine sees one GPU.
+    accelerate would map each to its own, but its barriers then address GPU 1 in a process that has only GPU 0."""
+    result = torchrun(GPT2, "--output-dir", tmp_path, env={**pretend_gpus(2), "CUDA_VISIBLE_DEVICES": "1"},
+                      expect_ok=False)  # fmt: skip
+    output = result.stdout + result.stderr
+    assert output.count(REFUSAL) == 1, output
+    assert "starts 2 processes on this machine, but it has 1 GPU(s)" in output
+    assert "(CUDA_VISIBLE_DEVICES='1' leaves this process 1. If a launcher gives each process its own GPU" in output
+    assert "srun --gpu-bind=none" in output
 
 
 SHARED = """
@@ -73,8 +68,9 @@ print(f"rank {{rank}} has a GPU of its own")
 
 
 def test_two_processes_given_one_gpu_stop_once_joined_with_one_message(tmp_path):
-    """Where CUDA_VISIBLE_DEVICES hands each process its GPU, the processes compare their GPUs' UUIDs over the host
-    group once joined (2 real processes, gloo; the UUID each reads is set, this host having no GPU)."""
+    """Once joined, the processes compare their GPUs' UUIDs over the host group: two on one GPU (two launches on one
+    machine, each local rank 0) stop, named (2 real processes, gloo; the UUID each reads is set, this host having
+    no GPU)."""
     (tmp_path / "shared.py").write_text(SHARED.format(root=str(ROOT)))
     env = {**pretend_gpus(1), "CUDA_VISIBLE_DEVICES": "0"}
     apart = torchrun(tmp_path / "shared.py", "apart", env=env)

@@ -188,8 +188,8 @@ def check_launch_fits_host() -> None:
 
     - More processes on this machine than it has GPUs: every process after the last GPU would die with "invalid
       device ordinal" (or NCCL's "invalid usage" where two share one), behind a wall of launcher tracebacks.
-      Where CUDA_VISIBLE_DEVICES is set (a launcher binding each process to a GPU of its own), the processes join
-      first and compare their GPUs.
+      A launcher binding each process to a GPU of its own (CUDA_VISIBLE_DEVICES per process) is told why it
+      cannot run so. Once joined, the processes also compare their GPUs (``_check_each_process_has_a_gpu``).
     - Several CPU processes asked of ``accelerate launch``'s CPU path (``use_cpu`` / ``--cpu``, or the multi-CPU
       file ``accelerate config`` writes): without mpirun it starts ONE process, which would train alone. It gives
       that process MASTER_ADDR only when it was asked for more than one, so a MASTER_ADDR the launcher itself did
@@ -198,11 +198,8 @@ def check_launch_fits_host() -> None:
     problem = None
     per_machine = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0  # those CUDA_VISIBLE_DEVICES leaves
-    # Where CUDA_VISIBLE_DEVICES is set, a launcher may have given each process a GPU of its own (srun --gpu-bind,
-    # a wrapper): accelerate then takes each one's own. Whether two share one is checked once they have joined.
-    per_process = "CUDA_VISIBLE_DEVICES" in os.environ
-    if per_machine > gpus > 0 and not parse_flag_from_env("ACCELERATE_USE_CPU") and not per_process:
-        problem = _too_many_processes(per_machine, gpus)
+    if per_machine > gpus > 0 and not parse_flag_from_env("ACCELERATE_USE_CPU"):
+        problem = _too_many_processes(per_machine, gpus) + _bound_per_process(gpus)
     elif _lone_process_of_a_cpu_launch():
         problem = (
             "accelerate launch was asked for several CPU processes (use_cpu / --cpu, or a multi-CPU config from "
@@ -229,10 +226,24 @@ def _too_many_processes(per_machine: int, gpus: int, shared: str = "") -> str:
 _GPUS_COMPARED: list[bool] = []  # once per process (every rank joins, through distributed_state, as often)
 
 
+def _bound_per_process(gpus: int) -> str:
+    """Where a launcher gave each process a GPU of its own through CUDA_VISIBLE_DEVICES, the count cannot tell, and
+    the run could not go on: accelerate's barriers (``wait_for_everyone``, ``main_process_first``) name GPU <local
+    rank>, which a process that sees one GPU lacks from local rank 1 on ("invalid device ordinal")."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return ""
+    return (f" (CUDA_VISIBLE_DEVICES={visible!r} leaves this process {gpus}. If a launcher gives each process its "
+            "own GPU this way, as srun --gpus-per-task does, let every process see the machine's GPUs instead, "
+            "srun --gpu-bind=none: accelerate's barriers address GPU <local rank>, which a process that sees one "
+            "does not have, and accelerate gives process k GPU k.)")  # fmt: skip
+
+
 def _check_each_process_has_a_gpu(state: PartialState, timeout_s: Optional[float]) -> None:
-    """Two processes of one machine on one GPU stop here, named, rather than at NCCL's first collective ("Duplicate
-    GPU detected"): each process's GPU (its UUID, whatever CUDA_VISIBLE_DEVICES numbers it) gathered over the
-    host group, once, on every multi-process CUDA job alike."""
+    """Two processes of one machine on one GPU (two launches of a multi-node job on one machine, each believing
+    itself alone: local rank 0 twice) stop here, named, rather than at NCCL's first collective ("Duplicate GPU
+    detected"): each process's GPU (its UUID, whatever CUDA_VISIBLE_DEVICES numbers it) gathered over the host
+    group, once, on every multi-process CUDA job alike."""
     from trainer.agreement import gather_objects, host_group
 
     if _GPUS_COMPARED:
