@@ -79,6 +79,48 @@ def test_an_fp16_overflow_skipped_inside_a_fused_adamw_is_reported_as_skipped():
     assert result.stdout.split() == ["False", "False", "True", "True", "False", "False"], result.stderr[-2000:]
 
 
+FP16_SUM = """
+import torch
+from accelerate import Accelerator
+from trainer.step import Stepper
+from trainer.weighing import StepBatches, Weighing
+accelerator = Accelerator(cpu=True)
+accelerator.scaler = torch.amp.GradScaler("cpu")  # fp16's, at its initial scale of 65536 (the CPU's own here)
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 16)  # a language model's head: 16 tokens' logits
+model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+stepper = Stepper(accelerator, optimizer)
+class DataParallel:  # one process
+    size, group = 1, None
+def loss_fn(model, batch):  # cross-entropy summed over 64 tokens, and their count; fp16, as autocast on a GPU
+    features, labels = batch
+    with torch.autocast("cpu", dtype=torch.float16):
+        logits = model(features)
+    return torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum"), labels.numel()
+weighing = Weighing(DataParallel(), model, loss_fn, accelerator)
+for step in range(4):
+    window = StepBatches([(torch.randn(64, 8), torch.randint(0, 16, (64,)))], divisor=1)
+    objective, _, _ = weighing.loss(window, model, window.micro_batches[0])
+    stepper.backward(objective)
+    weighing.finish(window, model.parameters())
+    stepper.step()
+    print(stepper.step_was_skipped)
+    stepper.zero_grad()
+"""
+
+
+def test_a_loss_sum_under_fp16_does_not_overflow_its_first_steps():
+    """A (loss_sum, count) loss: each term's gradient at full weight times fp16's initial scale of 65536 overflowed
+    fp16, and the loss scaler skipped steps until its scale had fallen by about the count."""
+    import subprocess
+    import sys
+
+    from conftest import clean_env
+
+    result = subprocess.run([sys.executable, "-c", FP16_SUM], capture_output=True, text=True, env=clean_env())
+    assert result.stdout.split() == ["False"] * 4, result.stdout + result.stderr[-2000:]
+
+
 TENSOR_LR = """
 import torch, trainer as t
 model = torch.nn.Linear(2, 1)

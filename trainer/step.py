@@ -125,7 +125,8 @@ class StepRunner:
                  stream_group: Any = None):  # fmt: skip
         self.model, self.optimizer, self.scheduler, self.parallel, self.window = (model, optimizer, scheduler,
                                                                                   parallel, window)  # fmt: skip
-        self.weighing = Weighing(parallel.dp, parallel.unwrap(model), loss_fn)  # what each loss counts for
+        # What each loss counts for (and, under fp16, what the loss scaler may multiply).
+        self.weighing = Weighing(parallel.dp, parallel.unwrap(model), loss_fn, parallel.accelerator)
         self.nonfinite = NonFiniteGuard(parallel.accelerator, config.nan_policy)
         self.accumulation, self.max_grad_norm = config.gradient_accumulation_steps, config.max_grad_norm
         self.schedule_moves = optimization.schedule_moves

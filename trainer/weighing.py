@@ -70,6 +70,7 @@ class StepBatches:
         self.tokens: Optional[torch.Tensor] = None  # token-weighted: the window's count on all processes
         self.pending: Optional[dist.Work] = None  # the all-reduce summing that count, until it is needed
         self.summed: list[Any] = []  # (loss_sum, count) losses: the counts, for Weighing.finish()
+        self.prescale: Any = None  # fp16, (loss_sum, count): the first count, divided out before backward
 
     def total_tokens(self) -> torch.Tensor:
         if self.pending is not None:
@@ -84,9 +85,10 @@ class Weighing:
     ``windows`` readies each window; per micro-batch, ``loss`` -> (what to call backward on, the loss to log,
     its weight in the logged mean); after the window's last backward, ``finish`` (before clipping)."""
 
-    def __init__(self, dp: Any, model: torch.nn.Module, loss_fn: LossFn):
+    def __init__(self, dp: Any, model: torch.nn.Module, loss_fn: LossFn, accelerator: Any = None):
         self.world, self.group = dp.size, dp.group  # the data-parallel replicas, whose gradients are averaged
         self.loss_fn = loss_fn
+        self.accelerator = accelerator  # its loss scaler (fp16), if any
         self.counts_tokens = loss_fn is model_loss and is_transformers_model(model)
         self.shifted = self.counts_tokens and causal_lm(model)
         self.passes_count = self.counts_tokens and accepts_loss_kwargs(model) and hasattr(model, "loss_function")
@@ -142,7 +144,14 @@ class Weighing:
         loss, count = checked(self.loss_fn(model, batch), self.loss_fn)
         if count is not None:  # (loss_sum, count): divided by the window's count in finish()
             window.summed.append(count)
-            return loss, loss.detach(), count
+            if getattr(self.accelerator, "scaler", None) is None:
+                return loss, loss.detach(), count
+            # fp16: the loss scaler multiplies by 65536 before backward, where a sum's gradients (each term's at full
+            # weight) overflow fp16's 65504: every step skipped until the scale is some count times smaller. Divided
+            # by the window's first count here, multiplied back in finish(): a mean's magnitudes, the same step.
+            if window.prescale is None:
+                window.prescale = count.detach().clamp(min=1) if torch.is_tensor(count) else max(float(count), 1.0)
+            return loss / window.prescale, loss.detach(), count
         if share is not None and share != 1:  # a piece of a micro-batch: its share of the micro-batch's mean
             return loss * share / window.divisor, loss.detach() * share, share
         objective = loss if window.divisor == 1 else loss / window.divisor
@@ -181,4 +190,8 @@ class Weighing:
             count = torch.full((), numbers, dtype=torch.float32, device=device)
         if self.world > 1:
             dist.all_reduce(count, group=self.group)
-        scale_(grads, self.world / count)  # each process's pieces (a DTensor's per-parameter dispatch costs more)
+        factor = self.world / count
+        if window.prescale is not None:  # fp16: what loss() divided out
+            prescale = window.prescale
+            factor = factor * (prescale.to(device, torch.float32) if torch.is_tensor(prescale) else prescale)
+        scale_(grads, factor)  # each process's pieces (a DTensor's per-parameter dispatch costs more)
