@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
 
-from conftest import CONFIGS, JOBS, SAME_UPDATES, SCENARIOS, accelerate_launch, clean_env, python, split_jobs
+from conftest import CONFIGS, JOBS, ROOT, SAME_UPDATES, SCENARIOS, accelerate_launch, clean_env, python, split_jobs
 
 ALL_CONFIGS = sorted(p.name for p in CONFIGS.glob("*.yaml"))
 
@@ -108,3 +110,23 @@ def test_cpu_threads_are_shared_among_local_processes_unless_the_user_chose(tmp_
     expected = int(user_threads) if user_threads else max(1, len(os.sched_getaffinity(0)) // processes)
     assert f"{processes} process(es) on 1 machine(s), device cpu" in result.stdout
     assert f", {expected} CPU threads per process," in result.stdout
+
+
+ABORTED = """
+import os, sys
+sys.path.insert(0, {root!r})
+from trainer import distributed_state
+distributed_state()
+def waiting_for_a_peer():  # where NCCL's watchdog would find a rank that waited out collective_timeout_s
+    os.abort()
+waiting_for_a_peer()
+"""
+
+
+def test_a_process_ended_by_sigabrt_says_where_it_was():
+    """NCCL's watchdog ends a waiting rank with SIGABRT: no exception, no traceback, unless the process says where
+    it was (faulthandler, on stderr)."""
+    result = subprocess.run([sys.executable, "-c", ABORTED.format(root=str(ROOT))], capture_output=True, text=True,
+                            env=clean_env(), timeout=120)  # fmt: skip
+    assert result.returncode == -6  # SIGABRT
+    assert "Fatal Python error: Aborted" in result.stderr and "waiting_for_a_peer" in result.stderr, result.stderr

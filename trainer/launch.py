@@ -77,6 +77,7 @@ def distributed_state(collective_timeout_s: Optional[float] = None) -> PartialSt
         raise RuntimeError(message) from err
     _destroy_process_group_at_exit()
     _end_with_the_launcher()
+    _say_where_on_abort()
     if state.num_processes > 1 and state.device.type == "cuda":
         _check_each_process_has_a_gpu(state, collective_timeout_s)
     console.joined(state.process_index)
@@ -335,6 +336,16 @@ def _destroy_process_group_at_exit() -> None:
         torch.distributed.destroy_process_group()
 
     atexit.register(destroy)
+
+
+def _say_where_on_abort() -> None:
+    """A process ended by SIGABRT prints where each of its threads was (Python's faulthandler, to stderr). NCCL's
+    watchdog ends a rank that waited ``collective_timeout_s`` for a peer that way, with no Python exception: no
+    traceback, no failed run in wandb (it shows the run crashed). This is then the only word of where it waited."""
+    import faulthandler
+
+    if not faulthandler.is_enabled():
+        faulthandler.enable(all_threads=True)
 
 
 def _end_with_the_launcher() -> None:
