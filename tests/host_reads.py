@@ -6,9 +6,9 @@ and by the optimizer's own step counters (CPU tensors) are not the trainer's and
     accelerate launch --config_file accelerate_configs/fsdp.yaml tests/host_reads.py --out runs/reads
 
 Two jobs in the same processes: FSDP2 with the model's own token-weighted loss, and DDP with a ``(loss_sum,
-count)`` loss; both with accumulation and clipping. Writes <out>/reads.json on the main process:
-{job: {"logging_steps": [...], "reads": {step: ["file:line what", ...]}}}; the reads of an evaluate() after
-``fit()`` are under "evaluate".
+count)`` loss; both with accumulation, clipping and two figures of the user's (``trainer.log``) at every step.
+Writes <out>/reads.json on the main process: {job: {"logging_steps": [...], "reads": {step: ["file:line what",
+...]}}}; the reads of an evaluate() after ``fit()`` are under "evaluate".
 """
 
 from __future__ import annotations
@@ -59,8 +59,13 @@ def job(out: str, loss: str) -> dict:
     config = TrainConfig(output_dir=out, batch_size=2, gradient_accumulation_steps=2, optimizer="adamw", lr=0.01,
                          max_grad_norm=1.0, max_steps=6, log_every=3, shuffle=False, preemption_signals="")  # fmt: skip
     collate = lambda batch: {k: v for k, v in torch.utils.data.default_collate(batch).items() if k != "index"}  # noqa: E731
+    class Figures:  # two figures of the user's, as device tensors, at every step: read at the log, once
+        def on_step_end(self, trainer):
+            weight = next(trainer.model.parameters())
+            trainer.log({"weight_mean": weight.detach().mean(), "weight_max": weight.detach().max()})
+
     trainer = Trainer(tiny_gpt2(), config, train_data=rows, collate_fn=collate,
-                      loss_fn=pair_loss if loss == "pair" else None)  # fmt: skip
+                      loss_fn=pair_loss if loss == "pair" else None, callbacks=[Figures()])  # fmt: skip
     counter = CountReads()
     run, after = trainer.steps.run, trainer._after_step
 

@@ -9,8 +9,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trainer.log_window import FOLD_EVERY, LogWindow
+from trainer.log_window import FOLD_EVERY, WINDOW_FIELDS, LogWindow
 from trainer.nonfinite import NonFiniteGuard, NonFiniteLoss
+
+FIRST_BAD = WINDOW_FIELDS.index("first_bad")
 
 ONE_RANK = SimpleNamespace(device=torch.device("cpu"), gather=lambda tensor: tensor)  # gather of a 1-process job
 
@@ -53,6 +55,6 @@ def test_the_first_non_finite_step_rides_the_logs_row_and_names_every_rank_that_
             window.add(torch.tensor(float("inf") if step == bad_step else 1.0), step, batch=None, examples=1)
         rows.append(window.row()[0].tolist())
     with pytest.raises(NonFiniteLoss, match="at step 7 on rank 1"):
-        guard.raise_if_bad([row[-1] for row in rows])
-    clean = LogWindow(torch.device("cpu")).row()[0].tolist()[-1]
+        guard.raise_if_bad([row[FIRST_BAD] for row in rows])
+    clean = LogWindow(torch.device("cpu")).row()[0].tolist()[FIRST_BAD]
     guard.raise_if_bad([clean, clean])  # no rank saw one: nothing to stop

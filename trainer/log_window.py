@@ -21,9 +21,10 @@ from trainer.nonfinite import NONE
 
 # One row of a rank's window, in this order, gathered from every rank at each log.
 # loss_sum / loss_weight is the window's mean loss: weights are a micro-batch's counted tokens (or its loss_fn's
-# count), else 1 (trainer.weighing). stop: this rank's trainer.should_stop. first_bad: its first non-finite step.
+# count), else 1 (trainer.weighing). stop: this rank's trainer.should_stop. lr: the log step's. first_bad: its first
+# non-finite step. grad_norm: the log step's gradient norm before clipping (NaN: not measured).
 WINDOW_FIELDS = ("loss_sum", "micro_batches", "examples", "tokens", "steps", "seconds", "data_wait", "forward",
-                 "stop", "loss_weight", "first_bad")  # fmt: skip
+                 "stop", "lr", "loss_weight", "first_bad", "grad_norm")  # fmt: skip
 FOLD_EVERY = 1024  # losses kept before they are folded into one sum on the device (memory stays flat)
 
 
@@ -67,15 +68,30 @@ class LogWindow:
         self._fold()
         return self._first_bad
 
-    def row(self, stop: bool = False) -> torch.Tensor:
-        """This window as one row (``WINDOW_FIELDS``), on the device, ready to gather."""
+    def row(self, stop: bool = False, lr: Any = 0.0, grad_norm: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """This window as one row (``WINDOW_FIELDS``), on the device, ready to gather: everything a log reads back
+        from the device (the loss, the gradient norm, a tensor lr) rides the gather's one read."""
         self._fold()
         seconds = time.perf_counter() - self._since
         host = [self.micro_batches, self.examples, self.tokens, self.steps, seconds, self.data_wait, self.forward,
                 float(stop)]  # fmt: skip
-        host_part = torch.tensor(host, dtype=torch.float64, device=self._device)
+        lr_on_host = not torch.is_tensor(lr) or lr.device.type == "cpu"  # (a CPU tensor: no device to wait for)
+        host_part = self._to_device(torch.tensor([*host, float(lr)] if lr_on_host else host, dtype=torch.float64))
+        device_lr = [] if lr_on_host else [lr.detach().reshape(1).double()]
         weight = self._folded_weight.view(1) + self._host_weight
-        return torch.cat([self._folded.view(1), host_part, weight, self._first_bad.double().view(1)]).view(1, -1)
+        if grad_norm is None:
+            norm = torch.full((1,), float("nan"), dtype=torch.float64, device=self._device)
+        else:  # a sharded model's norm is a DTensor: its whole value (a collective, no host read)
+            norm = getattr(grad_norm, "full_tensor", lambda: grad_norm)().detach().reshape(1).double()
+        return torch.cat([self._folded.view(1), host_part, *device_lr, weight, self._first_bad.double().view(1),
+                          norm]).view(1, -1)  # fmt: skip
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A host tensor copied to the device without waiting for the device's queued work: a blocking copy to a
+        GPU waits for the whole step to finish, a second host synchronisation at every log."""
+        if self._device.type == "cuda":
+            return host.pin_memory().to(self._device, non_blocking=True)
+        return host.to(self._device)
 
     def _fold(self) -> None:
         """The kept losses (and device weights) into their sums, and their first non-finite step, on the device."""
@@ -125,8 +141,17 @@ class LoggedFigures:
             self._counts[name] = self._counts.get(name, 0) + 1
 
     def take(self) -> dict[str, float]:
-        """Each figure's mean since the last take, as numbers; then empty."""
-        means = {name: float(total) / self._counts[name] for name, total in self._sums.items()}
+        """Each figure's mean since the last take, as numbers; then empty. The tensors of each device are read in
+        one go: a round trip each otherwise."""
+        totals = {name: total for name, total in self._sums.items() if not torch.is_tensor(total)}
+        tensors = {name: getattr(total, "full_tensor", lambda t=total: t)()  # a sharded model's DTensor: whole
+                   for name, total in self._sums.items() if torch.is_tensor(total)}  # fmt: skip
+        by_device: dict[torch.device, list[str]] = {}
+        for name, total in tensors.items():
+            by_device.setdefault(total.device, []).append(name)
+        for names in by_device.values():
+            totals.update(zip(names, torch.stack([tensors[name] for name in names]).tolist(), strict=True))
+        means = {name: float(totals[name]) / self._counts[name] for name in self._sums}
         self._sums, self._counts = {}, {}
         return means
 

@@ -36,23 +36,24 @@ class Telemetry:
         ``step``)."""
         self.sinks = open_sinks(config, self.accelerator, run_id, step)
 
-    def gather(self, stop: bool) -> list[dict[str, float]]:
+    def gather(self, stop: bool, lr: Any = 0.0, grad_norm: Optional[torch.Tensor] = None) -> list[dict[str, float]]:
         """Every rank's window since the last log (``WINDOW_FIELDS``, by name), gathered once: the one agreement of
-        a log step, and its only host synchronisation. ``stop``: this rank's ``trainer.should_stop``."""
-        rows = self.accelerator.gather(self.window.row(stop=stop)).tolist()
+        a log step, and its only host synchronisation. ``stop``: this rank's ``trainer.should_stop``; ``lr`` and
+        ``grad_norm``: the step's (the norm a device tensor, or None when not measured)."""
+        rows = self.accelerator.gather(self.window.row(stop=stop, lr=lr, grad_norm=grad_norm)).tolist()
         self.window.restart()
         return [dict(zip(WINDOW_FIELDS, row, strict=True)) for row in rows]
 
-    def log(self, rows: list[dict[str, float]], state: TrainState, total_steps: int, lr: float,
-            grad_norm: Optional[torch.Tensor], on_log: Callable[[dict[str, Any]], None], progress: Any,
-            ) -> dict[str, float]:  # fmt: skip
+    def log(self, rows: list[dict[str, float]], state: TrainState, total_steps: int,
+            on_log: Callable[[dict[str, Any]], None], progress: Any) -> dict[str, float]:  # fmt: skip
         """The step's figures from the gathered ``rows``: each rank logs its own, the main process adds the global
         view and the stragglers. Returns the global view."""
         acc = self.accelerator
         table = [[row[key] for key in WINDOW_FIELDS] for row in rows]
         own, global_view = summarize(table, acc.process_index, self.replicas)
+        mine = rows[acc.process_index]
         metrics = {"step": state.step, "epoch": round(state.epoch_progress, 4),
-                   "train_loss": global_view["global/train_loss"], "lr": float(lr),
+                   "train_loss": global_view["global/train_loss"], "lr": mine["lr"],
                    "examples_per_s": global_view["global/examples_per_s"]}  # fmt: skip
         if "global/tokens_per_s" in global_view:
             metrics["tokens_per_s"] = global_view["global/tokens_per_s"]
@@ -60,9 +61,8 @@ class Telemetry:
             mfu = self.utilisation.of(metrics.get("tokens_per_s"), metrics["examples_per_s"])
             if mfu is not None:
                 metrics["mfu"] = global_view["global/mfu"] = mfu
-        if grad_norm is not None:  # the norm before clipping of this step's gradients, the same on every rank
-            whole = getattr(grad_norm, "full_tensor", lambda: grad_norm)()  # a sharded model's: summed from the shards
-            metrics["grad_norm"] = global_view["global/grad_norm"] = float(whole)
+        if mine["grad_norm"] == mine["grad_norm"]:  # measured (not NaN): before clipping, the same on every rank
+            metrics["grad_norm"] = global_view["global/grad_norm"] = mine["grad_norm"]
         metrics.update(self.figures.take())  # trainer.log's: this rank's own
         self.log_history.append(metrics)
         own.update({"rank/lr": metrics["lr"], "rank/epoch": metrics["epoch"], "rank/memory_gb": memory_gb(acc.device)})

@@ -299,11 +299,11 @@ class Trainer:
     def _log(self, bar: Any) -> None:
         """The log of this step: every rank's window gathered once (loss, counts, timings, the stop flag and the
         first non-finite loss: the step's one agreement), then each rank's figures to its sinks."""
-        rows = self.telemetry.gather(stop=bool(self.should_stop))
+        rows = self.telemetry.gather(stop=bool(self.should_stop), lr=self.steps.current_lr,
+                                     grad_norm=self.steps.take_grad_norm())  # fmt: skip
         self.nonfinite.raise_if_bad([row["first_bad"] for row in rows], str(self.last_checkpoint or ""))
         on_log = lambda metrics: hooks.call(self.callbacks, "on_log", self, metrics=metrics)  # noqa: E731
-        global_view = self.telemetry.log(rows, self.state, self.total_steps, self.steps.current_lr,
-                                         self.steps.take_grad_norm(), on_log, bar)  # fmt: skip
+        global_view = self.telemetry.log(rows, self.state, self.total_steps, on_log, bar)
         self.preemption.pace(global_view["global/step_time_max_s"])  # the same gathered figure on every rank
         asked = [rank for rank, row in enumerate(rows) if row["stop"]]
         if asked and self.stopped is None:  # every rank sees the same rows: all stop after this very step
