@@ -7,6 +7,7 @@ import importlib.util
 import re
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -83,3 +84,35 @@ def test_the_recipes_run_as_written(tmp_path):
     assert (tmp_path / "runs" / "ema" / "final").is_dir() and (tmp_path / "runs" / "two-sets" / "final").is_dir()
     if any("from peft import" in block for block in blocks):  # the adapter merged into a plain model
         assert (tmp_path / "runs" / "lora" / "merged" / "model.safetensors").is_file()
+
+
+# What the project page's blocks leave to the reader: a model whose outputs have .loss and .logits, data sets of its
+# rows, a run.yaml, and the figures nanoGPT's schedule names.
+PROJECT_NAMES = """
+import math, torch
+from pathlib import Path
+from transformers import GPT2Config, GPT2ForSequenceClassification
+torch.manual_seed(0)
+model = GPT2ForSequenceClassification(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16,
+                                                 num_labels=2, pad_token_id=0))
+rows = [{"input_ids": torch.randint(1, 50, (8,)), "labels": torch.tensor(i % 2)} for i in range(32)]
+dataset = data = rows[:24]
+eval_dataset = test_dataset = rows[24:]
+Path("run.yaml").write_text("output_dir: runs/project\\nbatch_size: 4\\nmax_steps: 4\\nlog_every: 2\\n")
+lr, min_lr, warmup, steps = 6e-4, 6e-5, 2, 4
+"""
+
+
+def test_the_project_pages_blocks_run_with_the_names_they_leave_to_the_reader(tmp_path):
+    """docs/project.md's reference block and nanoGPT's schedule, with a tiny model and data where they name yours.
+    (Its hub text-classification recipe downloads a model: examples/text_classification.py runs it offline.)"""
+    page = (ROOT / "docs" / "project.md").read_text()
+    blocks = [textwrap.dedent(block) for block in re.findall(r"```python\n(.*?)```", page, re.S)]
+    offline = [block for block in blocks if "from_pretrained(" not in block]
+    assert len(offline) == 2, "the reference block and nanoGPT's schedule"
+    script = tmp_path / "project.py"
+    script.write_text(PROJECT_NAMES + "\n\n".join(offline) + "\nprint('RAN', trainer.global_step)\n")
+    ran = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                         env=clean_env(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)))  # fmt: skip
+    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
+    assert "RAN" in ran.stdout and "once" in ran.stdout
