@@ -58,7 +58,10 @@ def main() -> None:
             trainer.fit()
             weights = {n: p.detach().flatten().tolist() for n, p in trainer.unwrapped_model.named_parameters()}
             losses = [row["train_loss"] for row in trainer.log_history if "train_loss" in row]
-            runs[f"{arch} {name}"] = {"losses": losses, "weights": weights}
+            history = trainer.log_history
+            ratios = [row["examples_per_s"] / row["tokens_per_s"] for row in history if "tokens_per_s" in row]
+            runs[f"{arch} {name}"] = {"losses": losses, "weights": weights, "examples_per_token": ratios,
+                                      "lengths": lengths}  # fmt: skip
     if trainer.accelerator.is_main_process:
         Path(args.out, "packing.json").write_text(json.dumps(runs))
 

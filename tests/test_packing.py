@@ -20,3 +20,8 @@ def test_packed_documents_give_the_losses_and_updates_of_the_same_documents_padd
         np.testing.assert_allclose(packed["losses"], padded["losses"], rtol=1e-6, err_msg=arch)
         for name, values in padded["weights"].items():
             np.testing.assert_allclose(packed["weights"][name], values, rtol=0, atol=1e-6, err_msg=f"{arch} {name}")
+        # examples/s counts documents, not the one row each flattened micro-batch is: a step reads 8 documents
+        # (4 a process, in order), and tokens/s their tokens (no padding), so examples per token is 8 / their length.
+        lengths = packed["lengths"]
+        steps = [8 / sum(lengths[8 * s : 8 * s + 8]) for s in range(4)]
+        np.testing.assert_allclose(packed["examples_per_token"], steps, rtol=1e-9, err_msg=arch)

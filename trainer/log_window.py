@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any, Iterable, Iterator, Optional
 
 import torch
+from accelerate.utils import find_batch_size
 
 from trainer.nonfinite import NONE
 
@@ -35,19 +36,23 @@ class LogWindow:
         self._device = device
         self.restart()
 
-    def add(self, loss: torch.Tensor, step: int, batch: Any, examples: int, weight: int | torch.Tensor = 1) -> None:
-        """Count one micro-batch of optimizer step ``step``: its loss (weighed: ``weight`` x its mean), examples,
-        and tokens when it carries ``input_ids``."""
+    def add(self, loss: torch.Tensor, step: int, batch: Any, examples: int | torch.Tensor,
+            weight: int | torch.Tensor = 1) -> None:  # fmt: skip
+        """Count one micro-batch of optimizer step ``step``: its loss (weighed: ``weight`` x its mean), examples
+        (``examples_in``: a number, or a device count), and tokens when it carries ``input_ids``."""
         self._losses.append(loss)
         self._steps.append(step)
         if isinstance(weight, torch.Tensor):
             self._weights.append(weight)
         else:
             self._host_weight += weight
+        if isinstance(examples, torch.Tensor):
+            self._device_examples.append(examples)
+        else:
+            self.examples += examples
         if len(self._losses) >= FOLD_EVERY:  # a long window: one sum per FOLD_EVERY steps keeps memory flat
             self._fold()
         self.micro_batches += 1
-        self.examples += examples
         if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), torch.Tensor):  # dict, BatchEncoding
             self.tokens += batch["input_ids"].numel()  # shape metadata: no device sync
 
@@ -77,6 +82,8 @@ class LogWindow:
                 float(stop)]  # fmt: skip
         lr_on_host = not torch.is_tensor(lr) or lr.device.type == "cpu"  # (a CPU tensor: no device to wait for)
         host_part = self._to_device(torch.tensor([*host, float(lr)] if lr_on_host else host, dtype=torch.float64))
+        examples = host_part[1:2] + self._folded_examples  # the device's counts (flattened batches) added
+        host_part = torch.cat([host_part[:1], examples, host_part[2:]])
         device_lr = [] if lr_on_host else [lr.detach().reshape(1).double()]
         weight = self._folded_weight.view(1) + self._host_weight
         if grad_norm is None:
@@ -103,12 +110,16 @@ class LogWindow:
         if self._weights:
             weights = torch.stack([weight.reshape(()) for weight in self._weights]).double()
             self._folded_weight = self._folded_weight + weights.sum()
-        self._losses, self._steps, self._weights = [], [], []
+        if self._device_examples:
+            self._folded_examples = self._folded_examples + torch.stack(self._device_examples).double().sum()
+        self._losses, self._steps, self._weights, self._device_examples = [], [], [], []
 
     def restart(self) -> None:
         self._losses: list[torch.Tensor] = []
         self._steps: list[int] = []
         self._weights: list[torch.Tensor] = []  # device counts (tokens); weights of 1 are counted on the host
+        self._device_examples: list[torch.Tensor] = []  # flattened batches' documents, counted on the device
+        self._folded_examples = torch.zeros((), dtype=torch.float64, device=self._device)
         self._host_weight = 0
         self._folded = torch.zeros((), dtype=torch.float64, device=self._device)
         self._folded_weight = torch.zeros((), dtype=torch.float64, device=self._device)
@@ -116,6 +127,18 @@ class LogWindow:
         self.micro_batches = self.examples = self.tokens = self.steps = 0
         self.data_wait = self.forward = 0.0
         self._since = time.perf_counter()
+
+
+def examples_in(batch: Any) -> int | torch.Tensor:
+    """The examples a micro-batch holds: its rows; for a flattened batch (``DataCollatorWithFlattening``: one row of
+    documents end to end, ``position_ids`` restarting at 0 at each) its documents, counted on the device (a number
+    read back would be a host synchronisation at every step)."""
+    if isinstance(batch, Mapping):
+        ids, positions = batch.get("input_ids"), batch.get("position_ids")
+        if isinstance(ids, torch.Tensor) and isinstance(positions, torch.Tensor) and ids.dim() == 2 \
+                and ids.shape[0] == 1:  # fmt: skip
+            return (positions == 0).sum()
+    return find_batch_size(batch)
 
 
 class LoggedFigures:

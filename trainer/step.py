@@ -22,12 +22,12 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, find_batch_size
+from accelerate.utils import DistributedType
 
 from trainer.agreement import StreamAgreement
 from trainer.config import TrainConfig
 from trainer.gradients import clip_, total_norm
-from trainer.log_window import LogWindow
+from trainer.log_window import LogWindow, examples_in
 from trainer.microbatch import RanOutElsewhere, cut
 from trainer.nonfinite import NonFiniteGuard
 from trainer.optim import Optimization
@@ -187,7 +187,7 @@ class StepRunner:
                     objective, loss, weight = self._loss(window, batch)
                 with self.phases(step, "backward"):
                     self.stepper.backward(objective)
-            self.window.add(self.nonfinite.observe(loss), step, batch, find_batch_size(batch), weight)
+            self.window.add(self.nonfinite.observe(loss), step, batch, examples_in(batch), weight)
 
     def _run_in_pieces(self, window: StepBatches, step: int) -> None:
         """The window's forwards and backwards with each micro-batch cut in ``split.pieces``, no gradient all-reduce
@@ -200,7 +200,7 @@ class StepRunner:
             window.summed.clear()
             self.split.rerun(first_try)
         for loss, piece, weight in done:
-            self.window.add(self.nonfinite.observe(loss), step, piece, find_batch_size(piece), weight)
+            self.window.add(self.nonfinite.observe(loss), step, piece, examples_in(piece), weight)
         self.split.reduce_gradients(self.model.parameters())
 
     def _pieces_once(self, window: StepBatches, step: int) -> Optional[list]:
