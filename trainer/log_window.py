@@ -23,9 +23,10 @@ from trainer.nonfinite import NONE
 # One row of a rank's window, in this order, gathered from every rank at each log.
 # loss_sum / loss_weight is the window's mean loss: weights are a micro-batch's counted tokens (or its loss_fn's
 # count), else 1 (trainer.weighing). stop: this rank's trainer.should_stop. lr: the log step's. first_bad: its first
-# non-finite step. grad_norm: the log step's gradient norm before clipping (NaN: not measured).
+# non-finite step. grad_norm: the log step's gradient norm before clipping (NOT_MEASURED: none; NaN stays NaN).
 WINDOW_FIELDS = ("loss_sum", "micro_batches", "examples", "tokens", "steps", "seconds", "data_wait", "forward",
                  "stop", "lr", "loss_weight", "first_bad", "grad_norm")  # fmt: skip
+NOT_MEASURED = -1.0  # the row's grad_norm on a step that measured none (a norm is never negative)
 FOLD_EVERY = 1024  # losses kept before they are folded into one sum on the device (memory stays flat)
 
 
@@ -87,7 +88,7 @@ class LogWindow:
         device_lr = [] if lr_on_host else [lr.detach().reshape(1).double()]
         weight = self._folded_weight.view(1) + self._host_weight
         if grad_norm is None:
-            norm = torch.full((1,), float("nan"), dtype=torch.float64, device=self._device)
+            norm = torch.full((1,), NOT_MEASURED, dtype=torch.float64, device=self._device)
         else:  # a sharded model's norm is a DTensor: its whole value (a collective, no host read)
             norm = getattr(grad_norm, "full_tensor", lambda: grad_norm)().detach().reshape(1).double()
         return torch.cat([self._folded.view(1), host_part, *device_lr, weight, self._first_bad.double().view(1),
@@ -137,7 +138,7 @@ def examples_in(batch: Any) -> int | torch.Tensor:
         ids, positions = batch.get("input_ids"), batch.get("position_ids")
         if isinstance(ids, torch.Tensor) and isinstance(positions, torch.Tensor) and ids.dim() == 2 \
                 and ids.shape[0] == 1:  # fmt: skip
-            return (positions == 0).sum()
+            return (positions == 0).sum().clamp(min=1)  # (one row that does not start at 0 is one example)
     return find_batch_size(batch)
 
 

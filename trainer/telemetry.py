@@ -15,7 +15,7 @@ from accelerate import Accelerator
 from trainer.config import TrainConfig
 from trainer.console import STEP_FIGURES, say, step_line
 from trainer.errors import Preempted
-from trainer.log_window import WINDOW_FIELDS, LoggedFigures, LogWindow, memory_gb, summarize
+from trainer.log_window import NOT_MEASURED, WINDOW_FIELDS, LoggedFigures, LogWindow, memory_gb, summarize
 from trainer.sinks import close_all, open_sinks
 from trainer.state import TrainState
 
@@ -61,7 +61,7 @@ class Telemetry:
             mfu = self.utilisation.of(metrics.get("tokens_per_s"), metrics["examples_per_s"])
             if mfu is not None:
                 metrics["mfu"] = global_view["global/mfu"] = mfu
-        if mine["grad_norm"] == mine["grad_norm"]:  # measured (not NaN): before clipping, the same on every rank
+        if mine["grad_norm"] != NOT_MEASURED:  # before clipping, the same on every rank (NaN when not finite)
             metrics["grad_norm"] = global_view["global/grad_norm"] = mine["grad_norm"]
         metrics.update(self.figures.take())  # trainer.log's: this rank's own
         self.log_history.append(metrics)
