@@ -253,19 +253,20 @@ def _check_each_process_has_a_gpu(state: PartialState, timeout_s: Optional[float
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     mine = (socket.gethostname(), str(torch.cuda.get_device_properties(state.device).uuid), visible)
     everyone = gather_objects(mine, host_group(state.num_processes, timeout_s or 1800.0))
-    here = [rank for rank, (host, _, _) in enumerate(everyone) if host == mine[0]]
-    on_gpu: dict[str, list[int]] = {}
-    for rank in here:
-        on_gpu.setdefault(everyone[rank][1], []).append(rank)
+    on_gpu: dict[tuple[str, str], list[int]] = {}  # (machine, GPU) -> its processes, the whole job's
+    for rank, (host, gpu, _) in enumerate(everyone):
+        on_gpu.setdefault((host, gpu), []).append(rank)
     shared = next((ranks for ranks in on_gpu.values() if len(ranks) > 1), None)
     if shared is None:
-        return
+        return  # (every process decides alike, from the same gathered list)
+    machine = everyone[shared[0]][0]
+    processes = sum(1 for host, _, _ in everyone if host == machine)
+    gpus = sum(1 for host, _ in on_gpu if host == machine)
     settings = {everyone[rank][2] for rank in shared}
     seen = f", CUDA_VISIBLE_DEVICES={settings.pop()!r} in each" if len(settings) == 1 and None not in settings else ""
-    problem = _too_many_processes(len(here), len(on_gpu), f" for them (ranks {shared[0]} and {shared[1]} share "
-                                                          f"one{seen})")  # fmt: skip
+    problem = _too_many_processes(processes, gpus, f" for them (ranks {shared[0]} and {shared[1]} share one{seen})")
     torch.distributed.destroy_process_group()  # no teardown barrier: NCCL would meet the shared GPU there
-    if state.process_index == here[0]:
+    if state.process_index == shared[0]:  # said once for the job, on the machine it concerns
         raise LaunchMismatch(f"trainer: cannot start: {problem}")
     time.sleep(5)  # let the first process say it: the launcher stops the others once one of them exits
     raise LaunchMismatch(1)
