@@ -224,9 +224,6 @@ def _too_many_processes(per_machine: int, gpus: int, shared: str = "") -> str:
             f"--num_processes {per_machine} ...`.")  # fmt: skip
 
 
-_GPUS_COMPARED: list[bool] = []  # once per process (every rank joins, through distributed_state, as often)
-
-
 def _bound_per_process(gpus: int) -> str:
     """Where a launcher gave each process a GPU of its own through CUDA_VISIBLE_DEVICES, the count cannot tell, and
     the run could not go on: accelerate's barriers (``wait_for_everyone``, ``main_process_first``) name GPU <local
@@ -238,6 +235,9 @@ def _bound_per_process(gpus: int) -> str:
             "own GPU this way, as srun --gpus-per-task does, let every process see the machine's GPUs instead, "
             "srun --gpu-bind=none: accelerate's barriers address GPU <local rank>, which a process that sees one "
             "does not have, and accelerate gives process k GPU k.)")  # fmt: skip
+
+
+_GPUS_COMPARED: list[bool] = []  # once per process (every rank joins, through distributed_state, as often)
 
 
 def _check_each_process_has_a_gpu(state: PartialState, timeout_s: Optional[float]) -> None:
