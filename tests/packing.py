@@ -1,6 +1,7 @@
 """Documents packed into one row per micro-batch (transformers' ``DataCollatorWithFlattening``: ``position_ids``
 restart at each document, no padding) against the same documents padded, through the Trainer on every process of
-the launch, for a GPT-2 and a Llama: rank 0 writes each run's losses and weights to ``<out>/packing.json``.
+the launch, for a GPT-2 and a Llama: rank 0 writes each run's losses and weights to ``<out>/packing.json``. An OPT,
+whose attention crosses the restarts, given the packed batches: the refusal's message, under ``"opt packed"``.
 
     accelerate launch --config_file accelerate_configs/cpu.yaml --num_processes 2 tests/packing.py --out runs/packing
 """
@@ -13,10 +14,18 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import DataCollatorWithFlattening, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    DataCollatorWithFlattening,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from trainer import TrainConfig, Trainer  # noqa: E402
+from trainer import ConfigError, TrainConfig, Trainer  # noqa: E402
 
 VOCAB = 64
 
@@ -26,6 +35,9 @@ def build(arch: str) -> torch.nn.Module:
     if arch == "gpt2":
         return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=2,
                                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))  # fmt: skip
+    if arch == "opt":
+        return OPTForCausalLM(OPTConfig(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                                        num_attention_heads=2, word_embed_proj_dim=32, max_position_embeddings=64))
     return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64))
 
@@ -62,6 +74,14 @@ def main() -> None:
             ratios = [row["examples_per_s"] / row["tokens_per_s"] for row in history if "tokens_per_s" in row]
             runs[f"{arch} {name}"] = {"losses": losses, "weights": weights, "examples_per_token": ratios,
                                       "lengths": lengths}  # fmt: skip
+    opt = Trainer(build("opt"), TrainConfig(output_dir=f"{args.out}/opt-packed", batch_size=4, max_steps=4,
+                                            optimizer="sgd", shuffle=False), train_data=documents,
+                  collate_fn=DataCollatorWithFlattening())  # fmt: skip
+    try:
+        opt.fit()
+        runs["opt packed"] = "trained"
+    except ConfigError as refusal:
+        runs["opt packed"] = str(refusal)
     if trainer.accelerator.is_main_process:
         Path(args.out, "packing.json").write_text(json.dumps(runs))
 

@@ -1,6 +1,7 @@
 """Packed sequences: documents flattened into one row per micro-batch with ``position_ids`` restarting at each one
 (transformers' ``DataCollatorWithFlattening``) train exactly as the same documents padded, through 2 processes:
-each document attends to itself alone, and every counted token weighs the same."""
+each document attends to itself alone, and every counted token weighs the same. A model whose attention crosses the
+documents (OPT) is refused at the first step."""
 
 from __future__ import annotations
 
@@ -25,3 +26,5 @@ def test_packed_documents_give_the_losses_and_updates_of_the_same_documents_padd
         lengths = packed["lengths"]
         steps = [8 / sum(lengths[8 * s : 8 * s + 8]) for s in range(4)]
         np.testing.assert_allclose(packed["examples_per_token"], steps, rtol=1e-9, err_msg=arch)
+    assert runs["opt packed"].startswith("the batches are packed"), runs["opt packed"]
+    assert "OPTForCausalLM's attention crosses those restarts" in runs["opt packed"]

@@ -29,7 +29,7 @@ def model_loss(model: torch.nn.Module, batch: Any, **loss_kwargs: Any) -> torch.
             f"the default loss calls model(**batch).loss, but the batch is a {type(batch).__name__}; "
             "pass loss_fn=lambda model, batch: ... to the Trainer"
         )
-    if _keeps_a_cache(model):
+    if keeps_a_cache(model):
         loss_kwargs = {"use_cache": False, **loss_kwargs}
     output = model(**batch, **loss_kwargs)
     loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
@@ -39,7 +39,7 @@ def model_loss(model: torch.nn.Module, batch: Any, **loss_kwargs: Any) -> torch.
     return loss
 
 
-def _keeps_a_cache(model: torch.nn.Module) -> bool:
+def keeps_a_cache(model: torch.nn.Module) -> bool:
     """Whether ``model`` (under DDP's or torch.compile's wrapper) is a transformers model that builds a key-value
     cache unless told not to (``config.use_cache``). A loss never reads one, and while one is built transformers
     reads no document boundaries from ``position_ids``: a packed batch (``DataCollatorWithFlattening``) would attend

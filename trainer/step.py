@@ -28,9 +28,11 @@ from trainer.agreement import StreamAgreement
 from trainer.config import TrainConfig
 from trainer.gradients import clip_, total_norm
 from trainer.log_window import LogWindow, examples_in
+from trainer.losses import keeps_a_cache, model_loss
 from trainer.microbatch import RanOutElsewhere, cut
 from trainer.nonfinite import NonFiniteGuard
 from trainer.optim import Optimization
+from trainer.packing import looks_packed, refuse_attention_across_documents
 from trainer.parallel import Parallelism, unused_parameters
 from trainer.weighing import StepBatches, Weighing, accumulation_windows
 
@@ -145,6 +147,7 @@ class StepRunner:
         self.grad_norm: Optional[torch.Tensor] = None
         self.average: Any = None  # an EMA of the weights (trainer.ema), updated after each step taken
         self.split: Any = None  # auto_microbatch: how the micro-batches are cut (trainer.microbatch)
+        self.unasked = loss_fn is model_loss  # a packed batch's model is asked once (trainer.packing)
 
     def begin(self) -> None:
         """Before ``fit()``'s first step: the model in training mode, its buffers kept (nan_policy skip)."""
@@ -159,6 +162,8 @@ class StepRunner:
     def run(self, window: StepBatches, step: int, measure_norm: bool) -> None:
         """Optimizer step ``step`` over ``window``; ``measure_norm``: it logs, so its gradient norm is measured."""
         phases = self.phases
+        if self.unasked:
+            self._ask_about_packing(window.micro_batches[0])
         if self.split is None:
             self._run_whole(window, step)
         else:  # auto_microbatch
@@ -229,6 +234,14 @@ class StepRunner:
                     return None
                 done.append((loss, piece, weight))
         return done
+
+    def _ask_about_packing(self, batch: Any) -> None:
+        """At the first step, under the default loss: a packed batch's model must keep its documents apart."""
+        self.unasked = False
+        if looks_packed(batch):
+            model = self.parallel.unwrap(self.model)
+            extra = {"use_cache": False} if keeps_a_cache(model) else None
+            refuse_attention_across_documents(model, batch, self.autocast, extra)
 
     def _loss(self, window: StepBatches, batch: Any, share: Optional[float] = None) -> tuple[torch.Tensor, ...]:
         try:
