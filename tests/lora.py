@@ -52,6 +52,7 @@ def job(out: Path, resume_from: str | None, accumulation: int) -> None:
         (out / "lora.json").write_text(json.dumps({
             "trained": trained, "frozen_kept": kept, "final": sorted(p.name for p in (out / "final").iterdir()),
             "loaded_back": back == trained, "losses": [row["train_loss"] for row in trainer.log_history],
+            "out": str(out),
         }))  # fmt: skip
 
 

@@ -44,3 +44,36 @@ def test_final_is_the_adapter_that_peft_loads_back(runs):
         assert {"adapter_config.json", "adapter_model.safetensors"} <= set(run["final"]), name
         assert "model.safetensors" not in run["final"], name
         assert run["loaded_back"], f"{name}: PeftModel.from_pretrained(base, final) holds other weights"
+
+
+@pytest.mark.parametrize("job", ["ddp", "fsdp"])
+def test_a_checkpoint_exports_as_the_adapter_or_merged_and_loads_with_peft_and_transformers(runs, job, tmp_path):
+    """``python -m trainer.export`` of the last checkpoint (step 6, what final/ holds): the adapter, bit-identical
+    to final/'s, and with --merged one plain GPT-2 that from_pretrained loads, equal to PEFT's own merge."""
+    import torch
+    from lora import base_model
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from trainer.export import main as export
+
+    out = runs[job]["out"]
+    last = f"{out}/checkpoints/step-00000006"
+    export([last, str(tmp_path / "adapter")])
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (tmp_path / "adapter").iterdir()}
+    assert not (tmp_path / "adapter" / "model.safetensors").exists()
+    exported = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    final = load_file(f"{out}/final/adapter_model.safetensors")
+    assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
+
+    export([last, str(tmp_path / "merged"), "--merged"])
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert type(merged).__name__ == "GPT2LMHeadModel"
+    peft_merged = PeftModel.from_pretrained(base_model(), f"{out}/final").merge_and_unload()
+    ours, theirs = merged.state_dict(), peft_merged.state_dict()
+    assert ours.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name], tensor), name
+    base = base_model().state_dict()
+    assert not torch.equal(ours["transformer.h.0.attn.c_attn.weight"], base["transformer.h.0.attn.c_attn.weight"])

@@ -9,6 +9,8 @@ Works on the checkpoints of any run: a sharded model's (FSDP2: the shards of eve
 tensors, one file's worth at a time: past 5 GB the weights go into numbered files with transformers' index) and a
 DDP one's. The checkpoint is verified first (every file's size and CRC-32). The trainer writes
 ``<output_dir>/final`` the same way at the end of ``fit()``, gathering a sharded model one tensor at a time.
+A PEFT model's checkpoint exports as its adapter, or with ``--merged`` as the base model with the adapter folded in
+(``trainer.adapter_export``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from trainer import checkpoint
+from trainer.adapter_export import ADAPTER_CONFIG, ADAPTER_FILE, holds_adapter, write_adapter
 from trainer.errors import ExportError
 from trainer.model_state import (
     MODEL_CONFIG,
@@ -129,10 +132,14 @@ def replacing(directory: Path, whole: bool = False) -> Iterator[Path]:
     staging.rmdir()
 
 
-def export(folder: Path, directory: Path, replace: bool = False) -> Path:
+def export(folder: Path, directory: Path, replace: bool = False, merged: bool = False) -> Path:
     """Write checkpoint ``folder``'s model into ``directory`` (new or empty; any with ``replace``, replaced whole);
-    return the weights file (or the index of several)."""
+    return the weights file (or the index of several). A PEFT model's checkpoint: its adapter, or with ``merged``
+    the base model with the adapter folded in (``trainer.adapter_export``)."""
     checkpoint.verify(folder)
+    if merged and not holds_adapter(folder):
+        raise ExportError(f"--merged folds a PEFT adapter into its base model, and checkpoint {folder} holds no "
+                          f"adapter ({ADAPTER_CONFIG}): export it without --merged")  # fmt: skip
     inside = directory.resolve() == folder.resolve() or folder.resolve() in directory.resolve().parents
     if inside:
         raise ExportError(f"{directory} is inside the checkpoint {folder}, which holds exactly what its manifest "
@@ -144,14 +151,17 @@ def export(folder: Path, directory: Path, replace: bool = False) -> Path:
                           "--replace to replace it whole")  # fmt: skip
     try:
         with replacing(directory, whole=True) as staging:  # new, empty, or --replace
-            written = _write(folder, staging)
+            written = _write(folder, staging, merged)
     except OSError as err:
         raise ExportError(f"cannot write the export into {directory}: {err.strerror or err}") from None
     return directory / written.name
 
 
-def _write(folder: Path, directory: Path) -> Path:
+def _write(folder: Path, directory: Path, merged: bool) -> Path:
     written = directory / MODEL_FILE
+    if holds_adapter(folder):
+        names, fetch = _tensors(folder)
+        return write_adapter(folder, directory, names, fetch, merged)
     if (folder / SHARDS).is_dir():  # read a file's worth at a time
         entries, fetch = sharded_weights(folder)
         written = write_streamed(entries, fetch, directory)
@@ -170,15 +180,39 @@ def _write(folder: Path, directory: Path) -> Path:
     return written
 
 
+def _tensors(folder: Path) -> tuple[list[str], Callable[[list[str]], dict[str, torch.Tensor]]]:
+    """The names of checkpoint ``folder``'s tensors, and a function reading some of them whole onto the CPU."""
+    if (folder / SHARDS).is_dir():
+        entries, fetch = sharded_weights(folder)
+        return [name for name, _ in entries], fetch
+    from safetensors import safe_open
+
+    with safe_open(str(folder / MODEL_FILE), "pt") as weights:
+        names = list(weights.keys())
+
+    def fetch(wanted: list[str]) -> dict[str, torch.Tensor]:
+        with safe_open(str(folder / MODEL_FILE), "pt") as weights:
+            return {name: weights.get_tensor(name) for name in wanted}
+
+    return names, fetch
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", type=Path, help="a checkpoint folder, <output_dir>/checkpoints/step-N")
     parser.add_argument("directory", type=Path, help="where to write model.safetensors (and config.json): a new "
                         "or empty folder")  # fmt: skip
     parser.add_argument("--replace", action="store_true", help="replace what the folder holds, whole")
+    parser.add_argument("--merged", action="store_true", help="a PEFT model's checkpoint: the base model with the "
+                        "adapter folded in (merge_and_unload), not the adapter alone")  # fmt: skip
     args = parser.parse_args(argv)
-    written = export(args.checkpoint, args.directory, replace=args.replace)
-    loads = "AutoModel*.from_pretrained" if (args.directory / MODEL_CONFIG).is_file() else "safetensors.torch.load_file"
+    written = export(args.checkpoint, args.directory, replace=args.replace, merged=args.merged)
+    if written.name == ADAPTER_FILE:
+        loads = "PeftModel.from_pretrained(base_model, directory)"
+    elif (args.directory / MODEL_CONFIG).is_file():
+        loads = "AutoModel*.from_pretrained"
+    else:
+        loads = "safetensors.torch.load_file"
     sys.stdout.write(f"exported {args.checkpoint} to {written} ({loads})\n")
 
 

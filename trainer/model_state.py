@@ -218,7 +218,13 @@ class ModelState:
 
 def save_model_config(model: torch.nn.Module, folder: Path) -> None:
     """A transformers model's config beside its weights, naming the model's own class (not the sharded wrapper's),
-    so that the export loads with ``from_pretrained``."""
+    so that the export loads with ``from_pretrained``; a PEFT model's base config and adapter configs, from which
+    the export rebuilds it (``trainer.adapter_export``)."""
+    if peft_model(model):
+        from trainer.adapter_export import save_adapter_configs
+
+        save_adapter_configs(model, folder)
+        model = model.get_base_model()
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_json_file"):
         if ties := tied_weights(model):  # from_pretrained ties a transformers model again; load_state_dict does not
