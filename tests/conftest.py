@@ -177,7 +177,7 @@ def accelerate_config(path, answers: dict[str, str], expect_ok: bool = True) -> 
     command = ["-m", "accelerate.commands.accelerate_cli", "config", "--config_file", str(path)]
     child = pexpect.spawn(sys.executable, command, env=clean_env(), encoding="utf-8", timeout=60, dimensions=(50, 200))
     menu = r"arrow or number keys.*?\n((?:.*\n)*?.*)\x1b\[\d+A"  # the options, then the cursor moves back up
-    question = r"([^\n]*)(\[[^\]\n]*\]|\? ?): ?$"
+    question = r"([^\n]*)((\[[^\]\n]*\]|\? ?|\)): ?|main process\? )$"  # (two about the main process end "? ")
     asked = []
     while child.expect([menu, question, pexpect.EOF]) != 2:
         if child.match.re.pattern == menu:

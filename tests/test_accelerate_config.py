@@ -65,6 +65,9 @@ REFUSED = {  # answers, what the preflight says, what the launch's one trainer: 
                                        "dynamo_backend: NVPRIMS_NVFUSER, which torch",
                                        "dynamo_backend: NVPRIMS_NVFUSER, which torch"),
     "megatron-lm": ({**GPUS, "Megatron-LM": "yes"}, MEGATRON, MEGATRON),
+    "multi-CPU on 2 machines": ({"Which type of machine": "multi-CPU", "How many different machines": "2",
+                                 "IP address": "127.0.0.1", "port you will use": "29500", "How many processes": "2"},
+                                "starts each machine's process alone", "but started ONE"),
 }
 
 
@@ -102,3 +105,33 @@ def test_deepspeed_fp8_and_tpu_answers_are_refused_by_name(tmp_path, answer, pac
                         "num_machines: 1\nnum_processes: 2\nmachine_rank: 0\ngpu_ids: all\nuse_cpu: false\n"
                         + ("deepspeed_config:\n  zero_stage: 3\n" if kind == "DEEPSPEED" else ""))  # fmt: skip
     assert f"PROBLEM: {refusal}" in preflight(path)
+
+
+def test_two_machines_meet_as_accelerate_launch_does_whatever_rendezvous_backend_the_file_names(tmp_path):
+    """Two machines not on one network: ``accelerate config`` asks for a rendezvous backend and writes it, but
+    accelerate launch reads the backend from its --rdzv_backend flag alone, so every such file meets at the static
+    rendezvous. The preflight says so, and names what the flag's etcd would need; the two machines of an etcd file
+    (no etcd server anywhere here) train as one job, each launched with its own file, as on two hosts."""
+    port = str(free_port())
+    machines = {**GPUS, "How many different machines": "2", "IP address": "127.0.0.1", "port you will use": port,
+                "same local network": "no"}  # fmt: skip
+    for backend, rank in (("c10d", 0), ("etcd", 0), ("etcd", 1)):
+        path = tmp_path / f"{backend}-{rank}.yaml"
+        accelerate_config(path, {**machines, "rendezvous backend": backend, "rank of this machine": str(rank)})
+        assert f"rdzv_backend: {backend}" in path.read_text() and f"machine_rank: {rank}" in path.read_text()
+    for backend in ("c10d", "etcd"):
+        said = preflight(tmp_path / f"{backend}-0.yaml")  # (and: 127.0.0.1 cannot be reached from another host)
+        assert f"rendezvous: static at 127.0.0.1:{port}" in said, said
+        assert f"this file's rdzv_backend {backend} is not used" in said, said
+    flagged = run([sys.executable, "-m", "trainer.check", "--config_file", str(tmp_path / "etcd-0.yaml"),
+                   "--rdzv_backend", "etcd"], expect_ok=False).stdout  # fmt: skip
+    assert "PROBLEM: --rdzv_backend etcd: torchrun's etcd rendezvous needs the python-etcd package" in flagged
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node in nodes:
+        node.mkdir()
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
+    job = [SCENARIOS, "job", "--output_dir", tmp_path / "out"]
+    launches = run_together([([*launch, tmp_path / f"etcd-{r}.yaml", *job], node) for r, node in enumerate(nodes)])
+    assert "trainer | 2 process(es) on 2 machine(s)" in launches[0].stdout, launches[0].stdout
+    report = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert report["world_size"] == 2 and report["result"]["eval_loss"] < report["before"]["eval_loss"]

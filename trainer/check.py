@@ -16,6 +16,7 @@ exits 1, or says none were found and exits 0.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import ipaddress
 import os
 import secrets
@@ -34,12 +35,13 @@ from trainer.unsupported import refusal_of_the_file
 Problems = list[str]
 
 
-def describe_config(path: str, launched: bool, num_processes: Optional[int] = None,
-                    num_machines: Optional[int] = None) -> tuple[list[str], Problems, Optional[int]]:
+def describe_config(path: str, launched: bool, num_processes: Optional[int] = None, num_machines: Optional[int] = None,
+                    rdzv_backend: Optional[str] = None) -> tuple[list[str], Problems, Optional[int]]:
     """What ``accelerate launch --config_file path`` would start, checked against this host: the lines to print,
     the problems, and the number of processes the config asks for. ``num_processes`` / ``num_machines`` override
-    the file as the same flags of ``accelerate launch`` do. Inside a launch the rendezvous evidently worked (and
-    may have come from --main_process_ip), so its settings are not judged."""
+    the file as the same flags of ``accelerate launch`` do, and ``rdzv_backend`` is its ``--rdzv_backend`` (the
+    file's ``rdzv_backend`` is not read by accelerate launch: without the flag it is static). Inside a launch the
+    rendezvous evidently worked (and may have come from --main_process_ip), so its settings are not judged."""
     from accelerate.commands.config.config_args import load_config_from_file
 
     if not Path(path).is_file():
@@ -96,15 +98,24 @@ def describe_config(path: str, launched: bool, num_processes: Optional[int] = No
                         "num_processes / num_machines processes")  # fmt: skip
     if not on_cpu and per_machine > gpus:
         problems.append(f"{per_machine} processes per machine, but this machine has {gpus} GPU(s)")
-    if not through_torchrun and per_machine > 1 and not (config.mpirun_config or {}).get("mpirun_hostfile"):
+    mpirun = (config.mpirun_config or {}).get("mpirun_hostfile")
+    if not through_torchrun and machines > 1 and not mpirun:
+        problems.append(f"accelerate launch starts each machine's process alone for this multi-CPU file of {machines} "
+                        "machines: its CPU launcher joins machines only through mpirun (mpirun_hostfile). For "
+                        "several machines over gloo use a multi-GPU file (accelerate_configs/multi_node.yaml): where "
+                        "a machine has no GPU, the trainer runs its processes on the CPU")  # fmt: skip
+    elif not through_torchrun and per_machine > 1 and not mpirun:
         problems.append(f"accelerate launch starts 1 process for this file, not {per_machine}: its CPU launcher "
                         "starts several only through mpirun (mpirun_hostfile). For K processes on the CPU over gloo "
                         "use accelerate_configs/cpu.yaml with --num_processes K")  # fmt: skip
     if config.mixed_precision == "bf16" and not on_cpu and not torch.cuda.is_bf16_supported():
         problems.append("mixed_precision bf16, but this machine's GPU has no bf16: use fp16.yaml")
     if machines > 1:
-        lines.append(f"  rendezvous: {config.rdzv_backend} at {config.main_process_ip}:{config.main_process_port}; "
-                     "each node passes its own --machine_rank")  # fmt: skip
+        lines += _rendezvous_lines(config, rdzv_backend)
+        if (rdzv_backend or "static").startswith("etcd") and importlib.util.find_spec("etcd") is None:
+            problems.append(f"--rdzv_backend {rdzv_backend}: torchrun's etcd rendezvous needs the python-etcd package "
+                            "(pip install python-etcd) and an etcd server at main_process_ip:main_process_port; "
+                            "c10d needs neither")  # fmt: skip
         interface = os.environ.get("GLOO_SOCKET_IFNAME")
         unset = ("  network: GLOO_SOCKET_IFNAME is not set: gloo (the trainer's CPU agreements) uses the interface "
                  "this host's name resolves to; where that one does not reach the other nodes, export "
@@ -147,6 +158,20 @@ def visible_gpus(gpu_ids: Optional[str]) -> int:
             break
         visible += 1
     return visible
+
+
+def _rendezvous_lines(config: object, flag: Optional[str]) -> list[str]:
+    """Where the nodes meet. accelerate launch takes the rendezvous backend from its --rdzv_backend flag alone: the
+    file's ``rdzv_backend`` (which ``accelerate config`` asks for when the machines are not on one network) is
+    not read, and the launch meets with torchrun's static rendezvous."""
+    backend, written = flag or "static", getattr(config, "rdzv_backend", None) or "static"
+    where = f"{config.main_process_ip}:{config.main_process_port}"
+    ranks = "each node passes its own --machine_rank" if backend == "static" else "ranks given as nodes join"
+    lines = [f"  rendezvous: {backend} at {where}; {ranks}"]
+    if flag is None and written != "static":
+        lines.append(f"  note: this file's rdzv_backend {written} is not used: accelerate launch reads the rendezvous "
+                     f"backend from its command line alone (pass --rdzv_backend {written} on every node)")  # fmt: skip
+    return lines
 
 
 def _rendezvous_problems(address: Optional[str], port: Optional[int]) -> Problems:
@@ -257,6 +282,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="the job logs to wandb: check that every node reaches it (default: $WANDB_PROJECT)")
     parser.add_argument("--num_processes", "--num-processes", type=int, help="as accelerate launch's, over the file")
     parser.add_argument("--num_machines", "--num-machines", type=int, help="as accelerate launch's, over the file")
+    parser.add_argument("--rdzv_backend", "--rdzv-backend", help="as accelerate launch's (the file's is not read)")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds a rank may take to answer")
     args = parser.parse_args(argv)
 
@@ -264,7 +290,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     lines, problems, expected = [], [], None
     if args.config_file:
         lines, problems, expected = describe_config(args.config_file, launched, args.num_processes,
-                                                    args.num_machines)
+                                                    args.num_machines, args.rdzv_backend)
     main_process = int(os.environ.get("RANK", "0")) == 0
     if main_process and lines:
         print("\n".join(lines))

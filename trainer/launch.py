@@ -206,7 +206,9 @@ def check_launch_fits_host() -> None:
             "accelerate launch was asked for several CPU processes (use_cpu / --cpu, or a multi-CPU config from "
             "`accelerate config`) but started ONE: its CPU launcher starts more only through mpirun (a config with "
             "mpirun_hostfile). To run K processes on the CPU over gloo: `accelerate launch --config_file "
-            "accelerate_configs/cpu.yaml --num_processes K ...`, or `torchrun --nproc_per_node K ...`."
+            "accelerate_configs/cpu.yaml --num_processes K ...`, or `torchrun --nproc_per_node K ...`; on several "
+            "machines, a multi-GPU config (accelerate_configs/multi_node.yaml: without a GPU the trainer runs on the "
+            "CPU)."
         )
     if problem is None:
         return
