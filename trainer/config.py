@@ -27,7 +27,7 @@ from trainer.errors import ConfigError
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 NAN_POLICIES = ("raise", "skip")
-# transformers' step-based schedules (get_scheduler), each after warmup_steps of linear warm-up.
+# transformers' step-based schedules (get_scheduler; trainer.schedules), each after warmup_steps of linear warm-up.
 LR_SCHEDULERS = ("constant", "linear", "cosine", "cosine_with_min_lr", "warmup_stable_decay", "polynomial",
                  "inverse_sqrt")  # fmt: skip
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from trainer import schedules
 from trainer.config import TrainConfig
 from trainer.errors import ConfigError
 
@@ -63,20 +64,21 @@ NORM_TYPES = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.modules.batchnorm
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, total_steps: int):
-    """``config.lr_scheduler`` after ``warmup_steps`` of linear warm-up (transformers' ``get_scheduler``), with
-    ``min_lr_ratio`` and ``lr_scheduler_kwargs``; stepped once per optimizer step.
+    """``config.lr_scheduler`` after ``warmup_steps`` of linear warm-up (transformers' ``get_scheduler``'s
+    schedules, ``trainer.schedules``), with ``min_lr_ratio`` and ``lr_scheduler_kwargs``; stepped once per
+    optimizer step. Each is a LambdaLR (the lr a closed form of the step: a resume recomputes it from this run's
+    settings, trainer.resume_policy)."""
+    from torch.optim.lr_scheduler import LambdaLR
 
-    Each is a LambdaLR (the lr a closed form of the step: a resume recomputes it from this run's settings,
-    trainer.resume_policy). A constant lr without warm-up is built here: transformers' schedules, the rest, cost
-    half a second of import at start-up that a constant lr need not pay.
-    """
     if config.lr_scheduler == "constant" and config.warmup_steps == 0 and not config.lr_scheduler_kwargs:
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, _constant)
-    from transformers import get_scheduler
-
+        return LambdaLR(optimizer, schedules.no_schedule)
     name = "constant_with_warmup" if config.lr_scheduler == "constant" else config.lr_scheduler
-    return get_scheduler(name, optimizer, num_warmup_steps=config.warmup_steps, num_training_steps=total_steps,
-                         scheduler_specific_kwargs=schedule_settings(config, name))  # fmt: skip
+    try:
+        factor = schedules.factor(name, optimizer.defaults["lr"], config.warmup_steps, total_steps,
+                                  schedule_settings(config, name))  # fmt: skip
+    except ValueError as err:
+        raise ConfigError(f"lr_scheduler {config.lr_scheduler}: {err}") from None
+    return LambdaLR(optimizer, factor)
 
 
 FLOOR = {"cosine_with_min_lr": "min_lr_rate", "warmup_stable_decay": "min_lr_ratio"}  # min_lr_ratio's name in each
@@ -85,10 +87,6 @@ FLOOR = {"cosine_with_min_lr": "min_lr_rate", "warmup_stable_decay": "min_lr_rat
 def schedule_settings(config: TrainConfig, name: str) -> dict[str, Any]:
     """The schedule's own settings: ``lr_scheduler_kwargs`` checked by name against transformers' function, and
     ``min_lr_ratio`` under the name that function gives it (polynomial's ``lr_end`` is an lr). Refused by name."""
-    import inspect
-
-    from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION, SchedulerType
-
     settings = dict(config.lr_scheduler_kwargs)
     if config.min_lr_ratio is not None:
         ratio = config.min_lr_ratio
@@ -96,9 +94,7 @@ def schedule_settings(config: TrainConfig, name: str) -> dict[str, Any]:
         if key in settings:
             raise ConfigError(f"min_lr_ratio and lr_scheduler_kwargs.{key} both set the floor: keep one")
         settings[key] = value
-    function = TYPE_TO_SCHEDULER_FUNCTION[SchedulerType(name)]
-    taken = set(inspect.signature(function).parameters) - {"optimizer", "num_warmup_steps", "num_training_steps",
-                                                           "last_epoch"}  # fmt: skip
+    taken = set(schedules.SETTINGS[name])
     for key in settings:
         if key not in taken:
             raise ConfigError(f"lr_scheduler_kwargs: {key!r} is not a setting of {config.lr_scheduler} (its "
@@ -134,8 +130,6 @@ def describe(optimizer: torch.optim.Optimizer, lr_scheduler, config: TrainConfig
     return f"{words}, {config.lr_scheduler} schedule{warmup}{floor}{settings}"
 
 
-def _constant(step: int) -> float:
-    return 1.0
 
 
 @dataclass(frozen=True)
