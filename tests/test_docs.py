@@ -84,6 +84,12 @@ def test_the_recipes_run_as_written(tmp_path):
     assert (tmp_path / "runs" / "ema" / "final").is_dir() and (tmp_path / "runs" / "two-sets" / "final").is_dir()
     if any("from peft import" in block for block in blocks):  # the adapter merged into a plain model
         assert (tmp_path / "runs" / "lora" / "merged" / "model.safetensors").is_file()
+        for shell in re.findall(r"```bash\n(.*?)```", page, re.S):  # the checkpoint's exports, as the page runs them
+            exported = subprocess.run(["bash", "-ec", shell], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                                      env=clean_env(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)))  # fmt: skip
+            assert exported.returncode == 0, exported.stdout[-2000:] + exported.stderr[-2000:]
+        assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+        assert (tmp_path / "merged" / "model.safetensors").is_file()
 
 
 # What the project page's blocks leave to the reader: a model whose outputs have .loss and .logits, data sets of its
