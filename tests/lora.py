@@ -43,6 +43,7 @@ def job(out: Path, resume_from: str | None, accumulation: int) -> None:
     def whole(p: torch.Tensor) -> torch.Tensor:
         return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
 
+    trainer.save_model(out / "merged", merged=True)  # the base model with the adapter folded in, asked for
     params = dict(trainer.unwrapped_model.named_parameters())
     trained = {name: whole(p).flatten().tolist() for name, p in params.items() if p.requires_grad}
     kept = all(torch.equal(whole(params[name]), value) for name, value in frozen.items())  # collective: every rank

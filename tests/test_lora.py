@@ -1,7 +1,8 @@
 """A LoRA adapter (PEFT) trained through real processes (tests/lora.py): only the adapter changes, 2 processes
 give the updates of 1 (the loss is the transformers model's inside PEFT's wrapper, weighed by its tokens), FSDP2
 gives DDP's, a resume is bit-exact, and ``final/`` is the adapter as PEFT writes it, which PEFT's own loader puts
-back on a fresh base model."""
+back on a fresh base model; a checkpoint exports as that adapter, or merged, as ``save_model(merged=True)`` writes
+it."""
 
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ def test_final_is_the_adapter_that_peft_loads_back(runs):
 @pytest.mark.parametrize("job", ["ddp", "fsdp"])
 def test_a_checkpoint_exports_as_the_adapter_or_merged_and_loads_with_peft_and_transformers(runs, job, tmp_path):
     """``python -m trainer.export`` of the last checkpoint (step 6, what final/ holds): the adapter, bit-identical
-    to final/'s, and with --merged one plain GPT-2 that from_pretrained loads, equal to PEFT's own merge."""
+    to final/'s, and with --merged one plain GPT-2 that from_pretrained loads, equal to PEFT's own merge, as is
+    what the job's ``save_model(merged=True)`` wrote."""
     import torch
     from lora import base_model
     from peft import PeftModel
@@ -75,5 +77,19 @@ def test_a_checkpoint_exports_as_the_adapter_or_merged_and_loads_with_peft_and_t
     assert ours.keys() == theirs.keys()
     for name, tensor in theirs.items():
         assert torch.equal(ours[name], tensor), name
+    asked = AutoModelForCausalLM.from_pretrained(f"{out}/merged").state_dict()  # save_model(merged=True)
+    assert asked.keys() == theirs.keys() and all(torch.equal(asked[k], theirs[k]) for k in theirs)
     base = base_model().state_dict()
     assert not torch.equal(ours["transformer.h.0.attn.c_attn.weight"], base["transformer.h.0.attn.c_attn.weight"])
+
+
+def test_merged_is_refused_by_name_for_a_model_without_an_adapter(tmp_path):
+    import torch
+
+    from trainer import TrainConfig, Trainer
+    from trainer.errors import ExportError
+
+    trainer = Trainer(torch.nn.Linear(2, 2), TrainConfig(output_dir=str(tmp_path)), train_data=None)
+    with pytest.raises(ExportError, match=r"merged=True folds a PEFT adapter .* \(Linear\) has none"):
+        trainer.save_model(tmp_path / "merged", merged=True)
+    assert not (tmp_path / "merged").exists()

@@ -9,11 +9,13 @@ written beside it at each save, the base model's ``config.json`` and each adapte
 builds the PEFT model on the ``meta`` device (no memory, no download), puts the checkpoint's tensors into it, and
 lets PEFT write it: ``save_pretrained``'s adapter (its names, its files) reads only the adapter's tensors; the
 merged model (``merge_and_unload``, then transformers' ``save_pretrained``) reads them all, the whole model held
-in CPU memory once.
+in CPU memory once. ``Trainer.save_model(directory, merged=True)`` writes the same merged model from the
+trained one.
 """
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -56,6 +58,18 @@ def write_adapter(folder: Path, directory: Path, names: list[str],
     model.merge_and_unload().save_pretrained(str(directory))
     written = sorted(directory.glob("model*.safetensors*"))
     return next((path for path in written if path.name.endswith(".json")), written[0])
+
+
+def write_merged(model: torch.nn.Module, state: dict[str, torch.Tensor], directory: Path) -> Path:
+    """PEFT model ``model``'s base model with its adapter folded in, from ``state`` (its whole state on the CPU),
+    written into ``directory`` as a checkpoint's ``--merged`` export is: through a copy built on the meta device
+    from its configs, so that ``model`` itself stays as it is."""
+    from trainer.model_state import save_model_config
+
+    with tempfile.TemporaryDirectory() as configs:
+        save_model_config(model, Path(configs))  # the base model's config and the adapters', as a checkpoint's
+        return write_adapter(Path(configs), directory, list(state), lambda wanted: {n: state[n] for n in wanted},
+                             merged=True)  # fmt: skip
 
 
 def _meta_model(folder: Path) -> torch.nn.Module:

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from trainer.errors import CheckpointError
+from trainer.errors import CheckpointError, ExportError
 from trainer.hf import peft_model
 
 MODEL_CONFIG = "config.json"  # a transformers model's config, saved in each checkpoint for the export
@@ -138,16 +138,19 @@ class ModelState:
             set_model_state_dict(self.model, load_file(folder / MODEL_FILE),
                                  options=StateDictOptions(full_state_dict=True))  # fmt: skip
 
-    def export(self, directory: Path, barrier: Callable[[], None]) -> None:
+    def export(self, directory: Path, barrier: Callable[[], None], merged: bool = False) -> None:
         """The whole model, written into ``directory`` by the main process one file at a time
         (``trainer.export.write_streamed``): a sharded model's tensors gathered one at a time, a file's worth kept
         on the main process's CPU, never the whole model anywhere. An earlier export's files in ``directory`` are
         replaced (they would mix with this one's); others, a tokenizer saved beside, stay. Every rank returns once
-        it is written."""
+        it is written. ``merged``: a PEFT model's base model with its adapter folded in, not the adapter."""
         from trainer.export import replacing, write_model, write_streamed
 
+        if merged and not peft_model(self.model):
+            raise ExportError(f"merged=True folds a PEFT adapter into its base model, and this model "
+                              f"({type(self.model).__name__}) has none: save it without merged")  # fmt: skip
         if peft_model(self.model):
-            return self._export_adapter(directory, barrier)
+            return self._export_adapter(directory, barrier, merged)
         if self.format == DDP:  # (no torch.distributed.checkpoint here: its import costs a DDP run a second)
             if self.main:
                 with replacing(directory) as staging:
@@ -171,24 +174,34 @@ class ModelState:
             write_streamed(entries, gather, target, self.model, self.main)
         barrier()
 
-    def _export_adapter(self, directory: Path, barrier: Callable[[], None]) -> None:
+    def _export_adapter(self, directory: Path, barrier: Callable[[], None], merged: bool) -> None:
         """A PEFT model's export is its adapter, as PEFT writes it (``adapter_config.json``,
         ``adapter_model.safetensors``): what ``PeftModel.from_pretrained(base, directory)`` loads onto the base model,
-        and ``merge_and_unload()`` folds in. A sharded model's trainable tensors (the adapter's) are gathered first."""
+        and ``merge_and_unload()`` folds in. A sharded model's trainable tensors (the adapter's) are gathered first.
+        ``merged``: the base model with the adapter folded in, built from a copy of the whole state gathered on the
+        main process's CPU (``trainer.adapter_export``): the model that trains is left as it is."""
         from trainer.export import replacing
 
-        adapter = None
-        if self.format != DDP:  # collective: every process gathers each trainable tensor, the main one keeps them
+        state = None
+        if self.format != DDP or merged and self.main:  # sharded: every process gathers each tensor (collective)
             from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
             trainable = {name.replace("_checkpoint_wrapped_module.", "")  # the state dict's names
                          for name, p in self.model.named_parameters() if p.requires_grad}  # fmt: skip
-            state = get_model_state_dict(self.model)
-            adapter = {name: tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-                       for name, tensor in state.items() if name in trainable}  # fmt: skip
+            state = {}
+            for name, tensor in get_model_state_dict(self.model).items():
+                if merged or name in trainable:
+                    whole = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+                    if self.main:  # the one that writes keeps them
+                        state[name] = whole.detach().to("cpu", copy=True)
         if self.main:
             with replacing(directory) as staging:
-                self.model.save_pretrained(staging, state_dict=adapter)  # PEFT keeps the adapter's tensors of it
+                if merged:
+                    from trainer.adapter_export import write_merged
+
+                    write_merged(self.model, state, staging)
+                else:
+                    self.model.save_pretrained(staging, state_dict=state)  # PEFT keeps the adapter's tensors of it
         barrier()
 
     def _dcp_state(self, folder: Path | None = None) -> dict[str, Any]:

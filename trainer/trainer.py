@@ -194,12 +194,13 @@ class Trainer:
         batch (``cannot_train_on``), while ``evaluate()`` and ``predict()`` use the weights as they are."""
         self.cannot_train_on = self.checkpoints.resume(Path(path), verified)
 
-    def save_model(self, directory: str | Path | None = None) -> Path:
+    def save_model(self, directory: str | Path | None = None, merged: bool = False) -> Path:
         """Export the weights once, from the global main process, to ``<output_dir>/final`` by default:
         ``model.safetensors`` (past 5 GB numbered files and an index) and a transformers model's config, written a
-        file at a time (``trainer.export``)."""
+        file at a time (``trainer.export``); a PEFT model's adapter, or with ``merged`` its base model with the
+        adapter folded in (the whole model gathered on the main process's CPU). Every process calls it."""
         directory = Path(directory or Path(self.config.output_dir) / "final")
-        self.model_state.export(directory, self.accelerator.wait_for_everyone)
+        self.model_state.export(directory, self.accelerator.wait_for_everyone, merged)
         return directory
 
     @property
