@@ -93,3 +93,28 @@ def test_merged_is_refused_by_name_for_a_model_without_an_adapter(tmp_path):
     with pytest.raises(ExportError, match=r"merged=True folds a PEFT adapter .* \(Linear\) has none"):
         trainer.save_model(tmp_path / "merged", merged=True)
     assert not (tmp_path / "merged").exists()
+
+
+def test_a_peft_checkpoint_without_its_adapter_config_is_refused_by_name_not_exported_unloadable(runs, tmp_path):
+    """A checkpoint written before checkpoints carried adapter_config.json (its config.json naming PeftModel):
+    the export used to write PEFT's names under that config, which no loader accepts."""
+    import shutil
+    import zlib
+
+    from trainer.errors import ExportError
+    from trainer.export import export
+
+    old = tmp_path / "step-00000006"
+    shutil.copytree(f"{runs['ddp']['out']}/checkpoints/step-00000006", old)
+    (old / "adapter_config.json").unlink()
+    config = json.loads((old / "config.json").read_text())
+    (old / "config.json").write_text(json.dumps({**config, "architectures": ["PeftModel"]}))
+    state = json.loads((old / "trainer_state.json").read_text())
+    for files in (state["files"], state["crc32"]):
+        files.pop("adapter_config.json")
+    data = (old / "config.json").read_bytes()
+    state["files"]["config.json"], state["crc32"]["config.json"] = len(data), f"{zlib.crc32(data):08x}"
+    (old / "trainer_state.json").write_text(json.dumps(state))
+    with pytest.raises(ExportError, match="holds a PEFT model but not its adapter's config"):
+        export(old, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

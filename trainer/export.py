@@ -162,6 +162,11 @@ def _write(folder: Path, directory: Path, merged: bool) -> Path:
     if holds_adapter(folder):
         names, fetch = _tensors(folder)
         return write_adapter(folder, directory, names, fetch, merged)
+    if (folder / MODEL_CONFIG).is_file() and str(json.loads((folder / MODEL_CONFIG).read_text()).get(
+            "architectures", [""])[0]).startswith("Peft"):  # fmt: skip
+        raise ExportError(f"checkpoint {folder} holds a PEFT model but not its adapter's config (it was written "
+                          f"before checkpoints carried {ADAPTER_CONFIG}): resume the run with this trainer for a "
+                          "step, and export that checkpoint")  # fmt: skip
     if (folder / SHARDS).is_dir():  # read a file's worth at a time
         entries, fetch = sharded_weights(folder)
         written = write_streamed(entries, fetch, directory)
