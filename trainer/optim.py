@@ -85,8 +85,9 @@ FLOOR = {"cosine_with_min_lr": "min_lr_rate", "warmup_stable_decay": "min_lr_rat
 
 
 def schedule_settings(config: TrainConfig, name: str) -> dict[str, Any]:
-    """The schedule's own settings: ``lr_scheduler_kwargs`` checked by name against transformers' function, and
-    ``min_lr_ratio`` under the name that function gives it (polynomial's ``lr_end`` is an lr). Refused by name."""
+    """The schedule's own settings: ``lr_scheduler_kwargs`` checked by name against the schedule's (transformers'
+    names, ``trainer.schedules.SETTINGS``), and ``min_lr_ratio`` under the name the schedule gives it (polynomial's
+    ``lr_end`` is an lr). Refused by name."""
     settings = dict(config.lr_scheduler_kwargs)
     if config.min_lr_ratio is not None:
         ratio = config.min_lr_ratio
@@ -128,8 +129,6 @@ def describe(optimizer: torch.optim.Optimizer, lr_scheduler, config: TrainConfig
     floor = f" down to {config.min_lr_ratio:g} x lr" if config.min_lr_ratio is not None else ""
     settings = "".join(f", {key} {value}" for key, value in config.lr_scheduler_kwargs.items())
     return f"{words}, {config.lr_scheduler} schedule{warmup}{floor}{settings}"
-
-
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ backward reduces the gradients across processes (``Parallelism.gradient_sync``),
 clipped, stepped and zeroed. What watches the step wraps its phases (``Phases``: where each rank is, for the
 stall reporter, and the forward pass's time, for the log window); the NaN guard decides whether the update is taken
 (``nan_policy: skip``). With ``auto_microbatch``, the micro-batches are cut in pieces and the window runs again
-after an out-of-memory on any rank (``trainer.microbatch``).
+after an out-of-memory on any rank (``trainer.microbatch``). Under the default loss, the first packed batch's
+model is asked once whether its attention keeps the documents apart (``trainer.packing``).
 
 The calls into accelerate's prepared optimizer go around what they cost when it buys nothing (measured):
 ``optimizer.step()`` without a grad scaler only forwards the call, after asking importlib twice whether the LOMO
