@@ -118,3 +118,30 @@ def test_a_peft_checkpoint_without_its_adapter_config_is_refused_by_name_not_exp
     with pytest.raises(ExportError, match="holds a PEFT model but not its adapter's config"):
         export(old, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_an_adapted_embedding_and_a_module_to_save_export_as_peft_saves_them(tmp_path):
+    """PEFT saves more than the adapter's own tensors here: the base embedding it adapted and the module to save.
+    The export asks PEFT which tensors those are (before, the base embedding stayed on meta: 'Cannot copy out of
+    meta tensor'). In-process, one process."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trainer import TrainConfig, Trainer
+    from trainer.export import main as export
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=2))  # fmt: skip
+    adapter = LoraConfig(r=4, target_modules=["q_proj", "embed_tokens"], modules_to_save=["lm_head"])
+    model = get_peft_model(base, adapter)
+    rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (8, 16))]
+    config = TrainConfig(output_dir=str(tmp_path / "run"), batch_size=4, max_steps=2, save_every=2, optimizer="sgd")
+    Trainer(model, config, train_data=rows).fit()
+    export([str(tmp_path / "run" / "checkpoints" / "step-00000002"), str(tmp_path / "adapter")])
+    final = load_file(tmp_path / "run" / "final" / "adapter_model.safetensors")
+    exported = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert "base_model.model.model.embed_tokens.base_layer.weight" in final
+    assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)

@@ -43,8 +43,7 @@ def write_adapter(folder: Path, directory: Path, names: list[str],
     """Write checkpoint ``folder``'s adapter (``merged``: the base model with it folded in) into ``directory``;
     ``names``: the checkpoint's tensors, ``fetch(names)``: those tensors whole on the CPU. Returns the main file."""
     model = _meta_model(folder)
-    adapters = set(model.peft_config)
-    wanted = names if merged else [name for name in names if adapters & set(name.split("."))]
+    wanted = names if merged else _saved_by_peft(model, names)
     model.load_state_dict(fetch(wanted), strict=False, assign=True)
     if not merged:
         model.save_pretrained(str(directory))
@@ -70,6 +69,21 @@ def write_merged(model: torch.nn.Module, state: dict[str, torch.Tensor], directo
         save_model_config(model, Path(configs))  # the base model's config and the adapters', as a checkpoint's
         return write_adapter(Path(configs), directory, list(state), lambda wanted: {n: state[n] for n in wanted},
                              merged=True)  # fmt: skip
+
+
+def _saved_by_peft(model: torch.nn.Module, names: list[str]) -> list[str]:
+    """Which of the checkpoint's tensors PEFT's ``save_pretrained`` writes for ``model``'s adapters: asked of PEFT
+    itself, over a state dict of empty markers whose identity says which name each came from (it renames them). Its
+    adapters' tensors, and any base layer it saves with them (an adapted ``embed_tokens``)."""
+    from peft.utils import get_peft_model_state_dict
+
+    markers = {name: torch.empty(0, device="meta") for name in names}
+    name_of = {id(marker): name for name, marker in markers.items()}
+    saved: set[str] = set()
+    for adapter in model.peft_config:
+        kept = get_peft_model_state_dict(model, state_dict=markers, adapter_name=adapter)
+        saved |= {name_of[id(marker)] for marker in kept.values() if id(marker) in name_of}
+    return [name for name in names if name in saved]
 
 
 def _meta_model(folder: Path) -> torch.nn.Module:
