@@ -4,12 +4,15 @@ steps on one CPU process, against a raw Accelerate loop and a raw PyTorch loop d
     python benchmarks/step_overhead.py              # 5 rounds, about 2 minutes on a 2-core CPU
     python benchmarks/step_overhead.py --rounds 9 --steps 4000
     python benchmarks/step_overhead.py --baseline ../main-before   # + the Trainer of another checkout, in turn
+    python benchmarks/step_overhead.py --schedule --rounds 3 --steps 400   # warm-up + cosine lr in every variant
 
 Each variant runs in a fresh process, round after round in turn (raw PyTorch, raw Accelerate, ours), so that the
 machine's drift touches all three alike. Steady step time: the median of the step-to-step times after 200 warm-up
 steps (the median shrugs off the odd pause of a shared VM). Start-up: from the process's launch to the end of its
 first step (imports, building the loop, the first batch). Every variant: the same model, data and seed; plain SGD at
-a constant lr; the loss read on the host every 50 steps (the Trainer's log_every=50); one CPU thread.
+a constant lr; the loss read on the host every 50 steps (the Trainer's log_every=50); one CPU thread. With
+``--schedule``, 10 warm-up steps and a cosine lr: the raw loops take transformers' ``get_cosine_schedule_with_warmup``
+as such loops do, the Trainer ``lr_scheduler: cosine``.
 """
 
 from __future__ import annotations
@@ -46,12 +49,22 @@ def mse(model, batch):
     return torch.nn.functional.mse_loss(model(x), y)
 
 
+def raw_schedule(optimizer, steps: int):
+    """``--schedule``: transformers' warm-up + cosine, as a hand-written loop takes it; else none."""
+    if not os.environ.get("BENCH_SCHEDULE"):
+        return None
+    from transformers import get_cosine_schedule_with_warmup
+
+    return get_cosine_schedule_with_warmup(optimizer, 10, steps)
+
+
 def run_torch(model, data, steps: int, tick) -> None:
     import torch
 
     loader = torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    hand_written_loop(model, loader, optimizer, lambda loss: loss.backward(), steps, tick)
+    hand_written_loop(model, loader, optimizer, lambda loss: loss.backward(), steps, tick,
+                      raw_schedule(optimizer, steps))  # fmt: skip
 
 
 def run_accelerate(model, data, steps: int, tick) -> None:
@@ -62,15 +75,17 @@ def run_accelerate(model, data, steps: int, tick) -> None:
     loader = torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    hand_written_loop(model, loader, optimizer, accelerator.backward, steps, tick)
+    hand_written_loop(model, loader, optimizer, accelerator.backward, steps, tick, raw_schedule(optimizer, steps))
 
 
-def hand_written_loop(model, loader, optimizer, backward, steps: int, tick) -> None:
-    """The loop as a user writes it, given torch's or accelerate's backward."""
+def hand_written_loop(model, loader, optimizer, backward, steps: int, tick, schedule=None) -> None:
+    """The loop as a user writes it, given torch's or accelerate's backward (and an lr schedule, or none)."""
     for step, batch in enumerate(loader, 1):
         loss = mse(model, batch)
         backward(loss)
         optimizer.step()
+        if schedule is not None:
+            schedule.step()
         optimizer.zero_grad()
         if step % LOG_EVERY == 0:
             loss.item()
@@ -87,8 +102,9 @@ def run_ours(model, data, steps: int, tick, root: Path = ROOT) -> None:
         def on_step_end(self, trainer):
             tick()
 
+    schedule = {"lr_scheduler": "cosine", "warmup_steps": 10} if os.environ.get("BENCH_SCHEDULE") else {}
     config = TrainConfig(output_dir=tempfile.mkdtemp(), max_steps=steps, batch_size=BATCH, optimizer="sgd", lr=0.01,
-                         log_every=LOG_EVERY)  # fmt: skip
+                         log_every=LOG_EVERY, **schedule)  # fmt: skip
     Trainer(model, config, train_data=data, loss_fn=mse, callbacks=[Tick()]).fit()
 
 
@@ -108,9 +124,9 @@ def worker(variant: str, steps: int) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def measure(variant: str, steps: int, baseline: str = "") -> dict:
+def measure(variant: str, steps: int, baseline: str = "", schedule: bool = False) -> dict:
     env = {**os.environ, "BENCH_LAUNCHED_AT": repr(time.time()), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled",
-           "BENCH_BASELINE": baseline}  # fmt: skip
+           "BENCH_BASELINE": baseline, "BENCH_SCHEDULE": "1" if schedule else ""}  # fmt: skip
     out = subprocess.run([sys.executable, __file__, "--worker", variant, "--steps", str(steps)], env=env,
                          capture_output=True, text=True, check=True)  # fmt: skip
     line = next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))
@@ -122,6 +138,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--baseline", default="", help="another checkout of this project: its Trainer runs too")
+    parser.add_argument("--schedule", action="store_true", help="10 warm-up steps and a cosine lr in every variant")
     parser.add_argument("--worker", choices=[*VARIANTS, "baseline"])
     args = parser.parse_args()
     if args.worker:
@@ -131,8 +148,8 @@ def main() -> None:
 
     rounds: list[dict[str, dict]] = []
     for number in range(1, args.rounds + 1):
-        rounds.append({variant: measure(variant, args.steps, str(Path(args.baseline).resolve()) if args.baseline
-                                        else "") for variant in VARIANTS})  # fmt: skip
+        baseline = str(Path(args.baseline).resolve()) if args.baseline else ""
+        rounds.append({variant: measure(variant, args.steps, baseline, args.schedule) for variant in VARIANTS})
         figures = ", ".join(f"{v} {1e6 * r['step_s']:.0f} us" for v, r in rounds[-1].items())
         print(f"round {number}: {figures}", flush=True)
 
