@@ -137,6 +137,12 @@ def export(folder: Path, directory: Path, replace: bool = False, merged: bool = 
     return the weights file (or the index of several). A PEFT model's checkpoint: its adapter, or with ``merged``
     the base model with the adapter folded in (``trainer.adapter_export``)."""
     checkpoint.verify(folder)
+    architecture = (json.loads((folder / MODEL_CONFIG).read_text()).get("architectures") or [""])[0] \
+        if (folder / MODEL_CONFIG).is_file() else ""  # fmt: skip
+    if str(architecture).startswith("Peft") and not holds_adapter(folder):
+        raise ExportError(f"checkpoint {folder} holds a PEFT model but not its adapter's config (it was written "
+                          f"before checkpoints carried {ADAPTER_CONFIG}): resume the run with this trainer for a "
+                          "step, and export that checkpoint")  # fmt: skip
     if merged and not holds_adapter(folder):
         raise ExportError(f"--merged folds a PEFT adapter into its base model, and checkpoint {folder} holds no "
                           f"adapter ({ADAPTER_CONFIG}): export it without --merged")  # fmt: skip
@@ -162,11 +168,6 @@ def _write(folder: Path, directory: Path, merged: bool) -> Path:
     if holds_adapter(folder):
         names, fetch = _tensors(folder)
         return write_adapter(folder, directory, names, fetch, merged)
-    if (folder / MODEL_CONFIG).is_file() and str(json.loads((folder / MODEL_CONFIG).read_text()).get(
-            "architectures", [""])[0]).startswith("Peft"):  # fmt: skip
-        raise ExportError(f"checkpoint {folder} holds a PEFT model but not its adapter's config (it was written "
-                          f"before checkpoints carried {ADAPTER_CONFIG}): resume the run with this trainer for a "
-                          "step, and export that checkpoint")  # fmt: skip
     if (folder / SHARDS).is_dir():  # read a file's worth at a time
         entries, fetch = sharded_weights(folder)
         written = write_streamed(entries, fetch, directory)
