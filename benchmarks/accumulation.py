@@ -44,16 +44,23 @@ def worker(args) -> None:
 
     from trainer import TrainConfig, Trainer
 
-    config = GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=args.width // 64, vocab_size=args.vocab,
-                        n_positions=args.seq_len)  # fmt: skip
+    config = GPT2Config(
+        n_layer=args.layers, n_embd=args.width, n_head=args.width // 64, vocab_size=args.vocab, n_positions=args.seq_len
+    )
     with torch.device("meta"):
         model = GPT2LMHeadModel(config)
     tokens = torch.randint(0, args.vocab, (args.steps * args.accumulation * 16, args.seq_len))
     data = [{"input_ids": row, "labels": row} for row in tokens]
     times = StepTimes()
-    train = TrainConfig(output_dir=args.out, max_steps=args.steps, batch_size=args.batch_size,
-                        gradient_accumulation_steps=args.accumulation, log_every=args.steps, preemption_signals="",
-                        reduce_every_micro_batch=args.every)  # fmt: skip
+    train = TrainConfig(
+        output_dir=args.out,
+        max_steps=args.steps,
+        batch_size=args.batch_size,
+        gradient_accumulation_steps=args.accumulation,
+        log_every=args.steps,
+        preemption_signals="",
+        reduce_every_micro_batch=args.every,
+    )
     trainer = Trainer(model, train, train_data=data, callbacks=[times])
     trainer.fit()
     from accelerate.utils import gather_object
@@ -64,10 +71,25 @@ def worker(args) -> None:
 
 
 def run(every: bool, args, round_: int) -> list[dict]:
-    flags = ["--out", str(Path(args.out) / f"{every}-{round_}"), "--layers", str(args.layers), "--width",
-             str(args.width), "--vocab", str(args.vocab), "--seq-len", str(args.seq_len), "--batch-size",
-             str(args.batch_size), "--accumulation", str(args.accumulation), "--steps", str(args.steps),
-             *(["--every"] if every else [])]  # fmt: skip
+    flags = [
+        "--out",
+        str(Path(args.out) / f"{every}-{round_}"),
+        "--layers",
+        str(args.layers),
+        "--width",
+        str(args.width),
+        "--vocab",
+        str(args.vocab),
+        "--seq-len",
+        str(args.seq_len),
+        "--batch-size",
+        str(args.batch_size),
+        "--accumulation",
+        str(args.accumulation),
+        "--steps",
+        str(args.steps),
+        *(["--every"] if every else []),
+    ]
     return launch_measured(__file__, args.processes, flags, FSDP2_ENV, "accumulation")
 
 
@@ -93,12 +115,16 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- |")
     for round_ in range(args.rounds):
         measured = {every: run(every, args, round_) for every in (False, True)}
-        figures = {every: (max(r["peak"] for r in rows), max(r["step_s"] for r in rows))
-                   for every, rows in measured.items()}  # fmt: skip
+        figures = {
+            every: (max(r["peak"] for r in rows), max(r["step_s"] for r in rows)) for every, rows in measured.items()
+        }
         for every, (peak, step) in figures.items():
             words = "reduce-scattered every micro-batch" if every else "reduced at the window's end"
-            print(f"| {round_ + 1} | {words} | {peak / mib:,.0f} | {step:.3f} | {peak / figures[False][0]:.2f} | "
-                  f"{step / figures[False][1]:.2f} |", flush=True)  # fmt: skip
+            print(
+                f"| {round_ + 1} | {words} | {peak / mib:,.0f} | {step:.3f} | {peak / figures[False][0]:.2f} | "
+                f"{step / figures[False][1]:.2f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

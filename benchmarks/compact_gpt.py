@@ -32,8 +32,9 @@ class Block(nn.Module):
 
 
 class CompactGPT(nn.Module):
-    def __init__(self, vocab_size: int = 50304, seq: int = 1024, n_layer: int = 12, n_embd: int = 768,
-                 n_head: int = 12):  # fmt: skip
+    def __init__(
+        self, vocab_size: int = 50304, seq: int = 1024, n_layer: int = 12, n_embd: int = 768, n_head: int = 12
+    ):
         super().__init__()
         self.wte, self.wpe = nn.Embedding(vocab_size, n_embd), nn.Embedding(seq, n_embd)
         self.blocks = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))

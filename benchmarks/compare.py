@@ -42,8 +42,13 @@ WORKLOADS = {
 }
 LOG_EVERY = 50  # every variant reads the loss on the host this often, as a logging trainer does
 VARIANTS = ("torch", "accelerate", "ours", "hf_trainer", "fabric")
-LABELS = {"torch": "raw PyTorch loop", "accelerate": "raw Accelerate loop", "ours": "our Trainer",
-          "hf_trainer": "transformers Trainer", "fabric": "Lightning Fabric"}  # fmt: skip
+LABELS = {
+    "torch": "raw PyTorch loop",
+    "accelerate": "raw Accelerate loop",
+    "ours": "our Trainer",
+    "hf_trainer": "transformers Trainer",
+    "fabric": "Lightning Fabric",
+}
 
 
 # ----------------------------------------------------------------------------- the worker: one measurement
@@ -54,9 +59,17 @@ def build(workload: dict):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=workload["vocab"], n_positions=workload["seq"],
-                                       n_embd=workload["n_embd"], n_layer=workload["n_layer"],
-                                       n_head=workload["n_head"], bos_token_id=0, eos_token_id=0))  # fmt: skip
+    model = GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=workload["vocab"],
+            n_positions=workload["seq"],
+            n_embd=workload["n_embd"],
+            n_layer=workload["n_layer"],
+            n_head=workload["n_head"],
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
     examples = (workload["steps"] + workload["warmup"] + 1) * workload["batch"] * 2
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, workload["vocab"], (examples, workload["seq"]), generator=generator)
@@ -188,8 +201,14 @@ def run_ours(model, data, workload, clock) -> None:
         def on_step_end(self, trainer):
             clock.tick()
 
-    config = TrainConfig(output_dir=tempfile.mkdtemp(), max_steps=workload["steps"] + workload["warmup"],
-                         batch_size=workload["batch"], lr=3e-4, log_every=LOG_EVERY, stall_warning_s=None)  # fmt: skip
+    config = TrainConfig(
+        output_dir=tempfile.mkdtemp(),
+        max_steps=workload["steps"] + workload["warmup"],
+        batch_size=workload["batch"],
+        lr=3e-4,
+        log_every=LOG_EVERY,
+        stall_warning_s=None,
+    )
     trainer = Trainer(model, config, train_data=data, callbacks=[Tick()])
     trainer.fit()
 
@@ -202,11 +221,20 @@ def run_hf_trainer(model, data, workload, clock) -> None:
         def on_step_end(self, args, state, control, **kwargs):
             clock.tick()
 
-    args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=workload["batch"],
-                             max_steps=workload["steps"] + workload["warmup"], learning_rate=3e-4,
-                             lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=LOG_EVERY,
-                             save_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0,
-                             optim="adamw_torch")  # fmt: skip
+    args = TrainingArguments(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=workload["batch"],
+        max_steps=workload["steps"] + workload["warmup"],
+        learning_rate=3e-4,
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        logging_steps=LOG_EVERY,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        optim="adamw_torch",
+    )
     HFTrainer(model=model, args=args, train_dataset=data, callbacks=[Tick()]).train()
 
 
@@ -293,11 +321,25 @@ def launch(args: list[str], processes: int = 1) -> subprocess.CompletedProcess:
         with socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(ROOT / "accelerate_configs" / "multi_gpu.yaml"), "--num_processes", str(processes),
-               "--main_process_port", str(port), *cmd[1:]]  # fmt: skip
-    env = {**os.environ, "BENCH_LAUNCHED_AT": repr(time.time()), "TOKENIZERS_PARALLELISM": "false",
-           "WANDB_MODE": "disabled", "TRANSFORMERS_VERBOSITY": "error"}  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(ROOT / "accelerate_configs" / "multi_gpu.yaml"),
+            "--num_processes",
+            str(processes),
+            "--main_process_port",
+            str(port),
+            *cmd[1:],
+        ]
+    env = {
+        **os.environ,
+        "BENCH_LAUNCHED_AT": repr(time.time()),
+        "TOKENIZERS_PARALLELISM": "false",
+        "WANDB_MODE": "disabled",
+        "TRANSFORMERS_VERBOSITY": "error",
+    }
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
 
 
@@ -316,8 +358,18 @@ def measure(variant: str, workload: str, steps: int | None = None, track_rss: bo
 
 
 def blocks(host: str, guests: list[str], workload: str, chunk: int, chunks: int, processes: int = 1):
-    args = ["--interleave", host, "--guests", ",".join(guests), "--workload", workload, "--chunk", str(chunk),
-            "--chunks", str(chunks)]  # fmt: skip
+    args = [
+        "--interleave",
+        host,
+        "--guests",
+        ",".join(guests),
+        "--workload",
+        workload,
+        "--chunk",
+        str(chunk),
+        "--chunks",
+        str(chunks),
+    ]
     return _parse(launch(args, processes), "BLOCKS", f"{host} with {guests} on {workload} x{processes}")
 
 
@@ -352,24 +404,32 @@ def rows(times: dict[str, list[float]], workload: dict, processes: int = 1) -> d
     for variant, seconds in times.items():
         ratios = [b / v for v, b in zip(seconds, base, strict=True)]
         step_s = statistics.median(seconds)
-        table[variant] = {"steps_per_s": 1 / step_s,
-                          "tokens_per_s": workload["batch"] * workload["seq"] * processes / step_s,
-                          "ratio": statistics.median(ratios), "low": min(ratios), "high": max(ratios),
-                          "added_ms": 1000 * statistics.median(v - b for v, b in zip(seconds, base, strict=True))}
-    return table  # fmt: skip
+        table[variant] = {
+            "steps_per_s": 1 / step_s,
+            "tokens_per_s": workload["batch"] * workload["seq"] * processes / step_s,
+            "ratio": statistics.median(ratios),
+            "low": min(ratios),
+            "high": max(ratios),
+            "added_ms": 1000 * statistics.median(v - b for v, b in zip(seconds, base, strict=True)),
+        }
+    return table
 
 
 def print_table(title: str, table: dict[str, dict], key: str, unit: str, alone: dict, extra=None) -> None:
     print(f"\n{title}")
-    print(f"| variant | {unit} | ratio to raw Accelerate, median (range) | ms added per step | start-up s | "
-          "peak RSS MB |" + (" MFU |" if extra else ""))  # fmt: skip
+    print(
+        f"| variant | {unit} | ratio to raw Accelerate, median (range) | ms added per step | start-up s | "
+        "peak RSS MB |" + (" MFU |" if extra else "")
+    )
     print("| --- | --- | --- | --- | --- | --- |" + (" --- |" if extra else ""))
     order = [v for v in VARIANTS if v in table]
     for variant in order:
         row, solo = table[variant], alone.get(variant) or {}
-        line = (f"| {LABELS[variant]} | {row[key]:,.1f} | {row['ratio']:.3f} ({row['low']:.3f}-{row['high']:.3f}) "
-                f"| {row['added_ms']:+.2f} | {solo.get('startup_s', float('nan')):.1f} | "
-                f"{solo.get('peak_rss_mb', float('nan')):,.0f} |")  # fmt: skip
+        line = (
+            f"| {LABELS[variant]} | {row[key]:,.1f} | {row['ratio']:.3f} ({row['low']:.3f}-{row['high']:.3f}) "
+            f"| {row['added_ms']:+.2f} | {solo.get('startup_s', float('nan')):.1f} | "
+            f"{solo.get('peak_rss_mb', float('nan')):,.0f} |"
+        )
         print(line + (f" {extra(row):.1%} |" if extra else ""), flush=True)
 
 
@@ -396,8 +456,11 @@ def main() -> None:
 
     loops = ["torch", "accelerate"] + (["fabric"] if importlib.util.find_spec("lightning") else [])
     peak = matmul_peak_flops()
-    print(f"{os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads; measured fp32 "
-          f"matmul peak {peak / 1e9:.1f} GFLOP/s; hand-written loops: {', '.join(loops)}", flush=True)  # fmt: skip
+    print(
+        f"{os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads; measured fp32 "
+        f"matmul peak {peak / 1e9:.1f} GFLOP/s; hand-written loops: {', '.join(loops)}",
+        flush=True,
+    )
     raw = {"peak": peak}
     plan = {"compute": (2, 12), "overhead": (50, 40)}  # (steps a block, blocks)
     for name, (chunk, chunks) in plan.items():
@@ -405,8 +468,10 @@ def main() -> None:
         hf = blocks("hf_trainer", ["accelerate"], name, chunk, chunks)
         raw[name] = {"ours": ours, "hf_trainer": hf}
     raw["ddp"] = blocks("ours", ["accelerate"], "overhead", 50, 30, processes=2)
-    raw["alone"] = {v: measure(v, "overhead", steps=100) for v in ("torch", "accelerate", "ours", "hf_trainer")
-                    + (("fabric",) if "fabric" in loops else ())}  # fmt: skip
+    raw["alone"] = {
+        v: measure(v, "overhead", steps=100)
+        for v in ("torch", "accelerate", "ours", "hf_trainer") + (("fabric",) if "fabric" in loops else ())
+    }
     raw["long_run"] = measure("ours", "overhead", steps=2000, track_rss=True)
     saved = Path(args.save)
     saved.parent.mkdir(parents=True, exist_ok=True)
@@ -414,8 +479,10 @@ def main() -> None:
     print(f"raw measurements saved to {saved}")
 
     per_token = flops_per_token(WORKLOADS["compute"])
-    for name, title in (("compute", "compute-bound (GPT-2 4 x 256, 6 x 256 tokens a step), 1 process"),
-                        ("overhead", "overhead-bound (GPT-2 1 x 32, 4 x 32 tokens a step), 1 process")):  # fmt: skip
+    for name, title in (
+        ("compute", "compute-bound (GPT-2 4 x 256, 6 x 256 tokens a step), 1 process"),
+        ("overhead", "overhead-bound (GPT-2 1 x 32, 4 x 32 tokens a step), 1 process"),
+    ):
         table = rows(raw[name]["ours"], WORKLOADS[name])
         hf = rows(raw[name]["hf_trainer"], WORKLOADS[name])["hf_trainer"] if raw[name]["hf_trainer"] else None
         if hf:
@@ -429,13 +496,17 @@ def main() -> None:
         ddp = rows(raw["ddp"], WORKLOADS["overhead"], processes=2)
         print_table("overhead-bound on 2 processes over gloo (global figures)", ddp, "steps_per_s", "steps/s", {})
         one = rows(raw["overhead"]["ours"], WORKLOADS["overhead"])["ours"]
-        print(f"our Trainer, 2 processes / 1 process, global examples/s: "
-              f"{2 * ddp['ours']['steps_per_s'] / one['steps_per_s']:.2f}")
+        print(
+            f"our Trainer, 2 processes / 1 process, global examples/s: "
+            f"{2 * ddp['ours']['steps_per_s'] / one['steps_per_s']:.2f}"
+        )
     if raw["long_run"]:
         samples = raw["long_run"]["rss_mb"]
         after_warmup = next(mb for step, mb in samples if step >= 200)
-        print(f"memory: our Trainer over {samples[-1][0]} steps: {after_warmup:,.1f} MB at step 200, "
-              f"{samples[-1][1]:,.1f} MB at the end ({samples[-1][1] - after_warmup:+.1f} MB)")
+        print(
+            f"memory: our Trainer over {samples[-1][0]} steps: {after_warmup:,.1f} MB at step 200, "
+            f"{samples[-1][1]:,.1f} MB at the end ({samples[-1][1] - after_warmup:+.1f} MB)"
+        )
 
 
 if __name__ == "__main__":

@@ -37,12 +37,21 @@ def child(ema: bool, steps: int) -> None:
     ends = StepEnds()
 
     with tempfile.TemporaryDirectory() as out:
-        config = TrainConfig(output_dir=out, batch_size=8, optimizer="adamw", lr=1e-4, max_steps=WARMUP + steps,
-                             log_every=1000, shuffle=False, ema_decay=0.999 if ema else None)  # fmt: skip
+        config = TrainConfig(
+            output_dir=out,
+            batch_size=8,
+            optimizer="adamw",
+            lr=1e-4,
+            max_steps=WARMUP + steps,
+            log_every=1000,
+            shuffle=False,
+            ema_decay=0.999 if ema else None,
+        )
         Trainer(model, config, train_data=rows, callbacks=[ends]).fit()
     seconds = ends.median(WARMUP)
-    peak_kib = int(next(line for line in Path("/proc/self/status").read_text().splitlines()
-                        if line.startswith("VmHWM")).split()[1])  # fmt: skip
+    peak_kib = int(
+        next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM")).split()[1]
+    )
     print(json.dumps({"step_s": seconds, "peak_mib": peak_kib / 1024}))
 
 
@@ -57,9 +66,14 @@ def main() -> None:
     results: dict[str, list[dict]] = {"without": [], "with": []}
     for _ in range(args.rounds):
         for variant in results:
-            out = subprocess.run([sys.executable, __file__, "--child", variant, "--steps", str(args.steps)],
-                                 capture_output=True, text=True, check=True, cwd=ROOT,
-                                 env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+            out = subprocess.run(
+                [sys.executable, __file__, "--child", variant, "--steps", str(args.steps)],
+                capture_output=True,
+                text=True,
+                check=True,
+                cwd=ROOT,
+                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+            )
             results[variant].append(json.loads(out.stdout.strip().splitlines()[-1]))
     step = {v: statistics.median(r["step_s"] for r in runs) for v, runs in results.items()}
     peak = {v: statistics.median(r["peak_mib"] for r in runs) for v, runs in results.items()}

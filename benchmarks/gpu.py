@@ -31,13 +31,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-VARIANTS = {"torch": "raw PyTorch loop", "accelerate": "raw Accelerate loop", "ours": "our Trainer",
-            "fsdp_torch": "hand-written fully_shard loop", "fsdp_ours": "our Trainer, FSDP2"}  # fmt: skip
+VARIANTS = {
+    "torch": "raw PyTorch loop",
+    "accelerate": "raw Accelerate loop",
+    "ours": "our Trainer",
+    "fsdp_torch": "hand-written fully_shard loop",
+    "fsdp_ours": "our Trainer, FSDP2",
+}
 SHARDED = ("fsdp_torch", "fsdp_ours")  # GPT2LMHeadModel, eager: one process as a 1-GPU mesh (sharding costs, no gain)
 FSDP2_ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP"}
 LOG_EVERY = 25  # the warm-up is one log period: every variant logs twice in the timed window
-SIZES = {"full": dict(n_layer=12, n_embd=768, n_head=12, seq=1024, vocab=50304),
-         "smoke": dict(n_layer=2, n_embd=64, n_head=2, seq=64, vocab=512)}  # fmt: skip
+SIZES = {
+    "full": dict(n_layer=12, n_embd=768, n_head=12, seq=1024, vocab=50304),
+    "smoke": dict(n_layer=2, n_embd=64, n_head=2, seq=64, vocab=512),
+}
 
 
 def build(model_name: str, size: dict, examples: int):
@@ -47,8 +54,15 @@ def build(model_name: str, size: dict, examples: int):
     if model_name == "hf":
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        model = GPT2LMHeadModel(GPT2Config(vocab_size=size["vocab"], n_positions=size["seq"], n_embd=size["n_embd"],
-                                           n_layer=size["n_layer"], n_head=size["n_head"]))  # fmt: skip
+        model = GPT2LMHeadModel(
+            GPT2Config(
+                vocab_size=size["vocab"],
+                n_positions=size["seq"],
+                n_embd=size["n_embd"],
+                n_layer=size["n_layer"],
+                n_head=size["n_head"],
+            )
+        )
     else:
         from compact_gpt import CompactGPT
 
@@ -121,8 +135,10 @@ def run_accelerate(model, data, batch: int, compiled: bool, clock: Clock) -> Non
     import torch
     from accelerate import Accelerator, DataLoaderConfiguration
 
-    accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(non_blocking=True),
-                              **({"dynamo_backend": "inductor"} if compiled else {}))  # bf16 from the environment
+    accelerator = Accelerator(
+        dataloader_config=DataLoaderConfiguration(non_blocking=True),
+        **({"dynamo_backend": "inductor"} if compiled else {}),
+    )  # bf16 from the environment
     model.to(accelerator.device)
     cuda = accelerator.device.type == "cuda"
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.0, fused=cuda or None)
@@ -157,8 +173,15 @@ def run_ours(model, data, batch: int, compiled: bool, clock: Clock) -> None:
             clock.tick()
 
     # One step past the window: the Trainer also logs at its last step, which the raw loops do not.
-    config = TrainConfig(output_dir=tempfile.mkdtemp(), max_steps=clock.total + 1, batch_size=batch, lr=3e-4,
-                         log_every=LOG_EVERY, compile=compiled, stall_warning_s=None)  # fmt: skip
+    config = TrainConfig(
+        output_dir=tempfile.mkdtemp(),
+        max_steps=clock.total + 1,
+        batch_size=batch,
+        lr=3e-4,
+        log_every=LOG_EVERY,
+        compile=compiled,
+        stall_warning_s=None,
+    )
     trainer = Trainer(model, config, train_data=data, callbacks=[Tick()])
     trainer.save_model = lambda *a, **kw: None  # the 500 MB export at the end is not part of a step
     trainer.fit()
@@ -173,20 +196,54 @@ def worker(args) -> None:
     clock = Clock(args.warmup, args.steps)
     globals()[f"run_{args.variant}"](model, data, args.batch, args.mode == "compiled", clock)
     cuda = torch.cuda.is_available()
-    print("RESULT " + json.dumps({
-        "step_s": clock.seconds, "tokens_per_s": args.batch * size["seq"] / clock.seconds,
-        "flops_per_token": per_token, "peak_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
-    }), flush=True)  # fmt: skip
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "step_s": clock.seconds,
+                "tokens_per_s": args.batch * size["seq"] / clock.seconds,
+                "flops_per_token": per_token,
+                "peak_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
+            }
+        ),
+        flush=True,
+    )
 
 
 def measure(variant: str, model: str, mode: str, batch: int, args) -> dict | None:
-    cmd = [sys.executable, __file__, "--worker", variant, "--model", model, "--mode", mode, "--batch", str(batch),
-           "--steps", str(args.steps), "--warmup", str(args.warmup), *(["--smoke"] if args.smoke else [])]  # fmt: skip
-    env = {**os.environ, "ACCELERATE_MIXED_PRECISION": "bf16", "WANDB_MODE": "disabled",
-           "TRANSFORMERS_VERBOSITY": "error"}  # fmt: skip
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        variant,
+        "--model",
+        model,
+        "--mode",
+        mode,
+        "--batch",
+        str(batch),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        *(["--smoke"] if args.smoke else []),
+    ]
+    env = {
+        **os.environ,
+        "ACCELERATE_MIXED_PRECISION": "bf16",
+        "WANDB_MODE": "disabled",
+        "TRANSFORMERS_VERBOSITY": "error",
+    }
     if variant in SHARDED:  # a process group of one (as torchrun would make it), FSDP2 for ours
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000), RANK="0", WORLD_SIZE="1",
-                   LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", **(FSDP2_ENV if variant == "fsdp_ours" else {}))
+        env.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(29500 + os.getpid() % 1000),
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1",
+            **(FSDP2_ENV if variant == "fsdp_ours" else {}),
+        )
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     line = next((line for line in done.stdout.splitlines() if line.startswith("RESULT ")), None)
     if line is None:
@@ -229,11 +286,18 @@ def main() -> None:
 
     peak = peak_flops()
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
-    print(f"{device}, torch {torch.__version__}; bf16 peak {peak / 1e12 if peak else float('nan'):.0f} TFLOP/s; "
-          f"{args.steps - args.warmup} timed steps after {args.warmup}, {args.rounds} round(s)", flush=True)
+    print(
+        f"{device}, torch {torch.__version__}; bf16 peak {peak / 1e12 if peak else float('nan'):.0f} TFLOP/s; "
+        f"{args.steps - args.warmup} timed steps after {args.warmup}, {args.rounds} round(s)",
+        flush=True,
+    )
     batches = [int(b) for b in args.batches.split(",")]
-    grid = [(model, mode, batch) for model in args.models.split(",") for mode in args.modes.split(",")
-            for batch in (batches if model == "hf" else batches[:1])]  # fmt: skip
+    grid = [
+        (model, mode, batch)
+        for model in args.models.split(",")
+        for mode in args.modes.split(",")
+        for batch in (batches if model == "hf" else batches[:1])
+    ]
     results: dict[tuple, dict[str, list[dict]]] = {}
     for _ in range(args.rounds):
         for key in grid:
@@ -245,8 +309,10 @@ def main() -> None:
                     results.setdefault(key, {}).setdefault(variant, []).append(measured)
 
     print("\n(FSDP2 rows: one process, a mesh of one GPU: what sharding's machinery costs, against DDP's row)")
-    print("| model | mode | B | variant | tokens/s | MFU | ms/step | peak GB | speed vs raw PyTorch | "
-          "memory vs raw PyTorch |")  # fmt: skip
+    print(
+        "| model | mode | B | variant | tokens/s | MFU | ms/step | peak GB | speed vs raw PyTorch | "
+        "memory vs raw PyTorch |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for (model, mode, batch), runs in results.items():
         base = runs.get("torch")
@@ -258,8 +324,11 @@ def main() -> None:
             speed = statistics.median(b["step_s"] for b in base) / step_s if base else float("nan")
             memory_ratio = memory / max(b["peak_gb"] for b in base) if base else float("nan")
             name = "GPT2LMHeadModel" if model == "hf" else "compact GPT"
-            print(f"| {name} | {mode} | {batch} | {VARIANTS[variant]} | {tokens:,.0f} | {mfu} | {1000 * step_s:.1f} | "
-                  f"{memory:.2f} | {speed:.3f} | {memory_ratio:.3f} |", flush=True)  # fmt: skip
+            print(
+                f"| {name} | {mode} | {batch} | {VARIANTS[variant]} | {tokens:,.0f} | {mfu} | {1000 * step_s:.1f} | "
+                f"{memory:.2f} | {speed:.3f} | {memory_ratio:.3f} |",
+                flush=True,
+            )
     out = ROOT / "runs" / "benchmarks"
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu.json").write_text(json.dumps({" ".join(map(str, k)): v for k, v in results.items()}, indent=1))

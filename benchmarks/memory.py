@@ -31,9 +31,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 FSDP2_ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP"}
-KINDS = {"DDP": ("cpu", {}), "FSDP2": ("cpu", FSDP2_ENV), "FSDP2, meta": ("meta", FSDP2_ENV),
-         "FSDP2, pretrained": ("pretrained", {**FSDP2_ENV, "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"}),
-         "HSDP 2 x K/2, meta": ("meta", FSDP2_ENV), "TP 2 x FSDP K/2, meta": ("meta", FSDP2_ENV)}  # fmt: skip
+KINDS = {
+    "DDP": ("cpu", {}),
+    "FSDP2": ("cpu", FSDP2_ENV),
+    "FSDP2, meta": ("meta", FSDP2_ENV),
+    "FSDP2, pretrained": ("pretrained", {**FSDP2_ENV, "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"}),
+    "HSDP 2 x K/2, meta": ("meta", FSDP2_ENV),
+    "TP 2 x FSDP K/2, meta": ("meta", FSDP2_ENV),
+}
 MESHES = {"HSDP 2 x K/2, meta": (2, 1), "TP 2 x FSDP K/2, meta": (1, 2)}  # (replicas, tensor-parallel size)
 
 
@@ -45,9 +50,12 @@ def mesh_settings(kind: str, processes: int) -> dict[str, str] | None:
     replicas, tp = MESHES[kind]
     if processes % (2 * replicas * tp):
         return None
-    return {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": str(replicas),
-            "PARALLELISM_CONFIG_DP_SHARD_SIZE": str(processes // (replicas * tp)),
-            "PARALLELISM_CONFIG_TP_SIZE": str(tp)}  # fmt: skip
+    return {
+        "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
+        "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": str(replicas),
+        "PARALLELISM_CONFIG_DP_SHARD_SIZE": str(processes // (replicas * tp)),
+        "PARALLELISM_CONFIG_TP_SIZE": str(tp),
+    }
 
 
 def peak_bytes() -> int:
@@ -79,9 +87,13 @@ class Measure:
             return
         parameters = [p for p in trainer.model.parameters()]
         state = [v for s in trainer.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
-        self.figures = {"weights": local_bytes(parameters),
-                        "gradients": local_bytes(p for p in parameters if p.requires_grad),
-                        "optimizer": local_bytes(state), "peak": peak_bytes(), "built": self.built}  # fmt: skip
+        self.figures = {
+            "weights": local_bytes(parameters),
+            "gradients": local_bytes(p for p in parameters if p.requires_grad),
+            "optimizer": local_bytes(state),
+            "peak": peak_bytes(),
+            "built": self.built,
+        }
 
 
 def worker(args) -> None:
@@ -90,15 +102,24 @@ def worker(args) -> None:
     from trainer import TrainConfig, Trainer
 
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=args.width // 64, vocab_size=args.vocab,
-                        n_positions=args.seq_len)  # fmt: skip
+    config = GPT2Config(
+        n_layer=args.layers, n_embd=args.width, n_head=args.width // 64, vocab_size=args.vocab, n_positions=args.seq_len
+    )
     if args.model == "llama":  # a model with a tensor-parallel plan (GPT-2 has none), of the same shape
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        config, GPT2LMHeadModel = LlamaConfig(  # noqa: N806 - the class the rest of the worker builds
-            hidden_size=args.width, intermediate_size=4 * args.width, num_hidden_layers=args.layers,
-            num_attention_heads=args.width // 64, vocab_size=args.vocab, max_position_embeddings=args.seq_len,
-            tie_word_embeddings=True), LlamaForCausalLM  # fmt: skip
+        config, GPT2LMHeadModel = (
+            LlamaConfig(  # noqa: N806 - the class the rest of the worker builds
+                hidden_size=args.width,
+                intermediate_size=4 * args.width,
+                num_hidden_layers=args.layers,
+                num_attention_heads=args.width // 64,
+                vocab_size=args.vocab,
+                max_position_embeddings=args.seq_len,
+                tie_word_embeddings=True,
+            ),
+            LlamaForCausalLM,
+        )
     if args.start_from == "pretrained":  # the process group up first: transformers' cpu-RAM-efficient loading asks
         from trainer import distributed_state
 
@@ -112,26 +133,50 @@ def worker(args) -> None:
     data = [{"input_ids": row, "labels": row} for row in tokens]
     measure = Measure()
     measure.built = built
-    config = TrainConfig(output_dir=args.out, max_steps=2, batch_size=args.batch_size, log_every=2,
-                         preemption_signals="")  # fmt: skip
+    config = TrainConfig(
+        output_dir=args.out, max_steps=2, batch_size=args.batch_size, log_every=2, preemption_signals=""
+    )
     trainer = Trainer(model, config, train_data=data, callbacks=[measure])
     trainer.fit()
     from accelerate.utils import gather_object
 
     rows = gather_object([measure.figures])
     if trainer.accelerator.is_main_process:
-        print("MEASURED " + json.dumps({"parameters": trainer.parallel.sharded.parameters if trainer.parallel.sharded
-                                        else sum(p.numel() for p in model.parameters()), "ranks": rows}))
+        print(
+            "MEASURED "
+            + json.dumps(
+                {
+                    "parameters": trainer.parallel.sharded.parameters
+                    if trainer.parallel.sharded
+                    else sum(p.numel() for p in model.parameters()),
+                    "ranks": rows,
+                }
+            )
+        )
 
 
 def launch_measured(script: str, processes: int, flags: list[str], settings: dict[str, str], what: str) -> Any:
     """torchrun of ``script --worker flags`` on ``processes`` CPU processes; what its main process printed after
     ``MEASURED``. glibc's mmap threshold is fixed: its default raises it as large blocks are freed and then keeps
     freed memory, so the RSS would count tensors long gone (a GPU allocator's peak would not)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "MALLOC_MMAP_THRESHOLD_": "65536",
-           **settings}  # fmt: skip
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
-               script, "--worker", *flags]  # fmt: skip
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "WANDB_MODE": "disabled",
+        "MALLOC_MMAP_THRESHOLD_": "65536",
+        **settings,
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(processes),
+        script,
+        "--worker",
+        *flags,
+    ]
     result = subprocess.run(command, env=env, capture_output=True, text=True)
     line = next((line for line in result.stdout.splitlines() if line.startswith("MEASURED ")), None)
     if line is None:
@@ -146,9 +191,26 @@ def run(kind: str, processes: int, args) -> dict | None:
         return None  # a mesh that does not fit these processes; tensor parallelism needs a plan (--model llama)
     settings = {**settings, **mesh}
     out = Path(args.out) / f"{kind.replace(', ', '-')}-{processes}"
-    flags = ["--out", str(out), "--layers", str(args.layers), "--width", str(args.width), "--vocab", str(args.vocab),
-             "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--start-from", start,
-             "--pretrained", str(Path(args.out) / "pretrained"), "--model", args.model]  # fmt: skip
+    flags = [
+        "--out",
+        str(out),
+        "--layers",
+        str(args.layers),
+        "--width",
+        str(args.width),
+        "--vocab",
+        str(args.vocab),
+        "--seq-len",
+        str(args.seq_len),
+        "--batch-size",
+        str(args.batch_size),
+        "--start-from",
+        start,
+        "--pretrained",
+        str(Path(args.out) / "pretrained"),
+        "--model",
+        args.model,
+    ]
     return launch_measured(__file__, processes, flags, settings, f"{kind} x {processes}")
 
 
@@ -162,8 +224,12 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
-    parser.add_argument("--model", choices=["gpt2", "llama"], default="gpt2",
-                        help="llama: the same shape with a tensor-parallel plan (the TP kind runs only with it)")
+    parser.add_argument(
+        "--model",
+        choices=["gpt2", "llama"],
+        default="gpt2",
+        help="llama: the same shape with a tensor-parallel plan (the TP kind runs only with it)",
+    )
     parser.add_argument("--out", default="runs/benchmark-memory")
     parser.add_argument("--start-from", default="cpu", help=argparse.SUPPRESS)
     parser.add_argument("--pretrained", default=None, help=argparse.SUPPRESS)
@@ -173,13 +239,21 @@ def main() -> None:
     if "FSDP2, pretrained" in args.kinds:  # the checkpoint from_pretrained reads
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        GPT2LMHeadModel(GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=args.width // 64,
-                                   vocab_size=args.vocab, n_positions=args.seq_len)).save_pretrained(
-            Path(args.out) / "pretrained")  # fmt: skip
+        GPT2LMHeadModel(
+            GPT2Config(
+                n_layer=args.layers,
+                n_embd=args.width,
+                n_head=args.width // 64,
+                vocab_size=args.vocab,
+                n_positions=args.seq_len,
+            )
+        ).save_pretrained(Path(args.out) / "pretrained")
     mib = 2**20
     where = "GPU" if torch.cuda.is_available() else "RSS"
-    print(f"| processes | kind | weights MiB | gradients MiB | AdamW state MiB | total MiB | vs DDP | peak {where} "
-          f"MiB, built | peak {where} MiB, after a step | vs DDP |")  # fmt: skip
+    print(
+        f"| processes | kind | weights MiB | gradients MiB | AdamW state MiB | total MiB | vs DDP | peak {where} "
+        f"MiB, built | peak {where} MiB, after a step | vs DDP |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for processes in args.processes:
         ddp_total = ddp_peak = None
@@ -191,11 +265,16 @@ def main() -> None:
             total = rank0["weights"] + rank0["gradients"] + rank0["optimizer"]
             peak, built = max(r["peak"] for r in measured["ranks"]), max(r["built"] for r in measured["ranks"])
             ddp_total, ddp_peak = ddp_total or total, ddp_peak or peak
-            print(f"| {processes} | {kind} | {rank0['weights'] / mib:,.1f} | {rank0['gradients'] / mib:,.1f} | "
-                  f"{rank0['optimizer'] / mib:,.1f} | {total / mib:,.1f} | {total / ddp_total:.2f} | "
-                  f"{built / mib:,.0f} | {peak / mib:,.0f} | {peak / ddp_peak:.2f} |", flush=True)  # fmt: skip
-    print(f"(tensors: rank 0 of each run; peaks: the largest over the ranks; {args.model} {measured['parameters']:,} "
-          "parameters; the first kind of each row group is the baseline)")  # fmt: skip
+            print(
+                f"| {processes} | {kind} | {rank0['weights'] / mib:,.1f} | {rank0['gradients'] / mib:,.1f} | "
+                f"{rank0['optimizer'] / mib:,.1f} | {total / mib:,.1f} | {total / ddp_total:.2f} | "
+                f"{built / mib:,.0f} | {peak / mib:,.0f} | {peak / ddp_peak:.2f} |",
+                flush=True,
+            )
+    print(
+        f"(tensors: rank 0 of each run; peaks: the largest over the ranks; {args.model} {measured['parameters']:,} "
+        "parameters; the first kind of each row group is the baseline)"
+    )
 
 
 if __name__ == "__main__":

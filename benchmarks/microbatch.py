@@ -35,8 +35,17 @@ def child(auto: bool, steps: int) -> None:
     ends = StepEnds()
 
     with tempfile.TemporaryDirectory() as out:
-        config = TrainConfig(output_dir=out, batch_size=4, gradient_accumulation_steps=2, optimizer="adamw", lr=1e-4,
-                             max_steps=WARMUP + steps, log_every=1000, shuffle=False, auto_microbatch=auto)  # fmt: skip
+        config = TrainConfig(
+            output_dir=out,
+            batch_size=4,
+            gradient_accumulation_steps=2,
+            optimizer="adamw",
+            lr=1e-4,
+            max_steps=WARMUP + steps,
+            log_every=1000,
+            shuffle=False,
+            auto_microbatch=auto,
+        )
         trainer = Trainer(model, config, train_data=rows, callbacks=[ends])
         trainer.fit()
     if trainer.accelerator.is_main_process:
@@ -56,10 +65,27 @@ def main() -> None:
     results: dict[tuple, list[float]] = {variant: [] for variant in variants}
     for _ in range(args.rounds):
         for config, auto in variants:
-            command = ["accelerate", "launch", "--config_file", str(ROOT / "accelerate_configs" / config),
-                       "--num_processes", "2", __file__, "--child", auto, "--steps", str(args.steps)]  # fmt: skip
-            out = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT,
-                                 env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})  # fmt: skip
+            command = [
+                "accelerate",
+                "launch",
+                "--config_file",
+                str(ROOT / "accelerate_configs" / config),
+                "--num_processes",
+                "2",
+                __file__,
+                "--child",
+                auto,
+                "--steps",
+                str(args.steps),
+            ]
+            out = subprocess.run(
+                command,
+                capture_output=True,
+                text=True,
+                check=True,
+                cwd=ROOT,
+                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+            )
             results[config, auto].append(json.loads(out.stdout.strip().splitlines()[-1])["step_s"])
     step = {variant: statistics.median(times) for variant, times in results.items()}
     print("| | without (ms) | with auto_microbatch (ms) | ratio |\n| --- | --- | --- | --- |")

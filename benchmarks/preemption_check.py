@@ -31,7 +31,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(
-        torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1)))
+        torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1))
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     x, y = torch.randn(32, 64), torch.randn(32, 1)
 
@@ -62,9 +63,11 @@ def main() -> None:
             results["paced"] += steps(watch.agreed)
     if int(os.environ["RANK"]) == 0:
         base, every, paced = (statistics.mean(results[k]) * 1e6 for k in ("without", "every step", "paced"))
-        print(f"2-process DDP step, tiny MLP on CPU (gloo), mean of {ROUNDS} x {STEPS} steps: {base:.0f} us without "
-              f"the check; checked every step {every:.0f} us (x{every / base:.3f}); checked once a second as the "
-              f"trainer does (every {watch.check_every} steps) {paced:.0f} us (x{paced / base:.3f})")
+        print(
+            f"2-process DDP step, tiny MLP on CPU (gloo), mean of {ROUNDS} x {STEPS} steps: {base:.0f} us without "
+            f"the check; checked every step {every:.0f} us (x{every / base:.3f}); checked once a second as the "
+            f"trainer does (every {watch.check_every} steps) {paced:.0f} us (x{paced / base:.3f})"
+        )
     dist.destroy_process_group()
 
 

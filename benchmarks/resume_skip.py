@@ -51,26 +51,46 @@ class FirstStep:
 
 
 def config_for(output_dir, resume=None, max_steps=None, batch_size=32) -> TrainConfig:
-    return TrainConfig(output_dir=str(output_dir), epochs=1, max_steps=max_steps, batch_size=batch_size,
-                       optimizer="sgd", lr=0.01, shuffle=True, log_every=10**9, resume=resume)  # fmt: skip
+    return TrainConfig(
+        output_dir=str(output_dir),
+        epochs=1,
+        max_steps=max_steps,
+        batch_size=batch_size,
+        optimizer="sgd",
+        lr=0.01,
+        shuffle=True,
+        log_every=10**9,
+        resume=resume,
+    )
 
 
 def time_resume(root: Path, size: int, fraction: float, batch_size: int) -> dict:
     batches = int(size // batch_size * fraction)
     out = root / f"at-{fraction:.2f}"
-    writer = Trainer(torch.nn.Linear(16, 1), config_for(out, batch_size=batch_size),
-                     train_data=CountingData(size), loss_fn=loss_fn)  # fmt: skip
+    writer = Trainer(
+        torch.nn.Linear(16, 1), config_for(out, batch_size=batch_size), train_data=CountingData(size), loss_fn=loss_fn
+    )
     writer.global_step = writer.batches_into_epoch = batches  # stand where a run that far in would stand
     checkpoint = writer.save_checkpoint()
 
     data, first_step = CountingData(size), FirstStep()
     started = time.perf_counter()
-    trainer = Trainer(torch.nn.Linear(16, 1), config_for(out, str(checkpoint), batches + 1, batch_size),
-                      train_data=data, loss_fn=loss_fn, callbacks=[first_step])  # fmt: skip
+    trainer = Trainer(
+        torch.nn.Linear(16, 1),
+        config_for(out, str(checkpoint), batches + 1, batch_size),
+        train_data=data,
+        loss_fn=loss_fn,
+        callbacks=[first_step],
+    )
     constructed = time.perf_counter()
     trainer.fit()
-    return {"position": fraction, "skipped_batches": batches, "construct_and_load_s": constructed - started,
-            "to_first_step_s": first_step.at - started, "examples_read": data.reads}  # fmt: skip
+    return {
+        "position": fraction,
+        "skipped_batches": batches,
+        "construct_and_load_s": constructed - started,
+        "to_first_step_s": first_step.at - started,
+        "examples_read": data.reads,
+    }
 
 
 def time_baselines(size: int, fraction: float, batch_size: int) -> dict:
@@ -85,8 +105,11 @@ def time_baselines(size: int, fraction: float, batch_size: int) -> dict:
     batches = iter(loader)
     for _ in range(skip + 1):
         next(batches)
-    return {"skip_first_batches_s": skip_s, "read_and_discard_s": time.perf_counter() - started,
-            "read_and_discard_examples": data.reads}  # fmt: skip
+    return {
+        "skip_first_batches_s": skip_s,
+        "read_and_discard_s": time.perf_counter() - started,
+        "read_and_discard_examples": data.reads,
+    }
 
 
 def main() -> None:
@@ -96,14 +119,19 @@ def main() -> None:
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="resume-skip-"))
     print(f"{args.size:,} examples, batch {args.batch_size}, one process")
-    print("position | skipped batches | construct+load s | to first new step s | examples read | "
-          "skip_first_batches s | read-and-discard s")  # fmt: skip
+    print(
+        "position | skipped batches | construct+load s | to first new step s | examples read | "
+        "skip_first_batches s | read-and-discard s"
+    )
     for fraction in (0.0, 0.5, 0.9):
         ours = time_resume(root, args.size, fraction, args.batch_size)
         base = time_baselines(args.size, fraction, args.batch_size)
-        print(f"{fraction:>7.0%} | {ours['skipped_batches']:>15,} | {ours['construct_and_load_s']:>16.3f} | "
-              f"{ours['to_first_step_s']:>19.3f} | {ours['examples_read']:>13,} | "
-              f"{base['skip_first_batches_s']:>20.3f} | {base['read_and_discard_s']:>18.3f}", flush=True)
+        print(
+            f"{fraction:>7.0%} | {ours['skipped_batches']:>15,} | {ours['construct_and_load_s']:>16.3f} | "
+            f"{ours['to_first_step_s']:>19.3f} | {ours['examples_read']:>13,} | "
+            f"{base['skip_first_batches_s']:>20.3f} | {base['read_and_discard_s']:>18.3f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

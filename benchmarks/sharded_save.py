@@ -32,8 +32,7 @@ def worker(out: str) -> None:
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=6, n_embd=512, n_head=8, vocab_size=10_000, n_positions=128))
     tokens = torch.randint(0, 10_000, (8, 128))
-    config = TrainConfig(output_dir=out, max_steps=1, batch_size=2, save_async=True, keep_last=1,
-                         preemption_signals="")  # fmt: skip
+    config = TrainConfig(output_dir=out, max_steps=1, batch_size=2, save_async=True, keep_last=1, preemption_signals="")
     trainer = Trainer(model, config, train_data=[{"input_ids": row, "labels": row} for row in tokens])
     trainer.fit()  # the optimizer state exists
     timings = {"in the step": [], "background: the step waits": [], "background: until committed": []}
@@ -60,8 +59,17 @@ def main() -> None:
         return worker(sys.argv[2])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", **FSDP2_ENV}
     out = tempfile.mkdtemp(prefix="sharded-save-", dir=Path("runs").resolve() if Path("runs").is_dir() else None)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
-               "--worker", out]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        __file__,
+        "--worker",
+        out,
+    ]
     status = subprocess.run(command, env=env).returncode
     shutil.rmtree(out, ignore_errors=True)  # 311 MB of checkpoints that were only timed
     raise SystemExit(status)

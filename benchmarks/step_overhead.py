@@ -63,8 +63,9 @@ def run_torch(model, data, steps: int, tick) -> None:
 
     loader = torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    hand_written_loop(model, loader, optimizer, lambda loss: loss.backward(), steps, tick,
-                      raw_schedule(optimizer, steps))  # fmt: skip
+    hand_written_loop(
+        model, loader, optimizer, lambda loss: loss.backward(), steps, tick, raw_schedule(optimizer, steps)
+    )
 
 
 def run_accelerate(model, data, steps: int, tick) -> None:
@@ -103,8 +104,15 @@ def run_ours(model, data, steps: int, tick, root: Path = ROOT) -> None:
             tick()
 
     schedule = {"lr_scheduler": "cosine", "warmup_steps": 10} if os.environ.get("BENCH_SCHEDULE") else {}
-    config = TrainConfig(output_dir=tempfile.mkdtemp(), max_steps=steps, batch_size=BATCH, optimizer="sgd", lr=0.01,
-                         log_every=LOG_EVERY, **schedule)  # fmt: skip
+    config = TrainConfig(
+        output_dir=tempfile.mkdtemp(),
+        max_steps=steps,
+        batch_size=BATCH,
+        optimizer="sgd",
+        lr=0.01,
+        log_every=LOG_EVERY,
+        **schedule,
+    )
     Trainer(model, config, train_data=data, loss_fn=mse, callbacks=[Tick()]).fit()
 
 
@@ -119,16 +127,30 @@ def worker(variant: str, steps: int) -> None:
     globals()[f"run_{variant}"](model, data, steps, lambda: ends.append(time.perf_counter()))
     gaps = [b - a for a, b in zip(ends[WARMUP:-1], ends[WARMUP + 1 :], strict=True)]
     first_step_end = time.time() - (time.perf_counter() - ends[0])
-    result = {"step_s": statistics.median(gaps), "mean_step_s": statistics.fmean(gaps),
-              "startup_s": first_step_end - float(os.environ["BENCH_LAUNCHED_AT"])}  # fmt: skip
+    result = {
+        "step_s": statistics.median(gaps),
+        "mean_step_s": statistics.fmean(gaps),
+        "startup_s": first_step_end - float(os.environ["BENCH_LAUNCHED_AT"]),
+    }
     print("RESULT " + json.dumps(result), flush=True)
 
 
 def measure(variant: str, steps: int, baseline: str = "", schedule: bool = False) -> dict:
-    env = {**os.environ, "BENCH_LAUNCHED_AT": repr(time.time()), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled",
-           "BENCH_BASELINE": baseline, "BENCH_SCHEDULE": "1" if schedule else ""}  # fmt: skip
-    out = subprocess.run([sys.executable, __file__, "--worker", variant, "--steps", str(steps)], env=env,
-                         capture_output=True, text=True, check=True)  # fmt: skip
+    env = {
+        **os.environ,
+        "BENCH_LAUNCHED_AT": repr(time.time()),
+        "OMP_NUM_THREADS": "1",
+        "WANDB_MODE": "disabled",
+        "BENCH_BASELINE": baseline,
+        "BENCH_SCHEDULE": "1" if schedule else "",
+    }
+    out = subprocess.run(
+        [sys.executable, __file__, "--worker", variant, "--steps", str(steps)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     line = next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))
     return json.loads(line.removeprefix("RESULT "))
 
@@ -153,16 +175,20 @@ def main() -> None:
         figures = ", ".join(f"{v} {1e6 * r['step_s']:.0f} us" for v, r in rounds[-1].items())
         print(f"round {number}: {figures}", flush=True)
 
-    print(f"\n{args.steps} steps, {args.rounds} rounds; speed = raw Accelerate's step time / this one's "
-          "(above 1: faster than raw Accelerate)")  # fmt: skip
+    print(
+        f"\n{args.steps} steps, {args.rounds} rounds; speed = raw Accelerate's step time / this one's "
+        "(above 1: faster than raw Accelerate)"
+    )
     print(f"{'':20} {'step (median)':>14} {'speed vs raw Accelerate':>26} {'start-up':>10} {'vs raw Accelerate':>18}")
     for variant, label in VARIANTS.items():
         speed = [r["accelerate"]["step_s"] / r[variant]["step_s"] for r in rounds]
         startup = [r[variant]["startup_s"] - r["accelerate"]["startup_s"] for r in rounds]
         step_us = 1e6 * statistics.median(r[variant]["step_s"] for r in rounds)
-        print(f"{label:20} {step_us:>11.0f} us {statistics.median(speed):>10.3f} ({min(speed):.3f}-{max(speed):.3f})"
-              f" {statistics.median(r[variant]['startup_s'] for r in rounds):>9.2f}s"
-              f" {statistics.median(startup):>+17.2f}s")  # fmt: skip
+        print(
+            f"{label:20} {step_us:>11.0f} us {statistics.median(speed):>10.3f} ({min(speed):.3f}-{max(speed):.3f})"
+            f" {statistics.median(r[variant]['startup_s'] for r in rounds):>9.2f}s"
+            f" {statistics.median(startup):>+17.2f}s"
+        )
     out = ROOT / "runs" / "benchmarks"
     out.mkdir(parents=True, exist_ok=True)
     (out / "step_overhead.json").write_text(json.dumps(rounds, indent=1))

@@ -65,9 +65,22 @@ TOKENIZER_TEXTS = 20_000  # documents of a stream a new tokenizer is trained on
 # This example's own TrainConfig defaults (a --config file and flags override them). Global batch: 8 sequences
 # x 128 tokens x processes on CPU (about 50 optimizer steps an epoch on the built-in text with 2 processes); on a
 # GPU 32 sequences a process, since 8 would leave it idling between kernel launches.
-EXAMPLE_DEFAULTS = dict(output_dir="runs/gpt2", experiment_name="gpt2", batch_size=8, max_steps=300, lr=2e-3,
-                        weight_decay=0.1, betas=(0.9, 0.95), lr_scheduler="cosine", warmup_steps=30,
-                        max_grad_norm=1.0, log_every=25, eval_every=100, save_every=100, resume="auto")  # fmt: skip
+EXAMPLE_DEFAULTS = dict(
+    output_dir="runs/gpt2",
+    experiment_name="gpt2",
+    batch_size=8,
+    max_steps=300,
+    lr=2e-3,
+    weight_decay=0.1,
+    betas=(0.9, 0.95),
+    lr_scheduler="cosine",
+    warmup_steps=30,
+    max_grad_norm=1.0,
+    log_every=25,
+    eval_every=100,
+    save_every=100,
+    resume="auto",
+)
 GPU_BATCH_SIZE = 32
 
 
@@ -81,9 +94,13 @@ class GPT2Args:
     train_file: Optional[list[str]] = field(default=None, metadata={"help": "local .txt or .jsonl files"})
     streaming: bool = field(default=False, metadata={"help": "read the text as a stream, tokenised as it is read"})
     eval_blocks: int = field(default=64, metadata={"help": "with --streaming: held-out sequences to evaluate on"})
-    pack_documents: bool = field(default=False, metadata={
-        "help": "each document (in pieces of seq_len at most) attends to itself alone: a micro-batch's documents "
-                "flattened into one row by DataCollatorWithFlattening, instead of blocks that cross them"})
+    pack_documents: bool = field(
+        default=False,
+        metadata={
+            "help": "each document (in pieces of seq_len at most) attends to itself alone: a micro-batch's documents "
+            "flattened into one row by DataCollatorWithFlattening, instead of blocks that cross them"
+        },
+    )
     seq_len: int = 128
     eval_fraction: float = 0.05
     num_proc: int = 1  # processes for tokenising with datasets.map
@@ -93,8 +110,9 @@ class GPT2Args:
     n_embd: int = 128
     n_head: int = 4
     prompt: str = "The"
-    sample_tokens: int = field(default=60, metadata={"help": "tokens sampled after --prompt at the end (at most "
-                                                             "what the context has left)"})
+    sample_tokens: int = field(
+        default=60, metadata={"help": "tokens sampled after --prompt at the end (at most what the context has left)"}
+    )
 
 
 def parse_args(argv=None) -> tuple[GPT2Args, TrainConfig]:
@@ -150,8 +168,9 @@ def train_tokenizer(texts, vocab_size: int):
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     alphabet = pre_tokenizers.ByteLevel.alphabet()  # every byte, so no text is ever out of vocabulary
-    bpe_trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS], show_progress=False,
-                                      initial_alphabet=alphabet)  # fmt: skip
+    bpe_trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS], show_progress=False, initial_alphabet=alphabet
+    )
     sample = texts["text"] if hasattr(texts, "__len__") else (row["text"] for row in texts.take(TOKENIZER_TEXTS))
     bpe.train_from_iterator(sample, trainer=bpe_trainer)
     return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=EOS, eos_token=EOS, pad_token=EOS)
@@ -164,9 +183,15 @@ def tokenize_and_pack(texts, tokenizer, args: GPT2Args, seed: int):
     tokenize, pack = packing(tokenizer, args.seq_len)
     tokens = texts.map(tokenize, batched=True, remove_columns=["text"], num_proc=args.num_proc)
     if args.pack_documents:
-        pieces = tokens.map(lambda batch: {"input_ids": [ids[i : i + args.seq_len] for ids in batch["input_ids"]
-                                                         for i in range(0, len(ids), args.seq_len)]},
-                            batched=True, num_proc=args.num_proc)  # fmt: skip
+        pieces = tokens.map(
+            lambda batch: {
+                "input_ids": [
+                    ids[i : i + args.seq_len] for ids in batch["input_ids"] for i in range(0, len(ids), args.seq_len)
+                ]
+            },
+            batched=True,
+            num_proc=args.num_proc,
+        )
         split = pieces.train_test_split(test_size=args.eval_fraction, seed=seed)
         return split["train"], split["test"]
     blocks = tokens.map(pack, batched=True, batch_size=1000, num_proc=args.num_proc)
@@ -234,15 +259,25 @@ def main(argv=None) -> dict:
     if args.model_name:
         model = AutoModelForCausalLM.from_pretrained(args.model_name)
     else:
-        model = GPT2LMHeadModel(GPT2Config(
-            vocab_size=len(tokenizer), n_positions=args.seq_len, n_embd=args.n_embd, n_layer=args.n_layer,
-            n_head=args.n_head, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
-        ))  # fmt: skip
+        model = GPT2LMHeadModel(
+            GPT2Config(
+                vocab_size=len(tokenizer),
+                n_positions=args.seq_len,
+                n_embd=args.n_embd,
+                n_layer=args.n_layer,
+                n_head=args.n_head,
+                bos_token_id=tokenizer.eos_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+        )
     train_size = "streamed" if args.streaming else f"{len(train_data):,}"
-    what = (f"documents of {args.seq_len} tokens at most" if args.pack_documents
-            else f"sequences of {args.seq_len} tokens")  # fmt: skip
-    state.print(f"gpt2 | {sum(p.numel() for p in model.parameters()):,} parameters, {train_size} train and "
-                f"{len(eval_data):,} eval {what}")  # fmt: skip
+    what = (
+        f"documents of {args.seq_len} tokens at most" if args.pack_documents else f"sequences of {args.seq_len} tokens"
+    )
+    state.print(
+        f"gpt2 | {sum(p.numel() for p in model.parameters()):,} parameters, {train_size} train and "
+        f"{len(eval_data):,} eval {what}"
+    )
     flatten = DataCollatorWithFlattening() if args.pack_documents else None  # position_ids restart per document
     trainer = Trainer(model, config, train_data=train_data, eval_data=eval_data, collate_fn=flatten)
     result = trainer.fit()
@@ -268,8 +303,14 @@ def sample(model: torch.nn.Module, tokenizer, prompt: str, new_tokens: int) -> s
     new_tokens = min(new_tokens, model.config.n_positions - inputs["input_ids"].shape[1])
     generator_seed = torch.random.get_rng_state()
     torch.manual_seed(0)  # the same sample for the same weights
-    output = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=True, top_k=40, temperature=0.8,
-                            pad_token_id=tokenizer.eos_token_id)  # fmt: skip
+    output = model.generate(
+        **inputs,
+        max_new_tokens=new_tokens,
+        do_sample=True,
+        top_k=40,
+        temperature=0.8,
+        pad_token_id=tokenizer.eos_token_id,
+    )
     torch.random.set_rng_state(generator_seed)
     return tokenizer.decode(output[0], skip_special_tokens=True)
 

@@ -51,8 +51,10 @@ class TutorialLine:
     def on_epoch_begin(self, trainer: Trainer) -> None:
         device = trainer.accelerator.device.type
         tag = "GPU" if device == "cuda" else device.upper()
-        line = (f"[{tag}{trainer.accelerator.process_index}] Epoch {trainer.epoch} | "
-                f"Batchsize: {trainer.config.batch_size} | Steps: {trainer.batches_per_epoch}\n")  # fmt: skip
+        line = (
+            f"[{tag}{trainer.accelerator.process_index}] Epoch {trainer.epoch} | "
+            f"Batchsize: {trainer.config.batch_size} | Steps: {trainer.batches_per_epoch}\n"
+        )
         sys.stdout.write(line)  # one write: print() writes the newline separately, and ranks share the terminal
         sys.stdout.flush()
 
@@ -69,9 +71,17 @@ def main(argv=None) -> dict:
     # ceil(N / processes) examples an epoch (DistributedSampler), in batches of batch_size.
     processes = int(os.environ.get("WORLD_SIZE", "1"))
     steps_per_epoch = math.ceil(math.ceil(NUM_EXAMPLES / processes) / args.batch_size)
-    config = TrainConfig(output_dir=args.output_dir, experiment_name="mlp", epochs=args.total_epochs,
-                         batch_size=args.batch_size, optimizer="sgd", lr=1e-3, resume="auto",
-                         save_every=args.save_every * steps_per_epoch, log_every=steps_per_epoch)  # fmt: skip
+    config = TrainConfig(
+        output_dir=args.output_dir,
+        experiment_name="mlp",
+        epochs=args.total_epochs,
+        batch_size=args.batch_size,
+        optimizer="sgd",
+        lr=1e-3,
+        resume="auto",
+        save_every=args.save_every * steps_per_epoch,
+        log_every=steps_per_epoch,
+    )
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
     trainer = Trainer(model, config, train_data=RandomData(NUM_EXAMPLES), loss_fn=mse, callbacks=[TutorialLine()])

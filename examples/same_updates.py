@@ -101,11 +101,20 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     config = TrainConfig(
-        output_dir=args.output_dir, experiment_name="same_updates", seed=args.seed, epochs=args.epochs,
-        batch_size=args.batch_size, gradient_accumulation_steps=args.gradient_accumulation_steps,
-        optimizer=args.opt, lr=args.lr, eps=args.eps, betas=(0.9, 0.999), shuffle=not args.no_shuffle,
-        drop_last=args.drop_last, log_every=1000,
-    )  # fmt: skip
+        output_dir=args.output_dir,
+        experiment_name="same_updates",
+        seed=args.seed,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        optimizer=args.opt,
+        lr=args.lr,
+        eps=args.eps,
+        betas=(0.9, 0.999),
+        shuffle=not args.no_shuffle,
+        drop_last=args.drop_last,
+        log_every=1000,
+    )
     torch.manual_seed(args.seed)  # the same initial weights on every process and for every world size
     model = torch.nn.Linear(args.dim, 1, bias=False)  # no bias: a summed loss would give it curvature 2 x batch
     data = RegressionData(args.num_examples, args.dim, seed=args.seed)

@@ -34,16 +34,26 @@ from transformers import (
     AutoTokenizer,
     BertConfig,
     BertForSequenceClassification,
-    DataCollatorWithPadding,  # fmt: skip
+    DataCollatorWithPadding,
     HfArgumentParser,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 from trainer import EarlyStopping, TrainConfig, Trainer, distributed_state  # noqa: E402
 
-EXAMPLE_DEFAULTS = dict(output_dir="runs/text_classification", experiment_name="text-classification", epochs=10,
-                        batch_size=16, lr=1e-3, eval_every=20, save_every=20, keep_last=1, keep_best="eval_accuracy",
-                        keep_best_mode="max", log_every=10)  # fmt: skip
+EXAMPLE_DEFAULTS = dict(
+    output_dir="runs/text_classification",
+    experiment_name="text-classification",
+    epochs=10,
+    batch_size=16,
+    lr=1e-3,
+    eval_every=20,
+    save_every=20,
+    keep_last=1,
+    keep_best="eval_accuracy",
+    keep_best_mode="max",
+    log_every=10,
+)
 
 
 @dataclass
@@ -57,8 +67,13 @@ class ClassifierArgs:
     test_split: str = "test"
     model_name: Optional[str] = field(default=None, metadata={"help": "hub name or path of an encoder"})
     max_length: int = 128
-    pad_to_max_length: bool = field(default=False, metadata={"help": "pad every text to max_length when tokenising, "
-                                    "and pass no collate_fn: the Trainer formats the columns as tensors"})  # fmt: skip
+    pad_to_max_length: bool = field(
+        default=False,
+        metadata={
+            "help": "pad every text to max_length when tokenising, "
+            "and pass no collate_fn: the Trainer formats the columns as tensors"
+        },
+    )
     patience: int = 2  # evaluations without a better eval_accuracy before stopping
 
 
@@ -78,8 +93,9 @@ def sentiment_data(seed: int = 0):
         rows["text"].append(f"{rng.choice(subjects)} was {'not ' if negated else ''}{adverb}{adjective}")
         rows["label"].append(int(positive))
     data = Dataset.from_dict(rows)
-    return DatasetDict(train=data.select(range(700)), validation=data.select(range(700, 800)),
-                       test=data.select(range(800, 900)))  # fmt: skip
+    return DatasetDict(
+        train=data.select(range(700)), validation=data.select(range(700, 800)), test=data.select(range(800, 900))
+    )
 
 
 def word_tokenizer(texts):
@@ -93,8 +109,9 @@ def word_tokenizer(texts):
     words.train_from_iterator(texts, vocabulary)
     specials = [(token, words.token_to_id(token)) for token in ("[CLS]", "[SEP]")]
     words.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=specials)
-    return PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
-                                   sep_token="[SEP]")  # fmt: skip
+    return PreTrainedTokenizerFast(
+        tokenizer_object=words, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]"
+    )
 
 
 def accuracy(model, batch) -> dict[str, torch.Tensor]:
@@ -124,8 +141,10 @@ def main(argv=None) -> dict:
         # Each text to its own length: DataCollatorWithPadding pads every batch to its longest. The "text" column
         # stays; the Trainer leaves out what the model's forward does not take.
         padding = "max_length" if args.pad_to_max_length else False
-        data = data.map(lambda batch: tokenizer(batch["text"], truncation=True, max_length=args.max_length,
-                                                padding=padding), batched=True)  # fmt: skip
+        data = data.map(
+            lambda batch: tokenizer(batch["text"], truncation=True, max_length=args.max_length, padding=padding),
+            batched=True,
+        )
     collate_fn = None if args.pad_to_max_length else DataCollatorWithPadding(tokenizer)
 
     num_labels = len(set(data[args.train_split]["label"]))
@@ -133,14 +152,27 @@ def main(argv=None) -> dict:
     if args.model_name:
         model = AutoModelForSequenceClassification.from_pretrained(args.model_name, num_labels=num_labels)
     else:
-        model = BertForSequenceClassification(BertConfig(
-            vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-            intermediate_size=128, max_position_embeddings=args.max_length, num_labels=num_labels,
-            pad_token_id=tokenizer.pad_token_id,
-        ))  # fmt: skip
-    trainer = Trainer(model, config, train_data=data[args.train_split], eval_data=data[args.eval_split],
-                      metrics_fn=accuracy, collate_fn=collate_fn,
-                      callbacks=[EarlyStopping("eval_accuracy", mode="max", patience=args.patience)])  # fmt: skip
+        model = BertForSequenceClassification(
+            BertConfig(
+                vocab_size=len(tokenizer),
+                hidden_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                intermediate_size=128,
+                max_position_embeddings=args.max_length,
+                num_labels=num_labels,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        )
+    trainer = Trainer(
+        model,
+        config,
+        train_data=data[args.train_split],
+        eval_data=data[args.eval_split],
+        metrics_fn=accuracy,
+        collate_fn=collate_fn,
+        callbacks=[EarlyStopping("eval_accuracy", mode="max", patience=args.patience)],
+    )
     result = trainer.fit()
 
     test = data[args.test_split]

@@ -24,9 +24,18 @@ JOBS = ROOT / "tests" / "jobs.py"  # several runs in one process
 # Variables a launcher sets; a test must not inherit them from whatever launched pytest.
 # (ACCELERATE_* variables go too.)
 LAUNCHER_VARS = (
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "ROLE_RANK",
-    "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
-)  # fmt: skip
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+)
 
 
 def pytest_configure(config):
@@ -51,8 +60,13 @@ def clean_env(**extra: str) -> dict[str, str]:
     compared across runs would mix devices. tests/test_gpu.py runs the GPU paths, and pretend_gpus() the host
     checks."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith("ACCELERATE_")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false",
-               CUDA_VISIBLE_DEVICES="")  # fmt: skip
+    env.update(
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        WANDB_MODE="disabled",
+        TOKENIZERS_PARALLELISM="false",
+        CUDA_VISIBLE_DEVICES="",
+    )
     env.update(extra)
     return env
 
@@ -71,8 +85,15 @@ def run(cmd: list[str], expect_ok: bool = True, timeout: int = 300, env: dict | 
 
     The command gets its own process group, killed whole on a timeout: a launcher's workers must not outlive it.
     """
-    process = subprocess.Popen(cmd, cwd=cwd, env=env or clean_env(), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    process = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env or clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -85,8 +106,9 @@ def run(cmd: list[str], expect_ok: bool = True, timeout: int = 300, env: dict | 
     return result
 
 
-def run_together(commands: list[tuple[list, Path]], expect_ok: bool = True, timeout: int = 300,
-                 env: dict | None = None) -> list[subprocess.CompletedProcess]:  # fmt: skip
+def run_together(
+    commands: list[tuple[list, Path]], expect_ok: bool = True, timeout: int = 300, env: dict | None = None
+) -> list[subprocess.CompletedProcess]:
     """Start every ``(command, cwd)`` at once, as the nodes of one job, and wait for all of them.
 
     Output goes to files, not pipes: a node blocked on a full pipe would hold up the others at a collective.
@@ -95,8 +117,9 @@ def run_together(commands: list[tuple[list, Path]], expect_ok: bool = True, time
     for cmd, cwd in commands:
         out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
         cmd = [str(c) for c in cmd]
-        process = subprocess.Popen(cmd, cwd=cwd, env=env or clean_env(), stdout=out, stderr=err, text=True,
-                                   start_new_session=True)  # fmt: skip
+        process = subprocess.Popen(
+            cmd, cwd=cwd, env=env or clean_env(), stdout=out, stderr=err, text=True, start_new_session=True
+        )
         started.append((process, out, err))
     deadline, results = time.monotonic() + timeout, []
     for process, out, err in started:
@@ -116,36 +139,78 @@ def run_together(commands: list[tuple[list, Path]], expect_ok: bool = True, time
 
 def accelerate_node(machine_rank: int, port: int, *script_and_args, machines: int = 2) -> list:
     """One node's ``accelerate launch`` of multi_node.yaml, one process per node, node 0 on this host."""
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIGS / "multi_node.yaml",
-            "--num_machines", machines, "--num_processes", machines, "--machine_rank", machine_rank,
-            "--main_process_ip", "127.0.0.1", "--main_process_port", port, *script_and_args]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        CONFIGS / "multi_node.yaml",
+        "--num_machines",
+        machines,
+        "--num_processes",
+        machines,
+        "--machine_rank",
+        machine_rank,
+        "--main_process_ip",
+        "127.0.0.1",
+        "--main_process_port",
+        port,
+        *script_and_args,
+    ]
 
 
 def python(script: Path, *args: str, **kw):
     return run([sys.executable, str(script), *map(str, args)], **kw)
 
 
-def accelerate_launch(script: Path, *args: str, config: str = "multi_gpu.yaml", num_processes: int | None = None,
-                      run_args: tuple[str, ...] | list[str] = (), **kw):  # fmt: skip
+def accelerate_launch(
+    script: Path,
+    *args: str,
+    config: str = "multi_gpu.yaml",
+    num_processes: int | None = None,
+    run_args: tuple[str, ...] | list[str] = (),
+    **kw,
+):
     """``accelerate launch --config_file accelerate_configs/<config> [run_args] script args``."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
-           "--main_process_port", str(free_port()), *run_args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(CONFIGS / config),
+        "--main_process_port",
+        str(free_port()),
+        *run_args,
+    ]
     if num_processes is not None:
         cmd += ["--num_processes", str(num_processes)]
     return run([*cmd, str(script), *map(str, args)], **kw)
 
 
 def torchrun(script: Path, *args: str, nproc: int = 2, run_args: tuple[str, ...] | list[str] = (), **kw):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", *run_args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc_per_node",
+        str(nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        *run_args,
+    ]
     return run([*cmd, str(script), *map(str, args)], **kw)
 
 
 def split_jobs(output: str) -> list[str]:
     """The output of each run of a tests/jobs.py process or launch, in order, cut at its ``=== job N ===`` lines
     (every process of a launch writes them: what follows each process's line N is run N's)."""
-    parts = re.split(r"^=== job (\d+) ===\n", re.sub(r"^=== job \d+ exit \d+ ===\n", "", output, flags=re.M),
-                     flags=re.M)  # fmt: skip
+    parts = re.split(
+        r"^=== job (\d+) ===\n", re.sub(r"^=== job \d+ exit \d+ ===\n", "", output, flags=re.M), flags=re.M
+    )
     runs: dict[int, str] = {}
     for number, text in zip(parts[1::2], parts[2::2], strict=True):
         runs[int(number)] = runs.get(int(number), "") + text

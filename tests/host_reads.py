@@ -29,8 +29,16 @@ from ragged_lm import pair_loss, ragged_rows, tiny_gpt2  # noqa: E402
 
 from trainer import TrainConfig, Trainer  # noqa: E402
 
-READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__,
-         torch.Tensor.__int__, torch.Tensor.__index__, torch.Tensor.numpy, torch.Tensor.cpu}  # fmt: skip
+READS = {
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+    torch.Tensor.__bool__,
+    torch.Tensor.__float__,
+    torch.Tensor.__int__,
+    torch.Tensor.__index__,
+    torch.Tensor.numpy,
+    torch.Tensor.cpu,
+}
 NOT_OURS = ("/torch/utils/data/", "/torch/optim/")  # the data pipeline's host tensors; AdamW's CPU step counters
 PACKAGE = str(Path(__file__).resolve().parent.parent / "trainer") + "/"
 TORCH = str(Path(torch.__file__).parent) + "/"
@@ -56,16 +64,33 @@ class CountReads(TorchFunctionMode):
 
 def job(out: str, loss: str) -> dict:
     rows = ragged_rows(48)
-    config = TrainConfig(output_dir=out, batch_size=2, gradient_accumulation_steps=2, optimizer="adamw", lr=0.01,
-                         max_grad_norm=1.0, max_steps=6, log_every=3, shuffle=False, preemption_signals="")  # fmt: skip
+    config = TrainConfig(
+        output_dir=out,
+        batch_size=2,
+        gradient_accumulation_steps=2,
+        optimizer="adamw",
+        lr=0.01,
+        max_grad_norm=1.0,
+        max_steps=6,
+        log_every=3,
+        shuffle=False,
+        preemption_signals="",
+    )
     collate = lambda batch: {k: v for k, v in torch.utils.data.default_collate(batch).items() if k != "index"}  # noqa: E731
+
     class Figures:  # two figures of the user's, as device tensors, at every step: read at the log, once
         def on_step_end(self, trainer):
             weight = next(trainer.model.parameters())
             trainer.log({"weight_mean": weight.detach().mean(), "weight_max": weight.detach().max()})
 
-    trainer = Trainer(tiny_gpt2(), config, train_data=rows, collate_fn=collate,
-                      loss_fn=pair_loss if loss == "pair" else None, callbacks=[Figures()])  # fmt: skip
+    trainer = Trainer(
+        tiny_gpt2(),
+        config,
+        train_data=rows,
+        collate_fn=collate,
+        loss_fn=pair_loss if loss == "pair" else None,
+        callbacks=[Figures()],
+    )
     counter = CountReads()
     run, after = trainer.steps.run, trainer._after_step
 

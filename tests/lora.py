@@ -25,8 +25,18 @@ from trainer import TrainConfig, Trainer  # noqa: E402
 
 def base_model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
-                                      embd_pdrop=0.0, attn_pdrop=0.0))  # no dropout: any split, the same updates
+    return GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=64,
+            n_positions=32,
+            n_embd=32,
+            n_layer=2,
+            n_head=2,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+    )  # no dropout: any split, the same updates
 
 
 def job(out: Path, resume_from: str | None, accumulation: int) -> None:
@@ -34,9 +44,19 @@ def job(out: Path, resume_from: str | None, accumulation: int) -> None:
     frozen = {name: p.detach().clone() for name, p in model.named_parameters() if not p.requires_grad}
     generator = torch.Generator().manual_seed(1)
     rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (48, 32), generator=generator)]
-    config = TrainConfig(output_dir=str(out), batch_size=4, gradient_accumulation_steps=accumulation, max_steps=6,
-                         optimizer="sgd", lr=0.5, save_every=2, keep_last=4, log_every=1, shuffle=False,
-                         resume=resume_from)  # fmt: skip
+    config = TrainConfig(
+        output_dir=str(out),
+        batch_size=4,
+        gradient_accumulation_steps=accumulation,
+        max_steps=6,
+        optimizer="sgd",
+        lr=0.5,
+        save_every=2,
+        keep_last=4,
+        log_every=1,
+        shuffle=False,
+        resume=resume_from,
+    )
     trainer = Trainer(model, config, train_data=rows)
     trainer.fit()
 
@@ -50,11 +70,18 @@ def job(out: Path, resume_from: str | None, accumulation: int) -> None:
     if trainer.accelerator.is_main_process:
         loaded = PeftModel.from_pretrained(base_model(), out / "final")
         back = {name: p.detach().flatten().tolist() for name, p in loaded.named_parameters() if "lora_" in name}
-        (out / "lora.json").write_text(json.dumps({
-            "trained": trained, "frozen_kept": kept, "final": sorted(p.name for p in (out / "final").iterdir()),
-            "loaded_back": back == trained, "losses": [row["train_loss"] for row in trainer.log_history],
-            "out": str(out),
-        }))  # fmt: skip
+        (out / "lora.json").write_text(
+            json.dumps(
+                {
+                    "trained": trained,
+                    "frozen_kept": kept,
+                    "final": sorted(p.name for p in (out / "final").iterdir()),
+                    "loaded_back": back == trained,
+                    "losses": [row["train_loss"] for row in trainer.log_history],
+                    "out": str(out),
+                }
+            )
+        )
 
 
 def main() -> None:

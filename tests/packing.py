@@ -33,13 +33,41 @@ VOCAB = 64
 def build(arch: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if arch == "gpt2":
-        return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=2,
-                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))  # fmt: skip
+        return GPT2LMHeadModel(
+            GPT2Config(
+                vocab_size=VOCAB,
+                n_positions=64,
+                n_embd=32,
+                n_layer=2,
+                n_head=2,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+            )
+        )
     if arch == "opt":
-        return OPTForCausalLM(OPTConfig(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
-                                        num_attention_heads=2, word_embed_proj_dim=32, max_position_embeddings=64))
-    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64))
+        return OPTForCausalLM(
+            OPTConfig(
+                vocab_size=VOCAB,
+                hidden_size=32,
+                ffn_dim=64,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                word_embed_proj_dim=32,
+                max_position_embeddings=64,
+            )
+        )
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+    )
 
 
 def padded(rows: list[dict]) -> dict:
@@ -64,19 +92,33 @@ def main() -> None:
     runs = {}
     for arch in ("gpt2", "llama"):
         for name, collate in (("packed", DataCollatorWithFlattening()), ("padded", padded)):
-            config = TrainConfig(output_dir=f"{args.out}/{arch}-{name}", batch_size=4, max_steps=4, optimizer="sgd",
-                                 lr=0.5, log_every=1, shuffle=False)  # fmt: skip
+            config = TrainConfig(
+                output_dir=f"{args.out}/{arch}-{name}",
+                batch_size=4,
+                max_steps=4,
+                optimizer="sgd",
+                lr=0.5,
+                log_every=1,
+                shuffle=False,
+            )
             trainer = Trainer(build(arch), config, train_data=documents, collate_fn=collate)
             trainer.fit()
             weights = {n: p.detach().flatten().tolist() for n, p in trainer.unwrapped_model.named_parameters()}
             losses = [row["train_loss"] for row in trainer.log_history if "train_loss" in row]
             history = trainer.log_history
             ratios = [row["examples_per_s"] / row["tokens_per_s"] for row in history if "tokens_per_s" in row]
-            runs[f"{arch} {name}"] = {"losses": losses, "weights": weights, "examples_per_token": ratios,
-                                      "lengths": lengths}  # fmt: skip
-    opt = Trainer(build("opt"), TrainConfig(output_dir=f"{args.out}/opt-packed", batch_size=4, max_steps=4,
-                                            optimizer="sgd", shuffle=False), train_data=documents,
-                  collate_fn=DataCollatorWithFlattening())  # fmt: skip
+            runs[f"{arch} {name}"] = {
+                "losses": losses,
+                "weights": weights,
+                "examples_per_token": ratios,
+                "lengths": lengths,
+            }
+    opt = Trainer(
+        build("opt"),
+        TrainConfig(output_dir=f"{args.out}/opt-packed", batch_size=4, max_steps=4, optimizer="sgd", shuffle=False),
+        train_data=documents,
+        collate_fn=DataCollatorWithFlattening(),
+    )
     try:
         opt.fit()
         runs["opt packed"] = "trained"

@@ -48,8 +48,14 @@ def ragged_rows(count: int) -> list[dict]:
     return rows
 
 
-def tiny_gpt2(classifier: bool = False, build: str = "cpu", pretrained: str | None = None,
-              width: int = 32, layers: int = 2, arch: str = "gpt2") -> torch.nn.Module:  # fmt: skip
+def tiny_gpt2(
+    classifier: bool = False,
+    build: str = "cpu",
+    pretrained: str | None = None,
+    width: int = 32,
+    layers: int = 2,
+    arch: str = "gpt2",
+) -> torch.nn.Module:
     """The language model, or (``classifier``) GPT-2 classifying each sequence into 3 classes: a transformers
     model whose forward takes **kwargs but computes its loss inline, a mean over its examples. ``build``: on the
     CPU (seed 0), on the meta device, or on the CPU seeded with each process's rank (nanoGPT's way);
@@ -61,16 +67,37 @@ def tiny_gpt2(classifier: bool = False, build: str = "cpu", pretrained: str | No
     if arch == "llama":  # a model with a tensor-parallel plan of its own (GPT-2 has none)
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        config = LlamaConfig(vocab_size=VOCAB, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
-                             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=SEQ,
-                             tie_word_embeddings=False, pad_token_id=0, bos_token_id=0, eos_token_id=0)  # fmt: skip
+        config = LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=width,
+            intermediate_size=2 * width,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=SEQ,
+            tie_word_embeddings=False,
+            pad_token_id=0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         with torch.device("meta" if build == "meta" else "cpu"):
             return LlamaForCausalLM(config)
     if pretrained:
         return kind.from_pretrained(pretrained, num_labels=3)
-    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=width, n_layer=layers, n_head=2, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0,
-                        num_labels=3)  # fmt: skip
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        n_embd=width,
+        n_layer=layers,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+        num_labels=3,
+    )
     with torch.device("meta" if build == "meta" else "cpu"):
         return kind(config)
 
@@ -124,8 +151,7 @@ def inject_out_of_memory(model: torch.nn.Module, args, running: dict) -> list:
     def too_large(inputs: dict) -> bool:
         rank = running["trainer"].accelerator.process_index if "trainer" in running else 0
         ids = inputs.get("input_ids")
-        return (model.training and ids is not None and ids.shape[0] > args.oom_above
-                and args.oom_rank in (-1, rank))  # fmt: skip
+        return model.training and ids is not None and ids.shape[0] > args.oom_above and args.oom_rank in (-1, rank)
 
     def in_forward(module, positional, inputs):
         running["large"] = too_large(inputs)  # for the hook on a block's output, which has no input_ids
@@ -186,18 +212,35 @@ def ours(args) -> dict:
         data = TorchStream(rows, stateful=not args.stateless)
     else:
         data = rows
-    config = TrainConfig(output_dir=args.out, batch_size=args.batch_size, gradient_accumulation_steps=args.accumulation,
-                         optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
-                         lr_scheduler=args.schedule, warmup_steps=args.warmup, max_grad_norm=args.clip,
-                         min_lr_ratio=args.min_lr_ratio,
-                         epochs=args.epochs, max_steps=args.max_steps, shuffle=False, log_every=1,
-                         save_every=args.save_every, keep_last=args.keep_last, save_async=args.save_async,
-                         activation_checkpointing=args.recompute, reduce_every_micro_batch=args.reduce_every,
-                         eval_every=args.eval_every or (args.save_every if args.best else None),
-                         keep_best=("eval_tail_loss" if args.eval_sets else "eval_loss") if args.best else None,
-                         keep_best_mode="max", stall_warning_s=1.0 if args.stall_in_block else 60.0,
-                         ema_decay=args.ema, ema_start_step=args.ema_start, auto_microbatch=args.auto_microbatch,
-                         resume=args.resume_from or ("auto" if args.save_every else None))  # fmt: skip
+    config = TrainConfig(
+        output_dir=args.out,
+        batch_size=args.batch_size,
+        gradient_accumulation_steps=args.accumulation,
+        optimizer=args.optimizer,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        lr_scheduler=args.schedule,
+        warmup_steps=args.warmup,
+        max_grad_norm=args.clip,
+        min_lr_ratio=args.min_lr_ratio,
+        epochs=args.epochs,
+        max_steps=args.max_steps,
+        shuffle=False,
+        log_every=1,
+        save_every=args.save_every,
+        keep_last=args.keep_last,
+        save_async=args.save_async,
+        activation_checkpointing=args.recompute,
+        reduce_every_micro_batch=args.reduce_every,
+        eval_every=args.eval_every or (args.save_every if args.best else None),
+        keep_best=("eval_tail_loss" if args.eval_sets else "eval_loss") if args.best else None,
+        keep_best_mode="max",
+        stall_warning_s=1.0 if args.stall_in_block else 60.0,
+        ema_decay=args.ema,
+        ema_start_step=args.ema_start,
+        auto_microbatch=args.auto_microbatch,
+        resume=args.resume_from or ("auto" if args.save_every else None),
+    )
     seen, history = Seen(), History()
     floor = reset_peak_memory() if args.peak else None
     model = tiny_gpt2(args.model == "classifier", args.build, args.pretrained, args.width, args.layers, args.arch)
@@ -219,12 +262,21 @@ def ours(args) -> dict:
         model.transformer.h[0].register_forward_pre_hook(stuck)
     own_split = split_mlps if args.parallelize_fn else None
     factories = nanogpt_factories(args.lr, args.warmup, args.max_steps) if args.nanogpt else {}
-    trainer = Trainer(model, config, train_data=None if args.evaluate_only else data, collate_fn=seen,
-                      parallelize_fn=own_split, **factories,
-                      eval_data={"head": rows[:10], "tail": rows[10:45]} if args.eval_sets else
-                      rows[: args.eval_examples] if args.eval else None,
-                      loss_fn=pair_loss if args.loss == "pair" else None,
-                      callbacks=[CrashAfter(args.crash_at)] if args.crash_at else [history] if args.history else [])
+    trainer = Trainer(
+        model,
+        config,
+        train_data=None if args.evaluate_only else data,
+        collate_fn=seen,
+        parallelize_fn=own_split,
+        **factories,
+        eval_data={"head": rows[:10], "tail": rows[10:45]}
+        if args.eval_sets
+        else rows[: args.eval_examples]
+        if args.eval
+        else None,
+        loss_fn=pair_loss if args.loss == "pair" else None,
+        callbacks=[CrashAfter(args.crash_at)] if args.crash_at else [history] if args.history else [],
+    )
     running["trainer"] = trainer
     initial = weights(trainer.unwrapped_model) if args.initial else None
     result = trainer.evaluate() if args.evaluate_only else trainer.fit()
@@ -238,14 +290,20 @@ def ours(args) -> dict:
     from accelerate.utils import gather_object
 
     kept = "transformer.h.0." if args.peak else ""  # a large model: its first block stands for the rest
-    summary = {"losses": [row["train_loss"] for row in trainer.log_history],
-               "lrs": [row["lr"] for row in trainer.log_history], "weights": weights(trainer.unwrapped_model, kept),
-               "grad_norms": [row.get("grad_norm") for row in trainer.log_history],
-               "seen": gather_object([seen.indices]), "world_size": trainer.accelerator.num_processes,
-               "held": sum(local(p).numel() for p in trainer.model.parameters()), "computed": sorted(computed),
-               "dtypes": sorted({str(local(p).dtype) for p in trainer.model.parameters()}),
-               "optimizer_dtypes": sorted({str(local(v).dtype) for state in trainer.optimizer.state.values()
-                                           for v in state.values() if v.dim() > 0})}  # fmt: skip
+    summary = {
+        "losses": [row["train_loss"] for row in trainer.log_history],
+        "lrs": [row["lr"] for row in trainer.log_history],
+        "weights": weights(trainer.unwrapped_model, kept),
+        "grad_norms": [row.get("grad_norm") for row in trainer.log_history],
+        "seen": gather_object([seen.indices]),
+        "world_size": trainer.accelerator.num_processes,
+        "held": sum(local(p).numel() for p in trainer.model.parameters()),
+        "computed": sorted(computed),
+        "dtypes": sorted({str(local(p).dtype) for p in trainer.model.parameters()}),
+        "optimizer_dtypes": sorted(
+            {str(local(v).dtype) for state in trainer.optimizer.state.values() for v in state.values() if v.dim() > 0}
+        ),
+    }
     if args.peak:  # every process's peak memory during this job
         summary["peaks"], summary["floors"] = gather_object([peak]), gather_object([floor])
     if initial is not None:
@@ -264,8 +322,12 @@ def ours(args) -> dict:
         summary["eval_loss"] = result["eval_loss"]
         summary["eval_reference"] = token_mean_loss(trainer.unwrapped_model, rows[: args.eval_examples])
     if args.predict:  # every example's most likely next tokens, in order
-        predicted = trainer.predict(rows[: args.eval_examples], lambda model, batch: model(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.argmax(-1))
+        predicted = trainer.predict(
+            rows[: args.eval_examples],
+            lambda model, batch: model(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+            ).logits.argmax(-1),
+        )
         summary["predicted"] = predicted.tolist()
     return summary
 
@@ -281,10 +343,14 @@ def nanogpt_lr(step: int, lr: float, warmup: int, steps: int, floor: float = 0.1
 def nanogpt_factories(lr: float, warmup: int, steps: int) -> dict:
     """nanoGPT's optimizer (AdamW, betas 0.9 / 0.95, weight decay 0.1 on the groups the trainer makes) and its exact
     schedule, as factories the trainer calls once the model is wrapped or sharded."""
-    return {"optimizer": lambda groups: torch.optim.AdamW([{**g, "weight_decay": g.get("weight_decay", 0.1)}
-                                                           for g in groups], lr=lr, betas=(0.9, 0.95)),
-            "lr_scheduler": lambda optimizer, total: torch.optim.lr_scheduler.LambdaLR(
-                optimizer, lambda step: nanogpt_lr(step, lr, warmup, total) / lr)}  # fmt: skip
+    return {
+        "optimizer": lambda groups: torch.optim.AdamW(
+            [{**g, "weight_decay": g.get("weight_decay", 0.1)} for g in groups], lr=lr, betas=(0.9, 0.95)
+        ),
+        "lr_scheduler": lambda optimizer, total: torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: nanogpt_lr(step, lr, warmup, total) / lr
+        ),
+    }
 
 
 def split_mlps(model: torch.nn.Module, tp_mesh) -> None:
@@ -292,8 +358,11 @@ def split_mlps(model: torch.nn.Module, tp_mesh) -> None:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     for block in model.model.layers:
-        parallelize_module(block.mlp, tp_mesh, {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(),
-                                                "down_proj": RowwiseParallel()})  # fmt: skip
+        parallelize_module(
+            block.mlp,
+            tp_mesh,
+            {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(), "down_proj": RowwiseParallel()},
+        )
 
 
 def reset_peak_memory() -> int:
@@ -336,17 +405,33 @@ def hf(args) -> dict:
     model.loss_type = "ForCausalLM"  # GPT-2's class name maps to no loss type: without it, unshifted counting
     rows = [{k: v for k, v in r.items() if k != "index"} for r in ragged_rows(args.examples)]
     training = TrainingArguments(
-        output_dir=args.out, per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=args.accumulation,
-        optim="adamw_torch" if args.optimizer == "adamw" else "sgd", learning_rate=args.lr,
-        weight_decay=args.weight_decay, lr_scheduler_type=args.schedule, warmup_steps=args.warmup,
-        max_grad_norm=args.clip or 0.0, num_train_epochs=args.epochs, max_steps=args.max_steps or -1,
-        logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0,
-    )  # fmt: skip
+        output_dir=args.out,
+        per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.accumulation,
+        optim="adamw_torch" if args.optimizer == "adamw" else "sgd",
+        learning_rate=args.lr,
+        weight_decay=args.weight_decay,
+        lr_scheduler_type=args.schedule,
+        warmup_steps=args.warmup,
+        max_grad_norm=args.clip or 0.0,
+        num_train_epochs=args.epochs,
+        max_steps=args.max_steps or -1,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
     trainer = InOrder(model=model, args=training, train_dataset=rows)
     trainer.train()
     logged = [row for row in trainer.state.log_history if "loss" in row]
-    return {"losses": [row["loss"] for row in logged], "lrs": [row["learning_rate"] for row in logged],
-            "weights": weights(model), "world_size": 1}  # fmt: skip
+    return {
+        "losses": [row["loss"] for row in logged],
+        "lrs": [row["learning_rate"] for row in logged],
+        "weights": weights(model),
+        "world_size": 1,
+    }
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -357,8 +442,11 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 def weights(model: torch.nn.Module, only: str = "") -> dict[str, list]:
     """Every weight (whose name starts with ``only``), whole (a sharded model's gathered from its processes: call it
     on every process)."""
-    whole = {name.replace("_checkpoint_wrapped_module.", ""): p.full_tensor() if hasattr(p, "full_tensor") else p
-             for name, p in model.named_parameters() if name.startswith(only)}  # fmt: skip
+    whole = {
+        name.replace("_checkpoint_wrapped_module.", ""): p.full_tensor() if hasattr(p, "full_tensor") else p
+        for name, p in model.named_parameters()
+        if name.startswith(only)
+    }
     return {name: p.detach().cpu().flatten().tolist() for name, p in whole.items()}
 
 

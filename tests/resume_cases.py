@@ -32,15 +32,31 @@ from scenarios import DropoutClassifier, Examples, TinyClassifier, say  # noqa: 
 from trainer import EarlyStopping, TrainConfig, Trainer  # noqa: E402
 from trainer.errors import Refusal  # noqa: E402
 
-BASE = dict(epochs=3, batch_size=4, optimizer="adamw", lr=1e-2, weight_decay=0.01, lr_scheduler="cosine",
-            warmup_steps=2, save_every=3, keep_last=4, log_every=5, max_steps=10)  # fmt: skip
+BASE = dict(
+    epochs=3,
+    batch_size=4,
+    optimizer="adamw",
+    lr=1e-2,
+    weight_decay=0.01,
+    lr_scheduler="cosine",
+    warmup_steps=2,
+    save_every=3,
+    keep_last=4,
+    log_every=5,
+    max_steps=10,
+)
 
 
-def trainer_for(output_dir: Path, model=None, train=None, eval_data=None, own_optimizer=None, loss_fn=None,
-                **changes):  # fmt: skip
+def trainer_for(output_dir: Path, model=None, train=None, eval_data=None, own_optimizer=None, loss_fn=None, **changes):
     config = TrainConfig(output_dir=str(output_dir), **{**BASE, **changes})
-    return Trainer(model or DropoutClassifier(), config, train_data=train or Examples(48), eval_data=eval_data,
-                   optimizer=own_optimizer, loss_fn=loss_fn)  # fmt: skip
+    return Trainer(
+        model or DropoutClassifier(),
+        config,
+        train_data=train or Examples(48),
+        eval_data=eval_data,
+        optimizer=own_optimizer,
+        loss_fn=loss_fn,
+    )
 
 
 def captured(run) -> tuple[str, object]:
@@ -57,8 +73,11 @@ def captured(run) -> tuple[str, object]:
 def report(name: str, printed: str, got: object, main: bool, **figures) -> None:
     if not main:
         return
-    lines = [line for line in printed.splitlines()
-             if line.startswith(("resumed", "loaded", "changed", "trainer:", "resume="))]  # fmt: skip
+    lines = [
+        line
+        for line in printed.splitlines()
+        if line.startswith(("resumed", "loaded", "changed", "trainer:", "resume="))
+    ]
     refused = f"REFUSED {got}" if isinstance(got, Exception) else ""
     say(f"CASE {name} | {' || '.join(lines)} | {refused} | {json.dumps(figures)}")
 
@@ -102,16 +121,27 @@ def changed_settings(root: Path, main: bool) -> None:
 
         printed, got = captured(run)
         expected = next_lr(change, step)
-        report(name, printed, got, main, next_lr=None if isinstance(got, Exception) else got[0], fresh_lr=expected,
-               settings=None if isinstance(got, Exception) else got[1:])  # fmt: skip
+        report(
+            name,
+            printed,
+            got,
+            main,
+            next_lr=None if isinstance(got, Exception) else got[0],
+            fresh_lr=expected,
+            settings=None if isinstance(got, Exception) else got[1:],
+        )
     wider = DropoutClassifier(64)
     printed, got = captured(lambda: trainer_for(root / "wider", model=wider, resume=str(ckpt / "step-00000009")))
     report("model_shape", printed, got, main)
 
     def rmsprop():
         model = DropoutClassifier()
-        trainer = trainer_for(root / "rmsprop", model=model, own_optimizer=torch.optim.RMSprop(model.parameters()),
-                              resume=str(ckpt / "step-00000009"))  # fmt: skip
+        trainer = trainer_for(
+            root / "rmsprop",
+            model=model,
+            own_optimizer=torch.optim.RMSprop(model.parameters()),
+            resume=str(ckpt / "step-00000009"),
+        )
         trainer.fit()
 
     report("user_optimizer", *captured(rmsprop), main)
@@ -119,23 +149,33 @@ def changed_settings(root: Path, main: bool) -> None:
 
 def damaged_pointers(root: Path, trainer: Trainer, main: bool) -> None:
     other = root / "other"
-    for name, raw in {"elsewhere": f"../../{other.name}/checkpoints/step-00000003".encode(), "not_utf8": b"\xff\xfe",
-                      "empty": b"", "nul": b"\0" * 8}.items():  # fmt: skip
+    for name, raw in {
+        "elsewhere": f"../../{other.name}/checkpoints/step-00000003".encode(),
+        "not_utf8": b"\xff\xfe",
+        "empty": b"",
+        "nul": b"\0" * 8,
+    }.items():
         target = root / f"pointer_{name}"
         if main:
             shutil.copytree(root / "base" / "checkpoints", target / "checkpoints")
             (target / "checkpoints" / "latest").write_bytes(raw)
         trainer.accelerator.wait_for_everyone()
         printed, got = captured(lambda target=target: trainer_for(target, resume="auto"))
-        report(f"pointer_{name}", printed, got, main,
-               resumed=None if isinstance(got, Exception) else got.last_checkpoint.name)  # fmt: skip
+        report(
+            f"pointer_{name}",
+            printed,
+            got,
+            main,
+            resumed=None if isinstance(got, Exception) else got.last_checkpoint.name,
+        )
 
 
 class BatchNormClassifier(TinyClassifier):
     def __init__(self):
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
-                                       torch.nn.Linear(32, 3))  # fmt: skip
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(), torch.nn.Linear(32, 3)
+        )
 
 
 def nan_at(step: int, running: list):
@@ -154,8 +194,15 @@ def nan_at(step: int, running: list):
 def nan_buffers(root: Path, main: bool) -> None:
     def run():
         running = []
-        trainer = trainer_for(root / "batchnorm", model=BatchNormClassifier(), eval_data=Examples(9, seed=1),
-                              nan_policy="skip", loss_fn=nan_at(3, running), save_every=None, eval_every=5)  # fmt: skip
+        trainer = trainer_for(
+            root / "batchnorm",
+            model=BatchNormClassifier(),
+            eval_data=Examples(9, seed=1),
+            nan_policy="skip",
+            loss_fn=nan_at(3, running),
+            save_every=None,
+            eval_every=5,
+        )
         running.append(trainer)
         result = trainer.fit()
         finite = all(torch.isfinite(b.float()).all() for b in trainer.unwrapped_model.buffers())
@@ -186,8 +233,9 @@ def unwritable_metrics(root: Path, main: bool) -> None:
 def misspelt_figures(root: Path, main: bool) -> None:
     """keep_best and EarlyStopping watching a figure evaluate() does not give: refused at the first evaluation."""
     eval_data = Examples(9, seed=1)
-    printed, got = captured(lambda: trainer_for(root / "misspelt_best", eval_data=eval_data, eval_every=3,
-                                                keep_best="eval_los").fit())  # fmt: skip
+    printed, got = captured(
+        lambda: trainer_for(root / "misspelt_best", eval_data=eval_data, eval_every=3, keep_best="eval_los").fit()
+    )
     report("misspelt_keep_best", printed, got, main)
     stopping = trainer_for(root / "misspelt_stopping", eval_data=eval_data, eval_every=3)
     stopping.callbacks.append(EarlyStopping("eval_accuracy"))
@@ -226,8 +274,9 @@ def tensorboard_resumed(root: Path) -> None:
     """TensorBoard on, steps 1-4 logged; then a run resumed from step 2 logs 3 and 4 again."""
     settings = dict(max_steps=4, log_every=1, save_every=2, tensorboard=True)
     trainer_for(root / "tensorboard", **settings).fit()
-    trainer_for(root / "tensorboard", resume=str(root / "tensorboard" / "checkpoints" / "step-00000002"),
-                **settings).fit()  # fmt: skip
+    trainer_for(
+        root / "tensorboard", resume=str(root / "tensorboard" / "checkpoints" / "step-00000002"), **settings
+    ).fit()
 
 
 def small_data_and_relative_dir(root: Path, main: bool) -> None:
@@ -246,6 +295,7 @@ def small_data_and_relative_dir(root: Path, main: bool) -> None:
 def slow_saves(root: Path, save_s: float, signal_name: str) -> None:
     """Steps of 0.05 s, a checkpoint every 4 steps that takes ``save_s`` more (a slow shared filesystem), and after
     step 5 ``signal_name`` to the whole job, launcher included, as Slurm sends it."""
+
     def loss_fn(model, batch):
         time.sleep(0.05)
         return model(**batch).loss

@@ -1,19 +1,19 @@
 """Small jobs the tests launch as real processes (python, accelerate launch, torchrun). One case per run:
 
-    job           a tiny classifier with eval data: evaluates before and after training, writes result.json
-    hf_export     a tiny transformers GPT-2 with the default loss: final/ written with save_pretrained
-    resume        dropout, AdamW, cosine, shuffling, checkpoints every 4 steps, resume="auto"; can signal one rank
-                  (--signal_at), or crash one rank (os._exit) after a given step, or make one rank's loss NaN at a
-                  given step; with --wandb_project it logs to wandb, and can raise on one rank or slow one rank down
-    user_loader   train_data is the user's own DataLoader (--sampler none|distributed|own_part: a self-splitting stream)
-    predict       evaluate() with a metrics_fn and predict() on 9 examples, printed by every rank
-    stop          rank 1 alone sets should_stop after --stop_at, or (--stop_at 0) EarlyStopping on a flat eval loss
-    patience      EarlyStopping(patience=3) and a user's stateful callback, preempted (--signal_at) and resumed
-    best          keep_best on a metric that peaks at step 4, keep_last=1
-    noisy         every rank logs the same library warnings at every step, and the main process prints in pieces
-    faults        one bad input (--fault): an unused parameter, a loss_fn returning float / None / a vector, no eval
-    too_small     fewer training examples than processes
-    world_guard   a plain Accelerator on a CPU host under a 2-process launch: the trainer's guard must stop it
+job           a tiny classifier with eval data: evaluates before and after training, writes result.json
+hf_export     a tiny transformers GPT-2 with the default loss: final/ written with save_pretrained
+resume        dropout, AdamW, cosine, shuffling, checkpoints every 4 steps, resume="auto"; can signal one rank
+              (--signal_at), or crash one rank (os._exit) after a given step, or make one rank's loss NaN at a
+              given step; with --wandb_project it logs to wandb, and can raise on one rank or slow one rank down
+user_loader   train_data is the user's own DataLoader (--sampler none|distributed|own_part: a self-splitting stream)
+predict       evaluate() with a metrics_fn and predict() on 9 examples, printed by every rank
+stop          rank 1 alone sets should_stop after --stop_at, or (--stop_at 0) EarlyStopping on a flat eval loss
+patience      EarlyStopping(patience=3) and a user's stateful callback, preempted (--signal_at) and resumed
+best          keep_best on a metric that peaks at step 4, keep_last=1
+noisy         every rank logs the same library warnings at every step, and the main process prints in pieces
+faults        one bad input (--fault): an unused parameter, a loss_fn returning float / None / a vector, no eval
+too_small     fewer training examples than processes
+world_guard   a plain Accelerator on a CPU host under a 2-process launch: the trainer's guard must stop it
 """
 
 from __future__ import annotations
@@ -68,9 +68,17 @@ def say(line: str) -> None:
 
 def job(args) -> None:
     torch.manual_seed(0)
-    config = TrainConfig(output_dir=args.output_dir, epochs=4, batch_size=8, lr=3e-3, log_every=2,
-                         lr_scheduler="cosine", warmup_steps=2, max_grad_norm=1.0,
-                         profile_steps=args.profile_steps)  # fmt: skip
+    config = TrainConfig(
+        output_dir=args.output_dir,
+        epochs=4,
+        batch_size=8,
+        lr=3e-3,
+        log_every=2,
+        lr_scheduler="cosine",
+        warmup_steps=2,
+        max_grad_norm=1.0,
+        profile_steps=args.profile_steps,
+    )
     trainer = Trainer(TinyClassifier(), config, train_data=Examples(64), eval_data=Examples(9, seed=1))
     before = trainer.evaluate()
     result = trainer.fit()
@@ -79,19 +87,31 @@ def job(args) -> None:
         logits = trainer.model(**next(iter(trainer.train_loader))).logits
     if acc.is_main_process:
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-        Path(args.output_dir, "result.json").write_text(json.dumps({
-            "world_size": acc.num_processes, "device": acc.device.type, "mixed_precision": acc.mixed_precision,
-            "before": before, "result": result, "log_history": trainer.log_history, "logits_dtype": str(logits.dtype),
-            "fused_optimizer": bool(getattr(trainer.optimizer, "optimizer", trainer.optimizer).defaults.get("fused")),
-            "pin_memory": trainer.train_loader.base_dataloader.pin_memory,
-        }))  # fmt: skip
+        Path(args.output_dir, "result.json").write_text(
+            json.dumps(
+                {
+                    "world_size": acc.num_processes,
+                    "device": acc.device.type,
+                    "mixed_precision": acc.mixed_precision,
+                    "before": before,
+                    "result": result,
+                    "log_history": trainer.log_history,
+                    "logits_dtype": str(logits.dtype),
+                    "fused_optimizer": bool(
+                        getattr(trainer.optimizer, "optimizer", trainer.optimizer).defaults.get("fused")
+                    ),
+                    "pin_memory": trainer.train_loader.base_dataloader.pin_memory,
+                }
+            )
+        )
 
 
 class DropoutClassifier(TinyClassifier):
     def __init__(self, hidden: int = 32, dim: int = 8, classes: int = 3):
         super().__init__(dim, classes)
-        self.net = torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.ReLU(), torch.nn.Dropout(0.3),
-                                       torch.nn.Linear(hidden, classes))  # fmt: skip
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(dim, hidden), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(hidden, classes)
+        )
 
 
 class SignalAfter:
@@ -122,13 +142,29 @@ class CrashAfter:
 
 def resume(args) -> None:
     torch.manual_seed(0)
-    config = TrainConfig(output_dir=args.output_dir, epochs=3, batch_size=4, optimizer="adamw", lr=1e-2,
-                         weight_decay=0.01, lr_scheduler="cosine", warmup_steps=2, save_every=4, keep_last=2,
-                         resume=args.resume, log_every=3, nan_policy=args.nan_policy,
-                         experiment_name=args.experiment_name, wandb_project=args.wandb_project,
-                         stall_warning_s=args.stall_warning_s, collective_timeout_s=args.collective_timeout_s,
-                         compile=args.compile, max_steps=args.max_steps, preemption_grace_s=args.preemption_grace_s,
-                         slurm_requeue=args.slurm_requeue)  # fmt: skip
+    config = TrainConfig(
+        output_dir=args.output_dir,
+        epochs=3,
+        batch_size=4,
+        optimizer="adamw",
+        lr=1e-2,
+        weight_decay=0.01,
+        lr_scheduler="cosine",
+        warmup_steps=2,
+        save_every=4,
+        keep_last=2,
+        resume=args.resume,
+        log_every=3,
+        nan_policy=args.nan_policy,
+        experiment_name=args.experiment_name,
+        wandb_project=args.wandb_project,
+        stall_warning_s=args.stall_warning_s,
+        collective_timeout_s=args.collective_timeout_s,
+        compile=args.compile,
+        max_steps=args.max_steps,
+        preemption_grace_s=args.preemption_grace_s,
+        slurm_requeue=args.slurm_requeue,
+    )
 
     def loss_fn(model, batch):
         loss = model(**batch).loss
@@ -160,8 +196,9 @@ def resume(args) -> None:
     callbacks = [CrashAfter(args.crash_at, args.crash_rank)] if args.crash_at else []
     if args.signal_at:
         callbacks.append(SignalAfter(args.signal_at, args.signal_rank, args.signal))
-    trainer = Trainer(DropoutClassifier(args.hidden), config, train_data=Examples(48), loss_fn=loss_fn,
-                      callbacks=callbacks)  # fmt: skip
+    trainer = Trainer(
+        DropoutClassifier(args.hidden), config, train_data=Examples(48), loss_fn=loss_fn, callbacks=callbacks
+    )
     if args.kill_in_save_at:  # die after every rank wrote the step's files, before the checkpoint is committed
         save_state = trainer.accelerator.save_state
 
@@ -193,8 +230,9 @@ def hf_export(args) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2,
-                                       bos_token_id=0, eos_token_id=0))  # fmt: skip
+    model = GPT2LMHeadModel(
+        GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0)
+    )
     tokens = torch.randint(0, 64, (32, 16), generator=torch.Generator().manual_seed(0))
     data = [{"input_ids": t, "labels": t} for t in tokens]
     config = TrainConfig(output_dir=args.output_dir, max_steps=3, batch_size=4, lr=1e-3, log_every=1)
@@ -228,10 +266,18 @@ def user_loader(args) -> None:
         seen.append(x.squeeze(1).long().tolist())
         return model(x).pow(2).mean()
 
-    config = TrainConfig(output_dir=args.output_dir, epochs=1, batch_size=3, optimizer="sgd", lr=0.1, shuffle=False,
-                         max_steps=2 if args.sampler == "own_part" else None)  # fmt: skip
-    trainer = Trainer(torch.nn.Linear(1, 1), config, train_data=DataLoader(data, batch_size=3, sampler=sampler),
-                      loss_fn=loss_fn)  # fmt: skip
+    config = TrainConfig(
+        output_dir=args.output_dir,
+        epochs=1,
+        batch_size=3,
+        optimizer="sgd",
+        lr=0.1,
+        shuffle=False,
+        max_steps=2 if args.sampler == "own_part" else None,
+    )
+    trainer = Trainer(
+        torch.nn.Linear(1, 1), config, train_data=DataLoader(data, batch_size=3, sampler=sampler), loss_fn=loss_fn
+    )
     trainer.fit()
     say(f"SEEN rank{trainer.accelerator.process_index} {json.dumps(seen)}")
 
@@ -242,18 +288,27 @@ def predict(args) -> None:
     data = Examples(9, seed=1)
 
     def accuracy(model, batch):
-        return {"accuracy": (model(**batch).logits.argmax(-1) == batch["labels"]).float(),
-                "label": batch["labels"].float()}  # fmt: skip
+        return {
+            "accuracy": (model(**batch).logits.argmax(-1) == batch["labels"]).float(),
+            "label": batch["labels"].float(),
+        }
 
     config = TrainConfig(output_dir=args.output_dir, max_steps=1, batch_size=2, lr=0.0, shuffle=False)
     trainer = Trainer(TinyClassifier(), config, train_data=Examples(8), eval_data=data, metrics_fn=accuracy)
     metrics = trainer.evaluate()
     logits = trainer.predict(data)
     labels = trainer.predict(data, lambda model, batch: batch["labels"])
-    say(f"PREDICT rank{trainer.accelerator.process_index} " + json.dumps({
-        "metrics": metrics, "logits": logits.tolist(), "labels": labels.tolist(),
-        "expected_labels": data.labels.tolist(),
-    }))  # fmt: skip
+    say(
+        f"PREDICT rank{trainer.accelerator.process_index} "
+        + json.dumps(
+            {
+                "metrics": metrics,
+                "logits": logits.tolist(),
+                "labels": labels.tolist(),
+                "expected_labels": data.labels.tolist(),
+            }
+        )
+    )
 
 
 class AskToStop:
@@ -273,11 +328,19 @@ def stop(args) -> None:
 
     torch.manual_seed(0)
     early = args.stop_at == 0
-    config = TrainConfig(output_dir=args.output_dir, max_steps=40, batch_size=4, log_every=3, save_every=4,
-                         eval_every=2, lr=0.0 if early else 1e-2)  # fmt: skip
+    config = TrainConfig(
+        output_dir=args.output_dir,
+        max_steps=40,
+        batch_size=4,
+        log_every=3,
+        save_every=4,
+        eval_every=2,
+        lr=0.0 if early else 1e-2,
+    )
     callbacks = [EarlyStopping(monitor="eval_loss", patience=2)] if early else [AskToStop(args.stop_at, 1)]
-    trainer = Trainer(TinyClassifier(), config, train_data=Examples(48), eval_data=Examples(9, seed=1),
-                      callbacks=callbacks)  # fmt: skip
+    trainer = Trainer(
+        TinyClassifier(), config, train_data=Examples(48), eval_data=Examples(9, seed=1), callbacks=callbacks
+    )
     result = trainer.fit()
     say(f"STOPPED rank{trainer.accelerator.process_index} " + json.dumps(result))
 
@@ -307,16 +370,34 @@ def patience(args) -> None:
     from trainer import EarlyStopping
 
     torch.manual_seed(0)
-    config = TrainConfig(output_dir=args.output_dir, max_steps=40, batch_size=4, log_every=2, save_every=2,
-                         eval_every=2, lr=0.0, resume="auto")  # fmt: skip
+    config = TrainConfig(
+        output_dir=args.output_dir,
+        max_steps=40,
+        batch_size=4,
+        log_every=2,
+        save_every=2,
+        eval_every=2,
+        lr=0.0,
+        resume="auto",
+    )
     stopping, remembers = EarlyStopping(monitor="eval_loss", patience=3), Remembers()
     callbacks = [stopping, remembers] + ([SignalAfter(args.signal_at, 1, "SIGUSR1")] if args.signal_at else [])
-    trainer = Trainer(TinyClassifier(), config, train_data=Examples(48), eval_data=Examples(9, seed=1),
-                      callbacks=callbacks)  # fmt: skip
+    trainer = Trainer(
+        TinyClassifier(), config, train_data=Examples(48), eval_data=Examples(9, seed=1), callbacks=callbacks
+    )
     rank = trainer.accelerator.process_index
-    say(f"BEGIN rank{rank} " + json.dumps({"step": trainer.global_step, "waited": stopping.waited,
-                                            "best_step": stopping.best_step, "seen": remembers.seen,
-                                            "total": remembers.total.item()}))  # fmt: skip
+    say(
+        f"BEGIN rank{rank} "
+        + json.dumps(
+            {
+                "step": trainer.global_step,
+                "waited": stopping.waited,
+                "best_step": stopping.best_step,
+                "seen": remembers.seen,
+                "total": remembers.total.item(),
+            }
+        )
+    )
     say(f"STOPPED rank{rank} " + json.dumps(trainer.fit()))
 
 
@@ -328,11 +409,19 @@ def best(args) -> None:
         return {"peak": torch.full((len(batch["labels"]),), -float((trainer.global_step - 4) ** 2))}
 
     torch.manual_seed(0)
-    config = TrainConfig(output_dir=args.output_dir, max_steps=args.max_steps or 10, batch_size=4, log_every=5,
-                         eval_every=2, save_every=2, keep_last=1, keep_best="eval_peak", keep_best_mode="max",
-                         resume=args.resume)  # fmt: skip
-    trainer = Trainer(TinyClassifier(), config, train_data=Examples(48), eval_data=Examples(9, seed=1),
-                      metrics_fn=peak)  # fmt: skip
+    config = TrainConfig(
+        output_dir=args.output_dir,
+        max_steps=args.max_steps or 10,
+        batch_size=4,
+        log_every=5,
+        eval_every=2,
+        save_every=2,
+        keep_last=1,
+        keep_best="eval_peak",
+        keep_best_mode="max",
+        resume=args.resume,
+    )
+    trainer = Trainer(TinyClassifier(), config, train_data=Examples(48), eval_data=Examples(9, seed=1), metrics_fn=peak)
     trainer.fit()
     say(f"BEST rank{trainer.accelerator.process_index} {trainer.best_checkpoint} {json.dumps(trainer.best)}")
 
@@ -381,11 +470,19 @@ def faults(args) -> None:
     loss_none (what loss_fn returns), empty_eval (an eval set with no examples), metrics_shape (a metrics_fn
     figure of the wrong shape), frozen (no trainable parameter), tensorboard_file (<output_dir>/tensorboard is a
     file)."""
-    config = TrainConfig(output_dir=args.output_dir, max_steps=4, batch_size=4, log_every=2,
-                         find_unused_parameters=args.find_unused_parameters,
-                         tensorboard=args.fault == "tensorboard_file")  # fmt: skip
-    returns = {"loss_float": lambda m, b: 1.0, "loss_none": lambda m, b: None,
-               "loss_vector": lambda m, b: m(**b).logits.sum(-1)}  # fmt: skip
+    config = TrainConfig(
+        output_dir=args.output_dir,
+        max_steps=4,
+        batch_size=4,
+        log_every=2,
+        find_unused_parameters=args.find_unused_parameters,
+        tensorboard=args.fault == "tensorboard_file",
+    )
+    returns = {
+        "loss_float": lambda m, b: 1.0,
+        "loss_none": lambda m, b: None,
+        "loss_vector": lambda m, b: m(**b).logits.sum(-1),
+    }
     model = HalfUsed() if args.fault == "unused" else TinyClassifier()
     if args.fault == "frozen":
         model.requires_grad_(False)
@@ -394,8 +491,14 @@ def faults(args) -> None:
     if args.fault == "tensorboard_file":
         os.makedirs(args.output_dir, exist_ok=True)
         Path(args.output_dir, "tensorboard").write_text("not a folder")
-    trainer = Trainer(model, config, train_data=Examples(32), eval_data=eval_data, loss_fn=returns.get(args.fault),
-                      metrics_fn=metrics_fn)  # fmt: skip
+    trainer = Trainer(
+        model,
+        config,
+        train_data=Examples(32),
+        eval_data=eval_data,
+        loss_fn=returns.get(args.fault),
+        metrics_fn=metrics_fn,
+    )
     say("RESULT " + json.dumps(trainer.fit()))
 
 
@@ -423,8 +526,11 @@ def outputs(args) -> None:
     from trainer.errors import Refusal
 
     moved = {}
-    for name, model_class in (("namespace", TinyClassifier), ("dict", DictClassifier),
-                              ("dataclass", DataclassClassifier)):  # fmt: skip
+    for name, model_class in (
+        ("namespace", TinyClassifier),
+        ("dict", DictClassifier),
+        ("dataclass", DataclassClassifier),
+    ):
         torch.manual_seed(0)
         model = model_class()
         before = [p.detach().clone() for p in model.parameters()]
@@ -454,8 +560,24 @@ def world_guard(args) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("case", choices=["job", "resume", "hf_export", "user_loader", "too_small", "world_guard",
-                                         "predict", "stop", "patience", "best", "noisy", "faults", "outputs"])
+    parser.add_argument(
+        "case",
+        choices=[
+            "job",
+            "resume",
+            "hf_export",
+            "user_loader",
+            "too_small",
+            "world_guard",
+            "predict",
+            "stop",
+            "patience",
+            "best",
+            "noisy",
+            "faults",
+            "outputs",
+        ],
+    )
     parser.add_argument("--resume", default="auto", type=lambda v: None if v == "none" else v)
     parser.add_argument("--crash_at", type=int, default=0)
     parser.add_argument("--crash_rank", type=int, default=1)

@@ -47,24 +47,55 @@ class SlurmCluster:
         key.chmod(0o600)
         socket_path = r / "munge" / "munge.socket"
         munge = r / "munge"
-        subprocess.run([_binary("munged"), "-S", socket_path, f"--key-file={key}", f"--log-file={munge}/munged.log",
-                        f"--pid-file={munge}/munged.pid", f"--seed-file={munge}/munged.seed"], check=True)  # fmt: skip
+        subprocess.run(
+            [
+                _binary("munged"),
+                "-S",
+                socket_path,
+                f"--key-file={key}",
+                f"--log-file={munge}/munged.log",
+                f"--pid-file={munge}/munged.pid",
+                f"--seed-file={munge}/munged.seed",
+            ],
+            check=True,
+        )
         host = socket.gethostname().split(".")[0]
         lines = [
-            "ClusterName=trainer-tests", f"SlurmctldHost={host}", "SlurmUser=root", "SlurmdUser=root",
-            f"SlurmctldPort={_free_port()}", "AuthType=auth/munge", f"AuthInfo=socket={socket_path}",
-            "CredType=cred/munge", f"StateSaveLocation={r}/state/ctld", f"SlurmdSpoolDir={r}/state/d/%n",
-            f"SlurmctldPidFile={r}/pid/slurmctld.pid", f"SlurmdPidFile={r}/pid/slurmd-%n.pid",
-            f"SlurmctldLogFile={r}/log/slurmctld.log", f"SlurmdLogFile={r}/log/slurmd-%n.log",
-            "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "SelectType=select/cons_tres",
-            "SelectTypeParameters=CR_CPU", "SchedulerType=sched/backfill", "MpiDefault=none", "SwitchType=switch/none",
-            "JobCompType=jobcomp/none", "AccountingStorageType=accounting_storage/none",
-            "JobAcctGatherType=jobacct_gather/none", "ReturnToService=2", "InactiveLimit=0", "KillWait=30",
-            "MailProg=/bin/true", "MinJobAge=600",
-        ]  # fmt: skip
+            "ClusterName=trainer-tests",
+            f"SlurmctldHost={host}",
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            f"SlurmctldPort={_free_port()}",
+            "AuthType=auth/munge",
+            f"AuthInfo=socket={socket_path}",
+            "CredType=cred/munge",
+            f"StateSaveLocation={r}/state/ctld",
+            f"SlurmdSpoolDir={r}/state/d/%n",
+            f"SlurmctldPidFile={r}/pid/slurmctld.pid",
+            f"SlurmdPidFile={r}/pid/slurmd-%n.pid",
+            f"SlurmctldLogFile={r}/log/slurmctld.log",
+            f"SlurmdLogFile={r}/log/slurmd-%n.log",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_CPU",
+            "SchedulerType=sched/backfill",
+            "MpiDefault=none",
+            "SwitchType=switch/none",
+            "JobCompType=jobcomp/none",
+            "AccountingStorageType=accounting_storage/none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "ReturnToService=2",
+            "InactiveLimit=0",
+            "KillWait=30",
+            "MailProg=/bin/true",
+            "MinJobAge=600",
+        ]
         for node in self.nodes:
-            lines.append(f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={_free_port()} "
-                         f"CPUs={os.cpu_count()} RealMemory=4000 State=UNKNOWN")  # fmt: skip
+            lines.append(
+                f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={_free_port()} "
+                f"CPUs={os.cpu_count()} RealMemory=4000 State=UNKNOWN"
+            )
         lines.append("PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP")
         self.conf.write_text("\n".join(lines) + "\n")
         subprocess.run([_binary("slurmctld"), "-f", self.conf, "-i"], check=True, env=self.env)
@@ -80,8 +111,14 @@ class SlurmCluster:
         raise RuntimeError(f"Slurm did not come up; see {r}/log")
 
     def run(self, *command: str, check: bool = True, **kw) -> subprocess.CompletedProcess:
-        return subprocess.run([_binary(command[0]), *map(str, command[1:])], env=self.env, capture_output=True,
-                              text=True, check=check, **kw)  # fmt: skip
+        return subprocess.run(
+            [_binary(command[0]), *map(str, command[1:])],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            check=check,
+            **kw,
+        )
 
     def job_state(self, job_id: str) -> dict[str, str]:
         """``scontrol show job``'s fields (JobState, Restarts, ExitCode...)."""
@@ -98,8 +135,10 @@ class SlurmCluster:
         raise TimeoutError(f"job {job_id} still {self.job_state(job_id).get('JobState')} after {timeout} s")
 
     def stop(self) -> None:
-        pids = sorted((self.root / "pid").glob("slurmd-*.pid")) + [self.root / "pid" / "slurmctld.pid",
-                                                                   self.root / "munge" / "munged.pid"]  # fmt: skip
+        pids = sorted((self.root / "pid").glob("slurmd-*.pid")) + [
+            self.root / "pid" / "slurmctld.pid",
+            self.root / "munge" / "munged.pid",
+        ]
         for pid_file in pids:
             if not pid_file.is_file():
                 continue

@@ -24,8 +24,17 @@ def preflight(path, ok: bool = False) -> str:
 
 
 def launch_command(path, *args) -> list:
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", path, "--main_process_port",
-            free_port(), SCENARIOS, *args]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        path,
+        "--main_process_port",
+        free_port(),
+        SCENARIOS,
+        *args,
+    ]
 
 
 def test_fsdp_with_enter_for_every_default_trains_sharded(tmp_path):
@@ -55,19 +64,38 @@ def test_torch_dynamo_and_checked_collectives_train_as_ddp(tmp_path):
 
 
 REFUSED = {  # answers, what the preflight says, what the launch's one trainer: line says
-    "fsdp version 1": ({**FSDP, "FSDP version": "1"}, "fsdp_version 1: the trainer shards with FSDP2",
-                       "the accelerate config asks for FSDP version 1; this trainer shards with FSDP2"),
-    "fsdp, parameters offloaded to the CPU": ({**FSDP, "offload parameters": "yes"}, "fsdp_offload_params",
-                                              "the accelerate config sets fsdp_offload_params: CPU offload is not"),
-    "fsdp with torch dynamo": ({**FSDP, "torch dynamo": "yes"}, "asks for torch dynamo (dynamo_backend: INDUCTOR)",
-                               "asks for torch dynamo (dynamo_backend: INDUCTOR), which this trainer does not run"),
-    "a dynamo backend torch dropped": ({**GPUS, "torch dynamo": "yes", "dynamo backend": "nvprims_nvfuser"},
-                                       "dynamo_backend: NVPRIMS_NVFUSER, which torch",
-                                       "dynamo_backend: NVPRIMS_NVFUSER, which torch"),
+    "fsdp version 1": (
+        {**FSDP, "FSDP version": "1"},
+        "fsdp_version 1: the trainer shards with FSDP2",
+        "the accelerate config asks for FSDP version 1; this trainer shards with FSDP2",
+    ),
+    "fsdp, parameters offloaded to the CPU": (
+        {**FSDP, "offload parameters": "yes"},
+        "fsdp_offload_params",
+        "the accelerate config sets fsdp_offload_params: CPU offload is not",
+    ),
+    "fsdp with torch dynamo": (
+        {**FSDP, "torch dynamo": "yes"},
+        "asks for torch dynamo (dynamo_backend: INDUCTOR)",
+        "asks for torch dynamo (dynamo_backend: INDUCTOR), which this trainer does not run",
+    ),
+    "a dynamo backend torch dropped": (
+        {**GPUS, "torch dynamo": "yes", "dynamo backend": "nvprims_nvfuser"},
+        "dynamo_backend: NVPRIMS_NVFUSER, which torch",
+        "dynamo_backend: NVPRIMS_NVFUSER, which torch",
+    ),
     "megatron-lm": ({**GPUS, "Megatron-LM": "yes"}, MEGATRON, MEGATRON),
-    "multi-CPU on 2 machines": ({"Which type of machine": "multi-CPU", "How many different machines": "2",
-                                 "IP address": "127.0.0.1", "port you will use": "29500", "How many processes": "2"},
-                                "starts each machine's process alone", "but started ONE"),
+    "multi-CPU on 2 machines": (
+        {
+            "Which type of machine": "multi-CPU",
+            "How many different machines": "2",
+            "IP address": "127.0.0.1",
+            "port you will use": "29500",
+            "How many processes": "2",
+        },
+        "starts each machine's process alone",
+        "but started ONE",
+    ),
 }
 
 
@@ -77,8 +105,13 @@ def test_answers_the_trainer_does_not_run_stop_the_preflight_and_the_launch_in_o
         accelerate_config(paths[name], answers)
         verdict = preflight(paths[name])
         assert "PROBLEM: " in verdict and said in verdict, (name, verdict)
-    launches = run_together([(launch_command(paths[name], "job", "--output_dir", tmp_path / f"out{i}"), tmp_path)
-                             for i, name in enumerate(REFUSED)], expect_ok=False)  # fmt: skip
+    launches = run_together(
+        [
+            (launch_command(paths[name], "job", "--output_dir", tmp_path / f"out{i}"), tmp_path)
+            for i, name in enumerate(REFUSED)
+        ],
+        expect_ok=False,
+    )
     for (name, (_, _, line)), result in zip(REFUSED.items(), launches, strict=True):
         output = result.stdout + result.stderr
         said = [text for text in output.splitlines() if text.startswith("trainer: ") and line in text]
@@ -86,11 +119,14 @@ def test_answers_the_trainer_does_not_run_stop_the_preflight_and_the_launch_in_o
         assert "[rank0]: Traceback" not in output and "[rank1]: Traceback" not in output, (name, output[-2000:])
 
 
-@pytest.mark.parametrize("answer, package, refusal", [
-    ({**GPUS, "DeepSpeed?": "yes"}, "DeepSpeed is not installed", DEEPSPEED),
-    ({**GPUS, "mixed precision": "fp8"}, "FP8 (either torchao, Transformer Engine or MSAMP) is not installed", FP8),
-    ({"Which type of machine": "TPU"}, None, XLA),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "answer, package, refusal",
+    [
+        ({**GPUS, "DeepSpeed?": "yes"}, "DeepSpeed is not installed", DEEPSPEED),
+        ({**GPUS, "mixed precision": "fp8"}, "FP8 (either torchao, Transformer Engine or MSAMP) is not installed", FP8),
+        ({"Which type of machine": "TPU"}, None, XLA),
+    ],
+)
 def test_deepspeed_fp8_and_tpu_answers_are_refused_by_name(tmp_path, answer, package, refusal):
     """DeepSpeed and fp8: accelerate config itself stops without their packages; the file it writes where they are
     installed (the same keys) is refused by the preflight, as the launch refuses it (tests/test_fsdp.py). A TPU
@@ -101,9 +137,11 @@ def test_deepspeed_fp8_and_tpu_answers_are_refused_by_name(tmp_path, answer, pac
         assert package in asked[-1][1] and not path.exists()
         kind = "DEEPSPEED" if refusal == DEEPSPEED else "MULTI_GPU"
         precision = "fp8" if refusal == FP8 else "'no'"
-        path.write_text(f"compute_environment: LOCAL_MACHINE\ndistributed_type: {kind}\nmixed_precision: {precision}\n"
-                        "num_machines: 1\nnum_processes: 2\nmachine_rank: 0\ngpu_ids: all\nuse_cpu: false\n"
-                        + ("deepspeed_config:\n  zero_stage: 3\n" if kind == "DEEPSPEED" else ""))  # fmt: skip
+        path.write_text(
+            f"compute_environment: LOCAL_MACHINE\ndistributed_type: {kind}\nmixed_precision: {precision}\n"
+            "num_machines: 1\nnum_processes: 2\nmachine_rank: 0\ngpu_ids: all\nuse_cpu: false\n"
+            + ("deepspeed_config:\n  zero_stage: 3\n" if kind == "DEEPSPEED" else "")
+        )
     assert f"PROBLEM: {refusal}" in preflight(path)
 
 
@@ -113,8 +151,13 @@ def test_two_machines_meet_as_accelerate_launch_does_whatever_rendezvous_backend
     rendezvous. The preflight says so, and names what the flag's etcd would need; the two machines of an etcd file
     (no etcd server anywhere here) train as one job, each launched with its own file, as on two hosts."""
     port = str(free_port())
-    machines = {**GPUS, "How many different machines": "2", "IP address": "127.0.0.1", "port you will use": port,
-                "same local network": "no"}  # fmt: skip
+    machines = {
+        **GPUS,
+        "How many different machines": "2",
+        "IP address": "127.0.0.1",
+        "port you will use": port,
+        "same local network": "no",
+    }
     for backend, rank in (("c10d", 0), ("etcd", 0), ("etcd", 1)):
         path = tmp_path / f"{backend}-{rank}.yaml"
         accelerate_config(path, {**machines, "rendezvous backend": backend, "rank of this machine": str(rank)})
@@ -123,8 +166,18 @@ def test_two_machines_meet_as_accelerate_launch_does_whatever_rendezvous_backend
         said = preflight(tmp_path / f"{backend}-0.yaml")  # (and: 127.0.0.1 cannot be reached from another host)
         assert f"rendezvous: static at 127.0.0.1:{port}" in said, said
         assert f"this file's rdzv_backend {backend} is not used" in said, said
-    flagged = run([sys.executable, "-m", "trainer.check", "--config_file", str(tmp_path / "etcd-0.yaml"),
-                   "--rdzv_backend", "etcd"], expect_ok=False).stdout  # fmt: skip
+    flagged = run(
+        [
+            sys.executable,
+            "-m",
+            "trainer.check",
+            "--config_file",
+            str(tmp_path / "etcd-0.yaml"),
+            "--rdzv_backend",
+            "etcd",
+        ],
+        expect_ok=False,
+    ).stdout
     assert "PROBLEM: --rdzv_backend etcd: torchrun's etcd rendezvous needs the python-etcd package" in flagged
     nodes = [tmp_path / "node0", tmp_path / "node1"]
     for node in nodes:

@@ -60,7 +60,7 @@ FAILURES = {
     "crash after 6 on rank 1": ["--crash_at", 6, "--crash_rank", 1],  # at an epoch's end, two steps after one
     "killed in the save of 8": ["--kill_in_save_at", 8],
     "nan at 6 on rank 1": ["--nan_at", 6, "--nan_rank", 1],
-}  # fmt: skip
+}
 
 
 @pytest.fixture(scope="module")
@@ -78,10 +78,22 @@ def failed_then_resumed(tmp_path_factory, reference) -> dict[str, tuple]:
     finished, skipping = tmp_path_factory.mktemp("finished") / "run", tmp_path_factory.mktemp("skip")
     shutil.copytree(reference, finished)
     exported = tmp_path_factory.mktemp("hf_export")
-    jobs += [[str(SCENARIOS), "resume", "--output_dir", str(finished)],
-             [str(SCENARIOS), "resume", "--output_dir", str(skipping), "--nan_at", 6, "--nan_rank", 0, "--nan_policy",
-              "skip"],
-             [str(SCENARIOS), "hf_export", "--output_dir", str(exported)]]  # fmt: skip
+    jobs += [
+        [str(SCENARIOS), "resume", "--output_dir", str(finished)],
+        [
+            str(SCENARIOS),
+            "resume",
+            "--output_dir",
+            str(skipping),
+            "--nan_at",
+            6,
+            "--nan_rank",
+            0,
+            "--nan_policy",
+            "skip",
+        ],
+        [str(SCENARIOS), "hf_export", "--output_dir", str(exported)],
+    ]
     outputs = split_jobs(accelerate_launch(JOBS, json.dumps(jobs, default=str)).stdout)
     runs = {name: (*failed[name], output) for name, output in zip(failed, outputs[: len(failed)], strict=True)}
     runs["finished, started again"], runs["nan skipped"] = (finished, outputs[-3]), (skipping, outputs[-2])
@@ -107,8 +119,17 @@ def test_elastic_restart_finishes_by_itself_bit_identical(tmp_path, reference, l
     shipped config as it is (static rendezvous: one store for every attempt, pytorch/pytorch#135712) the restarted
     workers used to read the dead attempt's addresses and hang or fail; each attempt's keys are kept apart now."""
     if launcher == "torchrun-c10d":  # torchrun shares its c10d store with the workers as well
-        result = torchrun(SCENARIOS, "resume", "--output_dir", tmp_path, "--crash_at", 13, "--crash_rank", 0,
-                          run_args=["--max-restarts", "1", "--monitor-interval", "0.5"])  # fmt: skip
+        result = torchrun(
+            SCENARIOS,
+            "resume",
+            "--output_dir",
+            tmp_path,
+            "--crash_at",
+            13,
+            "--crash_rank",
+            0,
+            run_args=["--max-restarts", "1", "--monitor-interval", "0.5"],
+        )
     else:
         elastic = ["--max_restarts", "1", "--monitor_interval", "0.5"]
         result = launch_resume(tmp_path, "--crash_at", 13, "--crash_rank", 0, run_args=elastic, timeout=120)
@@ -180,8 +201,7 @@ def refused_on_two(one_process_run) -> dict[str, str]:
     return dict(zip(runs, split_jobs(result.stderr), strict=True))
 
 
-def test_existing_checkpoints_are_not_silently_overwritten_one_line_from_every_process(refused_on_one,
-                                                                                       refused_on_two):  # fmt: skip
+def test_existing_checkpoints_are_not_silently_overwritten_one_line_from_every_process(refused_on_one, refused_on_two):
     message = refusal(refused_on_one, "overwrite")
     assert "already holds checkpoints of an earlier run. Set resume='auto'" in message
     assert message.startswith("trainer: ") and message.count("\n") == 1, "one line, no traceback: " + message
@@ -228,17 +248,20 @@ def refused_on_one(one_process_run, tmp_path_factory) -> dict[str, tuple]:
     state["files"]["optimizer.bin"], state["crc32"]["optimizer.bin"] = len(data), f"{zlib.crc32(data):08x}"
     (checkpoint / "trainer_state.json").write_text(json.dumps(state))
     missing = one_process_run / "checkpoints" / "step-00000099"
-    runs = {"overwrite": (one_process_run, "--resume", "none"), "another model": (one_process_run, "--hidden", 16),
-            "missing path": (tmp_path_factory.mktemp("missing"), "--resume", missing),
-            "torn": (torn, "--resume", torn / "checkpoints" / "step-00000036"),
-            "torn, the one before": (torn, "--resume", torn / "checkpoints" / "step-00000032"),
-            "crafted": (crafted, "--resume", checkpoint),
-            "unwritable": (one_process_run / "checkpoints" / "latest" / "sub",)}  # fmt: skip
-    jobs = [[str(SCENARIOS), "resume", "--output_dir", str(folder), *map(str, args)] for folder, *args in
-            runs.values()]  # fmt: skip
+    runs = {
+        "overwrite": (one_process_run, "--resume", "none"),
+        "another model": (one_process_run, "--hidden", 16),
+        "missing path": (tmp_path_factory.mktemp("missing"), "--resume", missing),
+        "torn": (torn, "--resume", torn / "checkpoints" / "step-00000036"),
+        "torn, the one before": (torn, "--resume", torn / "checkpoints" / "step-00000032"),
+        "crafted": (crafted, "--resume", checkpoint),
+        "unwritable": (one_process_run / "checkpoints" / "latest" / "sub",),
+    }
+    jobs = [[str(SCENARIOS), "resume", "--output_dir", str(folder), *map(str, args)] for folder, *args in runs.values()]
     result = python(JOBS, json.dumps(jobs), expect_ok=False)
-    outputs = zip(job_exits(result.stderr, len(runs)), split_jobs(result.stdout), split_jobs(result.stderr),
-                  strict=True)  # fmt: skip
+    outputs = zip(
+        job_exits(result.stderr, len(runs)), split_jobs(result.stdout), split_jobs(result.stderr), strict=True
+    )
     return {name: (*output, folder) for (name, (folder, *_)), output in zip(runs.items(), outputs, strict=True)}
 
 
@@ -262,8 +285,13 @@ def test_a_file_torch_load_refuses_is_named_in_one_line_and_runs_nothing(refused
     resume refuses it in one line (torch.load with weights_only=True), and the command never runs."""
     message, crafted = refusal(refused_on_one, "crafted"), refused_on_one["crafted"][3]
     checkpoint = crafted / "checkpoints" / "step-00000036"
-    assert message.startswith(f"trainer: checkpoint {checkpoint} holds a file that cannot be loaded safely (nothing "
-                              "in it was run): UnpicklingError") and message.count("\n") == 1, message  # fmt: skip
+    assert (
+        message.startswith(
+            f"trainer: checkpoint {checkpoint} holds a file that cannot be loaded safely (nothing "
+            "in it was run): UnpicklingError"
+        )
+        and message.count("\n") == 1
+    ), message
     assert not (crafted.parent / "it-ran").exists(), "the pickle ran its command"
 
 
@@ -273,8 +301,15 @@ def zero_a_kilobyte(path: Path) -> None:
     path.write_bytes(bytes(data))  # the same size: only the contents tell
 
 
-DAMAGES = ["truncated", "zeroed model", "zeroed rng", "0xff optimizer", "deleted", "state a list",
-           "state without files"]  # fmt: skip
+DAMAGES = [
+    "truncated",
+    "zeroed model",
+    "zeroed rng",
+    "0xff optimizer",
+    "deleted",
+    "state a list",
+    "state without files",
+]
 
 
 def damage(latest: Path, how: str) -> None:
@@ -317,8 +352,9 @@ def resumed_copies(one_process_run, tmp_path_factory) -> dict[str, tuple[Path, s
 
 
 @pytest.mark.parametrize("how", DAMAGES)
-def test_resume_auto_continues_from_the_newest_whole_checkpoint_past_a_damaged_latest(one_process_run, resumed_copies,
-                                                                                      how):  # fmt: skip
+def test_resume_auto_continues_from_the_newest_whole_checkpoint_past_a_damaged_latest(
+    one_process_run, resumed_copies, how
+):
     copy, stdout, stderr = resumed_copies[how]
     assert "continuing from the newest whole checkpoint" in stderr and "step-00000032" in stderr
     assert "resumed from" in stdout and "step 32" in stdout
@@ -337,8 +373,17 @@ def test_a_kill_while_an_existing_step_is_saved_again_leaves_a_whole_latest(resu
 def test_two_jobs_on_one_output_dir_the_second_is_refused(tmp_path):
     # The first job is far from done when the second starts (a slow host once let it finish first: the second then
     # found the lock free); once the second has been refused, the first is preempted and must checkpoint as usual.
-    command = [sys.executable, str(SCENARIOS), "resume", "--output_dir", str(tmp_path), "--step_sleep", "0.2",
-               "--max_steps", "100000"]  # fmt: skip
+    command = [
+        sys.executable,
+        str(SCENARIOS),
+        "resume",
+        "--output_dir",
+        str(tmp_path),
+        "--step_sleep",
+        "0.2",
+        "--max_steps",
+        "100000",
+    ]
     first = subprocess.Popen(command, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     while not (tmp_path / "metrics" / "rank0.jsonl").is_file():
         assert first.poll() is None, first.communicate()
@@ -382,8 +427,13 @@ def test_a_different_global_batch_on_resume_stops_naming_both(refused_on_two):
     """1 process x batch 4 resumed on 2 x 4: a different global batch (the same one on any split continues:
     tests/test_fsdp.py)."""
     message = refused_on_two["global batch"]
-    assert message.count("was written with 1 process(es) x batch 4 x accumulation 1 = 4 global; this run has 2 "
-                         "process(es) x batch 4 x accumulation 1 = 8 global") == 1, "said once for the job"
+    assert (
+        message.count(
+            "was written with 1 process(es) x batch 4 x accumulation 1 = 4 global; this run has 2 "
+            "process(es) x batch 4 x accumulation 1 = 8 global"
+        )
+        == 1
+    ), "said once for the job"
     assert "[rank0]: Traceback" not in message and "[rank1]: Traceback" not in message
     assert "keep 4 global (batch_size 2 with gradient_accumulation_steps 1)" in message
 

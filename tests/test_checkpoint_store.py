@@ -21,8 +21,10 @@ def commit(root: Path, step: int, keep_last: int = 2, best: int | None = None, p
     staging = store.staging_folder(root, step)
     staging.mkdir(parents=True)
     (staging / "model.safetensors").write_bytes(payload)
-    state = {"train": {"global_step": step, "epoch": 0, "batches_into_epoch": step, "run_id": "x"},
-             "best": {"figure": "eval_loss", "value": 1.0, "step": best} if best is not None else None}  # fmt: skip
+    state = {
+        "train": {"global_step": step, "epoch": 0, "batches_into_epoch": step, "run_id": "x"},
+        "best": {"figure": "eval_loss", "value": 1.0, "step": best} if best is not None else None,
+    }
     return store.commit(staging, state, keep_last)
 
 
@@ -156,9 +158,20 @@ def test_a_checkpoint_written_before_the_registry_still_reads(tmp_path):
     """A trainer_state.json of the earlier layout (every key at the top) reads as today's."""
     folder = commit(tmp_path / "checkpoints", 4)
     state = json.loads((folder / "trainer_state.json").read_text())
-    flat = {"global_step": 4, "epoch": 0, "batches_into_epoch": 4, "run_id": "x", "world_size": 2, "batch_size": 4,
-            "gradient_accumulation_steps": 1, "config": {}, "sharding": "FSDP2", "best": None,
-            "files": state["files"], "crc32": state["crc32"]}  # fmt: skip
+    flat = {
+        "global_step": 4,
+        "epoch": 0,
+        "batches_into_epoch": 4,
+        "run_id": "x",
+        "world_size": 2,
+        "batch_size": 4,
+        "gradient_accumulation_steps": 1,
+        "config": {},
+        "sharding": "FSDP2",
+        "best": None,
+        "files": state["files"],
+        "crc32": state["crc32"],
+    }
     (folder / "trainer_state.json").write_text(json.dumps(flat))
     read = store.read_state(folder)
     assert read["train"]["global_step"] == 4 and read["run"]["world_size"] == 2 and read["sharding"] == "FSDP2"

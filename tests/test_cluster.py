@@ -24,7 +24,7 @@ from conftest import (
     read_summary,
     run,
     run_together,
-)  # fmt: skip
+)
 
 STALL = ["--stall_at", "5", "--stall_rank", "1"]
 SGD_MEAN = ["--opt", "sgd", "--loss", "mean", "--lr", "0.5"]
@@ -55,17 +55,40 @@ def test_two_nodes_through_accelerate_launch_match_one_process_each_file_written
     assert_same_run(one_process, two)
     # The global main process alone writes the results and the model (and holds the output_dir's lock); every rank
     # only its own metrics.
-    assert files_under(nodes[0] / "out") == [".lock", "final/model.safetensors", "metrics/rank0.jsonl",
-                                             "same_updates.json"]  # fmt: skip
+    assert files_under(nodes[0] / "out") == [
+        ".lock",
+        "final/model.safetensors",
+        "metrics/rank0.jsonl",
+        "same_updates.json",
+    ]
     assert files_under(nodes[1] / "out") == ["metrics/rank1.jsonl"]
 
 
 def test_two_nodes_through_torchrun_c10d_match_one_process(tmp_path, one_process):
     endpoint = f"127.0.0.1:{free_port()}"
     out = tmp_path / "out"
-    node = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
-            "--rdzv-id", "456", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-            SAME_UPDATES, *COMMON, *SGD_MEAN, "--batch_size", "5", "--output_dir", out]  # fmt: skip
+    node = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc_per_node",
+        "1",
+        "--rdzv-id",
+        "456",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+        SAME_UPDATES,
+        *COMMON,
+        *SGD_MEAN,
+        "--batch_size",
+        "5",
+        "--output_dir",
+        out,
+    ]
     run_together([(node, ROOT), (node, ROOT)])
     two = read_summary(out)
     assert two["world_size"] == 2
@@ -82,12 +105,17 @@ def test_slurm_scripts_under_the_environment_slurm_sets(tmp_path, one_process, s
     env = clean_env(
         PATH=f"{ROOT / 'tests' / 'fake_slurm'}{os.pathsep}{os.path.dirname(sys.executable)}{os.pathsep}"
         + os.environ["PATH"],
-        SLURM_JOB_ID="4242", SLURM_NNODES=str(nodes), SLURM_JOB_NODELIST=",".join(["localhost"] * nodes),
-        SLURM_GPUS_ON_NODE=str(gpus), SCRIPT=str(SAME_UPDATES),
-    )  # fmt: skip
+        SLURM_JOB_ID="4242",
+        SLURM_NNODES=str(nodes),
+        SLURM_JOB_NODELIST=",".join(["localhost"] * nodes),
+        SLURM_GPUS_ON_NODE=str(gpus),
+        SCRIPT=str(SAME_UPDATES),
+    )
     out = tmp_path / "out"
-    result = run(["bash", ROOT / "examples" / "slurm" / script, *COMMON, *SGD_MEAN, "--batch_size", "5",
-                  "--output_dir", out], env=env)  # fmt: skip
+    result = run(
+        ["bash", ROOT / "examples" / "slurm" / script, *COMMON, *SGD_MEAN, "--batch_size", "5", "--output_dir", out],
+        env=env,
+    )
     assert f"slurm job 4242: {nodes} node" in result.stdout
     if nodes > 1:
         assert re.search(r"head localhost:\d+", result.stdout)
@@ -99,8 +127,9 @@ def test_slurm_scripts_under_the_environment_slurm_sets(tmp_path, one_process, s
 def test_a_config_written_by_accelerate_config_launches_a_job(tmp_path, one_process):
     config = tmp_path / "my.yaml"  # what `accelerate config default` writes on this machine: 1 process on CPU
     run([sys.executable, "-m", "accelerate.commands.accelerate_cli", "config", "default", "--config_file", config])
-    result = accelerate_launch(SAME_UPDATES, *COMMON, *SGD_MEAN, "--batch_size", "10", "--output_dir",
-                               tmp_path / "out", config=config)  # fmt: skip
+    result = accelerate_launch(
+        SAME_UPDATES, *COMMON, *SGD_MEAN, "--batch_size", "10", "--output_dir", tmp_path / "out", config=config
+    )
     assert "trainer | 1 process(es)" in result.stdout
     assert_same_run(one_process, read_summary(tmp_path / "out"))
 
@@ -109,15 +138,19 @@ def test_preflight_reads_a_config_and_names_each_problem():
     fine = run([sys.executable, "-m", "trainer.check", "--config_file", CONFIGS / "multi_gpu.yaml"])
     assert "1 machine(s) x 2 process(es) = 2 processes" in fine.stdout
     assert fine.stdout.rstrip().endswith("preflight: no problems found")
-    shipped = run([sys.executable, "-m", "trainer.check", "--config_file", CONFIGS / "multi_node.yaml"],
-                  expect_ok=False)  # fmt: skip
+    shipped = run(
+        [sys.executable, "-m", "trainer.check", "--config_file", CONFIGS / "multi_node.yaml"], expect_ok=False
+    )
     assert "2 machine(s) x 8 process(es) = 16 processes" in shipped.stdout
     assert "rendezvous: static at 127.0.0.1:29500" in shipped.stdout
     assert "PROBLEM: main_process_ip 127.0.0.1 is a loopback address" in shipped.stdout
     # gloo's interface: the trainer's CPU groups hang where the hostname resolves to one the other nodes cannot reach.
     assert "network: GLOO_SOCKET_IFNAME is not set" in shipped.stdout
-    named = run([sys.executable, "-m", "trainer.check", "--config_file", CONFIGS / "multi_node.yaml"],
-                expect_ok=False, env=clean_env(GLOO_SOCKET_IFNAME="eth7"))  # fmt: skip
+    named = run(
+        [sys.executable, "-m", "trainer.check", "--config_file", CONFIGS / "multi_node.yaml"],
+        expect_ok=False,
+        env=clean_env(GLOO_SOCKET_IFNAME="eth7"),
+    )
     assert "  network: gloo on eth7" in named.stdout
 
 
@@ -129,18 +162,27 @@ def test_preflight_inside_a_two_node_launch_checks_the_shared_output_dir(tmp_pat
     (tmp_path / "a file").write_text("")
     output_dir = {True: tmp_path / "shared", False: "out", "unwritable": tmp_path / "a file" / "out"}[shared]
     if shared == "unwritable":  # a PROBLEM line per rank, no traceback
-        results = run_together([(accelerate_node(rank, port, "-m", "trainer.check", "--output_dir", output_dir), node)
-                                for rank, node in enumerate(nodes)], expect_ok=False,
-                               env=clean_env(PYTHONPATH=str(ROOT)))  # fmt: skip
+        results = run_together(
+            [
+                (accelerate_node(rank, port, "-m", "trainer.check", "--output_dir", output_dir), node)
+                for rank, node in enumerate(nodes)
+            ],
+            expect_ok=False,
+            env=clean_env(PYTHONPATH=str(ROOT)),
+        )
         head = results[0].stdout
         for rank in (0, 1):
             assert f"PROBLEM: output_dir {output_dir} is not writable from rank {rank} " in head
         assert "Traceback" not in results[0].stdout + results[1].stdout and "shared by all" not in head
         return
     results = run_together(
-        [(accelerate_node(rank, port, "-m", "trainer.check", "--output_dir", output_dir), node)
-         for rank, node in enumerate(nodes)], expect_ok=shared, env=clean_env(PYTHONPATH=str(ROOT)),
-    )  # fmt: skip
+        [
+            (accelerate_node(rank, port, "-m", "trainer.check", "--output_dir", output_dir), node)
+            for rank, node in enumerate(nodes)
+        ],
+        expect_ok=shared,
+        env=clean_env(PYTHONPATH=str(ROOT)),
+    )
     head = results[0].stdout
     assert "job: 2 process(es) on 1 host(s), every rank answered" in head
     assert re.search(r"rank +0 \| local rank 0 \| .+ \| cpu", head) and re.search(r"rank +1 \| local rank 0", head)
@@ -158,28 +200,35 @@ def test_preflight_names_a_config_it_cannot_read_or_the_launch_would_refuse(tmp_
     from trainer.check import describe_config
 
     fsdp = (CONFIGS / "fsdp.yaml").read_text()
-    files = {"empty": "", "invalid": "a: [\n", "typo": "distributed_type: FSPD\nnum_processes: 2\n",
-             "none": fsdp.replace("num_processes: 2", "num_processes: 0"),
-             "refused": fsdp.replace("fsdp_offload_params: false", "fsdp_offload_params: true").replace(
-                 "mixed_precision: 'no'", "mixed_precision: fp16"),
-             # Answers of `accelerate config` the trainer does not run: what the launch says, said first.
-             "deepspeed": "distributed_type: DEEPSPEED\nnum_processes: 2\ndeepspeed_config:\n  zero_stage: 3\n",
-             "megatron": "distributed_type: MEGATRON_LM\nnum_processes: 2\n",
-             "fp8": "distributed_type: MULTI_GPU\nnum_processes: 2\nmixed_precision: fp8\n"}  # fmt: skip
+    files = {
+        "empty": "",
+        "invalid": "a: [\n",
+        "typo": "distributed_type: FSPD\nnum_processes: 2\n",
+        "none": fsdp.replace("num_processes: 2", "num_processes: 0"),
+        "refused": fsdp.replace("fsdp_offload_params: false", "fsdp_offload_params: true").replace(
+            "mixed_precision: 'no'", "mixed_precision: fp16"
+        ),
+        # Answers of `accelerate config` the trainer does not run: what the launch says, said first.
+        "deepspeed": "distributed_type: DEEPSPEED\nnum_processes: 2\ndeepspeed_config:\n  zero_stage: 3\n",
+        "megatron": "distributed_type: MEGATRON_LM\nnum_processes: 2\n",
+        "fp8": "distributed_type: MULTI_GPU\nnum_processes: 2\nmixed_precision: fp8\n",
+    }
     problems = {}
     for name, text in files.items():
         (tmp_path / f"{name}.yaml").write_text(text)
         problems[name] = describe_config(str(tmp_path / f"{name}.yaml"), launched=False)[1]
-    assert problems["empty"][0].endswith("empty.yaml is empty: write one with `accelerate config --config_file "
-                                         f"{tmp_path / 'empty.yaml'}`")  # fmt: skip
+    assert problems["empty"][0].endswith(
+        f"empty.yaml is empty: write one with `accelerate config --config_file {tmp_path / 'empty.yaml'}`"
+    )
     assert "invalid.yaml cannot be read by accelerate: while parsing a flow node" in problems["invalid"][0]
     assert "typo.yaml cannot be read by accelerate: 'FSPD' is not a valid DistributedType" in problems["typo"][0]
     assert problems["none"] == ["num_processes 0 and num_machines 1 must each be at least 1"]
     # (On a host with fewer GPUs than the config's 2 processes, that is one more problem, of this host.)
     problems["refused"] = [p for p in problems["refused"] if "but this machine has" not in p]
-    assert [p.split(":")[0] for p in problems["refused"]] == ["the accelerate config sets fsdp_offload_params",
-                                                              "mixed precision fp16 with FSDP2 is not supported (its "
-                                                              "loss scaler would have to see sharded gradients)"]
+    assert [p.split(":")[0] for p in problems["refused"]] == [
+        "the accelerate config sets fsdp_offload_params",
+        "mixed precision fp16 with FSDP2 is not supported (its loss scaler would have to see sharded gradients)",
+    ]
     from trainer.unsupported import DEEPSPEED, FP8, MEGATRON
 
     assert (problems["deepspeed"], problems["megatron"], problems["fp8"]) == ([DEEPSPEED], [MEGATRON], [FP8])
@@ -197,8 +246,9 @@ def test_preflight_asks_wandb_only_of_a_job_that_uses_it(tmp_path):
 
 
 def test_a_stalled_rank_is_named_by_the_others(tmp_path):
-    result = accelerate_launch(SCENARIOS, "resume", "--output_dir", tmp_path, *STALL, "--stall_s", "6",
-                               "--stall_warning_s", "2")  # fmt: skip
+    result = accelerate_launch(
+        SCENARIOS, "resume", "--output_dir", tmp_path, *STALL, "--stall_s", "6", "--stall_warning_s", "2"
+    )
     assert "STALL rank 1 at step 5" in result.stdout and "RESULT" in result.stdout
     reports = [line for line in result.stderr.splitlines() if line.startswith("trainer: stalled")]
     assert len(reports) == 1, result.stderr  # one report per stall, from one rank
@@ -210,9 +260,21 @@ def test_the_collective_timeout_ends_a_job_whose_rank_never_arrives(tmp_path):
     # The stall outlasts anything a loaded host adds (start-up, and the launcher's 30 s between its SIGTERM to the
     # sleeping rank and its SIGKILL): a job that ends well before the stall would is one the timeout ended.
     started = time.monotonic()
-    result = accelerate_launch(SCENARIOS, "resume", "--output_dir", tmp_path, *STALL, "--stall_s", "900",
-                               "--stall_warning_s", "2", "--collective_timeout_s", "8", expect_ok=False,
-                               timeout=800)  # fmt: skip
+    result = accelerate_launch(
+        SCENARIOS,
+        "resume",
+        "--output_dir",
+        tmp_path,
+        *STALL,
+        "--stall_s",
+        "900",
+        "--stall_warning_s",
+        "2",
+        "--collective_timeout_s",
+        "8",
+        expect_ok=False,
+        timeout=800,
+    )
     assert time.monotonic() - started < 600, "ended by the 8 s timeout, not by the stalled rank waking up"
     assert "Waiting for rank(s) 1 (forward at step 5)." in result.stderr
     assert re.search(r"[Tt]imed out", result.stderr), result.stderr[-3000:]

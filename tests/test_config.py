@@ -102,8 +102,11 @@ def test_a_path_is_taken_where_a_string_is_expected(tmp_path):
 def test_profile_steps_is_a_step_or_a_range():
     assert TrainConfig(profile_steps="10-12").profile_steps == "10-12" and TrainConfig(profile_steps="3")
     for bad in ("12-10", "0", "ten", "10-"):
-        with pytest.raises(ConfigError, match=f"profile_steps must be an optimizer step or a range of them, say "
-                                              f"'10-12' \\(or null for no trace\\); got '{bad}'"):  # fmt: skip
+        with pytest.raises(
+            ConfigError,
+            match=f"profile_steps must be an optimizer step or a range of them, say "
+            f"'10-12' \\(or null for no trace\\); got '{bad}'",
+        ):
             TrainConfig(profile_steps=bad)
 
 
@@ -118,12 +121,23 @@ def test_the_constructor_suggests_the_closest_field_as_the_yaml_path_does():
         TrainConfig(batchsize=3)
 
 
-@pytest.mark.parametrize("key,file", [("mixed_precision", "bf16.yaml or fp16.yaml"), ("bf16", "bf16.yaml"),
-                                      ("fp16", "fp16.yaml"), ("fsdp", "fsdp.yaml"), ("deepspeed", "fsdp.yaml")])
+@pytest.mark.parametrize(
+    "key,file",
+    [
+        ("mixed_precision", "bf16.yaml or fp16.yaml"),
+        ("bf16", "bf16.yaml"),
+        ("fp16", "fp16.yaml"),
+        ("fsdp", "fsdp.yaml"),
+        ("deepspeed", "fsdp.yaml"),
+    ],
+)
 def test_a_setting_of_the_accelerate_config_names_the_file_that_sets_it(key, file, tmp_path):
     """transformers' TrainingArguments take these; here the accelerate config at launch does, for every process."""
-    with pytest.raises(ConfigError, match=f"'{key}' is not a TrainConfig key: the accelerate config chosen at "
-                                          f"launch sets it.*accelerate_configs/{file}"):
+    with pytest.raises(
+        ConfigError,
+        match=f"'{key}' is not a TrainConfig key: the accelerate config chosen at "
+        f"launch sets it.*accelerate_configs/{file}",
+    ):
         TrainConfig(**{key: True})
     (tmp_path / "run.yaml").write_text(f"{key}: true\n")
     with pytest.raises(ConfigError, match=f"run.yaml: '{key}' is not a TrainConfig key"):

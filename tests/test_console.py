@@ -22,11 +22,24 @@ def test_library_warnings_come_once_per_job_not_once_per_rank_or_per_step(tmp_pa
 def test_lines_written_while_the_progress_bar_is_drawn_stay_whole(tmp_path):
     pexpect = pytest.importorskip("pexpect")  # in the test extra; a host without it skips, as test_hosts does
 
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(ROOT / "accelerate_configs" / "multi_gpu.yaml"), "--main_process_port", str(free_port()),
-               str(SCENARIOS), "noisy", "--output_dir", str(tmp_path), "--max_steps", "20"]  # fmt: skip
-    child = pexpect.spawn(command[0], command[1:], env=clean_env(), cwd=str(ROOT), dimensions=(24, 160),
-                          encoding="utf-8", timeout=180)  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "accelerate_configs" / "multi_gpu.yaml"),
+        "--main_process_port",
+        str(free_port()),
+        str(SCENARIOS),
+        "noisy",
+        "--output_dir",
+        str(tmp_path),
+        "--max_steps",
+        "20",
+    ]
+    child = pexpect.spawn(
+        command[0], command[1:], env=clean_env(), cwd=str(ROOT), dimensions=(24, 160), encoding="utf-8", timeout=180
+    )
     child.expect(pexpect.EOF)
     child.close()
     raw = child.before
@@ -36,8 +49,11 @@ def test_lines_written_while_the_progress_bar_is_drawn_stay_whole(tmp_path):
     # not the bar's text with the message glued on (or the message cut by a redrawn bar).
     shown = [line.rstrip("\r").rsplit("\r", 1)[-1] for line in raw.split("\n")]
     for message in ("NOISE printed in pieces", "[transformers] NOISE from transformers, on every rank"):
-        mangled = [line for line, seen in zip(raw.split("\n"), shown, strict=True)
-                   if message.split()[-1] in line and seen != message]  # fmt: skip
+        mangled = [
+            line
+            for line, seen in zip(raw.split("\n"), shown, strict=True)
+            if message.split()[-1] in line and seen != message
+        ]
         assert not mangled, f"{message!r} broke into the bar: {mangled[:2]}"
     assert shown.count("NOISE printed in pieces") == 20
     step_lines = [line for line in shown if line.startswith("step ")]

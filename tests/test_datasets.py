@@ -38,8 +38,13 @@ def test_text_classification_recipe_through_two_processes(recipe_runs, padding):
     if padding == "dynamic":  # DataCollatorWithPadding pads each batch; the strings never reach it
         assert out.count("trainer | train_data: left out text (not inputs of model.forward)") == 1
     else:  # no collate_fn: the raw tokenised Dataset is formatted for the model, and said once
-        assert out.count("trainer | train_data (a datasets.Dataset): labels, input_ids, attention_mask as torch "
-                         "tensors; left out text (not inputs of model.forward); label renamed labels") == 1
+        assert (
+            out.count(
+                "trainer | train_data (a datasets.Dataset): labels, input_ids, attention_mask as torch "
+                "tensors; left out text (not inputs of model.forward); label renamed labels"
+            )
+            == 1
+        )
     accuracy = re.search(r"^text_classification \| eval accuracy ([\d.]+) at step (\d+) \((.*?)\)", out, re.M)
     assert float(accuracy[1]) >= 0.9
     assert accuracy[3] == "stopped early" and int(accuracy[2]) < 220  # EarlyStopping on eval_accuracy
@@ -55,8 +60,14 @@ class TakesIds(torch.nn.Module):
 
 def tokenised(lengths: list[int]) -> Dataset:
     count = len(lengths)
-    return Dataset.from_dict({"text": [f"text {i}" for i in range(count)], "idx": list(range(count)),
-                              "input_ids": [list(range(n)) for n in lengths], "label": [0, 1, 0][:count]})
+    return Dataset.from_dict(
+        {
+            "text": [f"text {i}" for i in range(count)],
+            "idx": list(range(count)),
+            "input_ids": [list(range(n)) for n in lengths],
+            "label": [0, 1, 0][:count],
+        }
+    )
 
 
 def test_lists_of_different_lengths_without_a_collate_fn_are_refused_naming_the_columns_and_the_fix():
@@ -68,8 +79,10 @@ def test_lists_of_different_lengths_without_a_collate_fn_are_refused_naming_the_
 
 def test_fixed_length_rows_become_the_models_tensors():
     data, said = ready_columns(tokenised([4, 4, 4]), TakesIds(), collate=False, name="eval_data")
-    assert said == ("eval_data (a datasets.Dataset): input_ids, labels as torch tensors; left out text, idx (not "
-                    "inputs of model.forward); label renamed labels")  # fmt: skip
+    assert said == (
+        "eval_data (a datasets.Dataset): input_ids, labels as torch tensors; left out text, idx (not "
+        "inputs of model.forward); label renamed labels"
+    )
     batch = next(iter(torch.utils.data.DataLoader(data, batch_size=3)))
     assert set(batch) == {"input_ids", "labels"} and batch["input_ids"].shape == (3, 4)
 

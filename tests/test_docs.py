@@ -16,8 +16,13 @@ from conftest import ROOT, clean_env
 
 def test_the_documentation_site_builds_strictly(tmp_path):
     pytest.importorskip("mkdocstrings")  # in the test extra; a host without it (the GPU host) skips, as test_lora does
-    built = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
-                           cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    built = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert built.returncode == 0, built.stdout + built.stderr
     api = (tmp_path / "api" / "index.html").read_text()
     assert "load_checkpoint" in api and "from_yaml" in api, "the API reference comes from the docstrings"
@@ -46,8 +51,11 @@ def test_no_inline_code_is_broken_across_source_lines():
     broken = []
     for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         text = re.sub(r"```.*?```", lambda block: "\n" * block.group(0).count("\n"), page.read_text(), flags=re.S)
-        broken += [f"{page.name}:{text[: span.start()].count(chr(10)) + 1}: {span.group(0)[:60]!r}"
-                   for span in re.finditer(r"`[^`]+`", text) if "\n" in span.group(0)]  # fmt: skip
+        broken += [
+            f"{page.name}:{text[: span.start()].count(chr(10)) + 1}: {span.group(0)[:60]!r}"
+            for span in re.finditer(r"`[^`]+`", text)
+            if "\n" in span.group(0)
+        ]
     assert not broken, "\n".join(broken)
 
 
@@ -57,14 +65,29 @@ def test_the_getting_started_snippet_runs_as_written_on_one_process_and_two(tmp_
     page = (ROOT / "docs" / "index.md").read_text()
     (tmp_path / "train.py").write_text(re.findall(r"## Your own model\n\n```python\n(.*?)```", page, re.S)[0])
     env = clean_env(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    one = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, capture_output=True, text=True, env=env,
-                         timeout=300)  # fmt: skip
+    one = subprocess.run(
+        [sys.executable, "train.py"], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300
+    )
     assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-2000:]
     assert float(one.stdout.strip().splitlines()[-1]) < 1.0, "it learned the sum of two inputs"
     (tmp_path / "runs").rename(tmp_path / "one-process")
-    two = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                          str(ROOT / "accelerate_configs" / "cpu.yaml"), "--num_processes", "2", "train.py"],
-                         cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    two = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(ROOT / "accelerate_configs" / "cpu.yaml"),
+            "--num_processes",
+            "2",
+            "train.py",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert two.returncode == 0 and "2 process(es)" in two.stdout, two.stdout[-2000:] + two.stderr[-2000:]
 
 
@@ -77,16 +100,28 @@ def test_the_recipes_run_as_written(tmp_path):
         blocks = [block for block in blocks if "from peft import" not in block]
     script = tmp_path / "recipes.py"
     script.write_text("\n\n".join(blocks))
-    ran = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                         env=clean_env(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)))  # fmt: skip
+    ran = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=clean_env(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)),
+    )
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
     assert "cosine_with_min_lr schedule after 2 warm-up steps down to 0.1 x lr" in ran.stdout, ran.stdout
     assert (tmp_path / "runs" / "ema" / "final").is_dir() and (tmp_path / "runs" / "two-sets" / "final").is_dir()
     if any("from peft import" in block for block in blocks):  # the adapter merged into a plain model
         assert (tmp_path / "runs" / "lora" / "merged" / "model.safetensors").is_file()
         for shell in re.findall(r"```bash\n(.*?)```", page, re.S):  # the checkpoint's exports, as the page runs them
-            exported = subprocess.run(["bash", "-ec", shell], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                                      env=clean_env(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)))  # fmt: skip
+            exported = subprocess.run(
+                ["bash", "-ec", shell],
+                cwd=tmp_path,
+                capture_output=True,
+                text=True,
+                timeout=300,
+                env=clean_env(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)),
+            )
             assert exported.returncode == 0, exported.stdout[-2000:] + exported.stderr[-2000:]
         assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
         assert (tmp_path / "merged" / "model.safetensors").is_file()
@@ -118,7 +153,13 @@ def test_the_project_pages_blocks_run_with_the_names_they_leave_to_the_reader(tm
     assert len(offline) == 2, "the reference block and nanoGPT's schedule"
     script = tmp_path / "project.py"
     script.write_text(PROJECT_NAMES + "\n\n".join(offline) + "\nprint('RAN', trainer.global_step)\n")
-    ran = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                         env=clean_env(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)))  # fmt: skip
+    ran = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=clean_env(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)),
+    )
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
     assert "RAN" in ran.stdout and "once" in ran.stdout

@@ -64,8 +64,15 @@ def test_predictions_made_in_bf16_come_back_as_fp32_on_the_cpu():
     loader = [torch.ones(2, 3), torch.ones(1, 3)]
     autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
     single = SimpleNamespace(size=1, rank=0, group=None)
-    rows = predict(model, loader, lambda m, batch: m(batch), SimpleNamespace(device=torch.device("cpu")), single,
-                   autocast, num_examples=3)  # fmt: skip
+    rows = predict(
+        model,
+        loader,
+        lambda m, batch: m(batch),
+        SimpleNamespace(device=torch.device("cpu")),
+        single,
+        autocast,
+        num_examples=3,
+    )
     assert rows.dtype == torch.float32 and rows.device.type == "cpu" and rows.numpy().shape == (3, 2)
 
 
@@ -88,8 +95,16 @@ def test_a_users_metrics_on_the_cpu_join_the_trainers_sums_on_any_device():
     single = SimpleNamespace(size=1, rank=0, group=None)
     accelerator = SimpleNamespace(device=meta, num_processes=1)
     with pytest.raises(NotImplementedError, match="meta"):  # "Cannot copy out of meta tensor": the final read
-        evaluate(torch.nn.Identity(), batches, loss_fn, metrics_fn, accelerator, single, contextlib.nullcontext,
-                 lambda batch: None)  # fmt: skip
+        evaluate(
+            torch.nn.Identity(),
+            batches,
+            loss_fn,
+            metrics_fn,
+            accelerator,
+            single,
+            contextlib.nullcontext,
+            lambda batch: None,
+        )
 
 
 def test_eval_data_as_a_dict_must_name_data_sets():

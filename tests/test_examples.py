@@ -17,16 +17,23 @@ def epoch_lines(output: str) -> list[str]:
 
 # fp16 on a host without a GPU: accelerate applies it on GPUs only; the banner says what the launch asked for.
 @pytest.mark.parametrize(
-    "config, processes, precision", [("single_gpu.yaml", 1, "no"), ("cpu.yaml", 1, "no"), ("multi_gpu.yaml", 2, "no"),
-                                     ("bf16.yaml", 2, "bf16"), ("fp16.yaml", 2, "fp16")]
-)  # fmt: skip
+    "config, processes, precision",
+    [
+        ("single_gpu.yaml", 1, "no"),
+        ("cpu.yaml", 1, "no"),
+        ("multi_gpu.yaml", 2, "no"),
+        ("bf16.yaml", 2, "bf16"),
+        ("fp16.yaml", 2, "fp16"),
+    ],
+)
 def test_mlp_runs_with_each_config(tmp_path, config, processes, precision):
     result = accelerate_launch(MLP, "1", "1", "--output_dir", tmp_path, config=config)
     assert f"trainer | {processes} process(es)" in result.stdout
     assert f"mixed precision {precision}" in result.stdout  # the start banner
     steps = 2048 // processes // 32
-    assert epoch_lines(result.stdout) == [f"[CPU{rank}] Epoch 0 | Batchsize: 32 | Steps: {steps}" for rank in
-                                          range(processes)]  # fmt: skip
+    assert epoch_lines(result.stdout) == [
+        f"[CPU{rank}] Epoch 0 | Batchsize: 32 | Steps: {steps}" for rank in range(processes)
+    ]
     assert (tmp_path / "final" / "model.safetensors").is_file()
 
 
@@ -36,8 +43,10 @@ def test_mlp_under_torchrun_picks_up_where_it_stopped(tmp_path):
     assert "[CPU1] Epoch 1 | Batchsize: 16 | Steps: 64" in first.stdout
     again = torchrun(MLP, "3", "1", "--output_dir", tmp_path, "--batch_size", "16")
     assert "step 128, epoch 2, batch 0" in again.stdout
-    assert epoch_lines(again.stdout) == ["[CPU0] Epoch 2 | Batchsize: 16 | Steps: 64",
-                                         "[CPU1] Epoch 2 | Batchsize: 16 | Steps: 64"]  # fmt: skip
+    assert epoch_lines(again.stdout) == [
+        "[CPU0] Epoch 2 | Batchsize: 16 | Steps: 64",
+        "[CPU1] Epoch 2 | Batchsize: 16 | Steps: 64",
+    ]
 
 
 def test_mlp_plain_python(tmp_path):

@@ -12,8 +12,10 @@ from conftest import ROOT, SCENARIOS, accelerate_launch, run
 
 
 # On a CPU accelerate autocasts bf16 only: fp16.yaml there runs in fp32 (tests/test_gpu.py has fp16 on a GPU).
-@pytest.mark.parametrize("config, dtype", [("bf16.yaml", "torch.bfloat16"), ("fp16.yaml", "torch.float32"),
-                                           ("multi_gpu.yaml", "torch.float32")])  # fmt: skip
+@pytest.mark.parametrize(
+    "config, dtype",
+    [("bf16.yaml", "torch.bfloat16"), ("fp16.yaml", "torch.float32"), ("multi_gpu.yaml", "torch.float32")],
+)
 def test_outputs_stay_in_the_autocast_dtype_no_fp32_copy(tmp_path, config, dtype):
     # accelerate's prepare() would convert every output to fp32 under mixed precision (a GPT-2's logits: 1.5 GB).
     accelerate_launch(SCENARIOS, "job", "--output_dir", tmp_path, config=config, num_processes=1)

@@ -13,19 +13,26 @@ from conftest import JOBS, SCENARIOS, accelerate_launch, job_exits, split_jobs
 pytestmark = pytest.mark.xdist_group("faults")  # its runs share one launch: run it once
 
 # name -> the run's extra arguments
-RUNS = {"unused": ["--fault", "unused"], "unused, fixed": ["--fault", "unused", "--find_unused_parameters"],
-        "loss_float": ["--fault", "loss_float"], "loss_none": ["--fault", "loss_none"],
-        "loss_vector": ["--fault", "loss_vector"], "empty_eval": ["--fault", "empty_eval"],
-        "metrics_shape": ["--fault", "metrics_shape"], "frozen": ["--fault", "frozen"],
-        "tensorboard_file": ["--fault", "tensorboard_file"]}  # fmt: skip
+RUNS = {
+    "unused": ["--fault", "unused"],
+    "unused, fixed": ["--fault", "unused", "--find_unused_parameters"],
+    "loss_float": ["--fault", "loss_float"],
+    "loss_none": ["--fault", "loss_none"],
+    "loss_vector": ["--fault", "loss_vector"],
+    "empty_eval": ["--fault", "empty_eval"],
+    "metrics_shape": ["--fault", "metrics_shape"],
+    "frozen": ["--fault", "frozen"],
+    "tensorboard_file": ["--fault", "tensorboard_file"],
+}
 
 
 @pytest.fixture(scope="module")
 def faults(tmp_path_factory) -> dict[str, tuple[int, str, str]]:
     """name -> (the run's exit status, its stdout, its stderr)."""
     out = tmp_path_factory.mktemp("faults")
-    jobs = [[str(SCENARIOS), "faults", *args, "--output_dir", str(out / f"run{i}")] for i, args in
-            enumerate(RUNS.values())]  # fmt: skip
+    jobs = [
+        [str(SCENARIOS), "faults", *args, "--output_dir", str(out / f"run{i}")] for i, args in enumerate(RUNS.values())
+    ]
     result = accelerate_launch(JOBS, json.dumps(jobs), expect_ok=False)
     runs = zip(job_exits(result.stderr, len(RUNS)), split_jobs(result.stdout), split_jobs(result.stderr), strict=True)
     return dict(zip(RUNS, runs, strict=True))
@@ -48,11 +55,14 @@ def test_a_parameter_outside_the_loss_names_find_unused_parameters_which_fixes_i
     assert faults["unused, fixed"][0] == 0, faults["unused, fixed"][2][-3000:]
 
 
-@pytest.mark.parametrize("name, got", [
-    ("loss_float", "must return a scalar tensor, got 1.0 (a float has no gradient)"),
-    ("loss_none", "must return a scalar tensor, got None"),
-    ("loss_vector", "must return a scalar tensor, got a tensor of shape (4,) (reduce it: .mean())"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name, got",
+    [
+        ("loss_float", "must return a scalar tensor, got 1.0 (a float has no gradient)"),
+        ("loss_none", "must return a scalar tensor, got None"),
+        ("loss_vector", "must return a scalar tensor, got a tensor of shape (4,) (reduce it: .mean())"),
+    ],
+)
 def test_a_loss_fn_that_returns_no_scalar_tensor_is_named(faults, name, got):
     _, stderr = failed(faults, name)
     assert stderr.count(f"trainer: loss_fn faults.<locals>.<lambda> {got}") == 1, stderr[-2000:]
@@ -65,11 +75,14 @@ def test_an_empty_eval_set_is_refused_before_training(faults):
     assert "step " not in stdout, "refused before the first step, not after all of training"
 
 
-@pytest.mark.parametrize("name, said, lines", [
-    ("metrics_shape", "metrics_fn's 'accuracy' has 3 values for a batch of 4 examples: return one number per", 1),
-    ("frozen", "the model (TinyClassifier) has no trainable parameter (requires_grad is False on every one)", 1),
-    ("tensorboard_file", "tensorboard: true, but rank 0 cannot write its events to", 2),  # each rank its own folder
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name, said, lines",
+    [
+        ("metrics_shape", "metrics_fn's 'accuracy' has 3 values for a batch of 4 examples: return one number per", 1),
+        ("frozen", "the model (TinyClassifier) has no trainable parameter (requires_grad is False on every one)", 1),
+        ("tensorboard_file", "tensorboard: true, but rank 0 cannot write its events to", 2),  # each rank its own folder
+    ],
+)
 def test_a_wrong_metrics_fn_a_frozen_model_and_a_tensorboard_path_that_is_a_file_are_named(faults, name, said, lines):
     _, stderr = failed(faults, name)
     assert stderr.count(said) == 1 and stderr.count("trainer: ") == lines, stderr[-3000:]

@@ -23,8 +23,19 @@ RAGGED = ROOT / "tests" / "ragged_lm.py"
 ADAMW = ["--batch_size", "2", "--accumulation", "2", "--optimizer", "adamw", "--lr", "0.01"]
 RESUMED = [*ADAMW, "--save_every", "2", "--epochs", "2", "--keep_last", "6"]
 SHORT = ["--batch_size", "4", "--max_steps", "3", "--optimizer", "adamw", "--lr", "0.01"]
-NANOGPT = ["--batch_size", "4", "--max_steps", "6", "--lr", "0.01", "--warmup", "2", "--weight_decay", "0.1",
-           "--nanogpt"]  # fmt: skip
+NANOGPT = [
+    "--batch_size",
+    "4",
+    "--max_steps",
+    "6",
+    "--lr",
+    "0.01",
+    "--warmup",
+    "2",
+    "--weight_decay",
+    "0.1",
+    "--nanogpt",
+]
 EMA = ["--ema", "0.5", "--ema_start", "2"]
 CLIPPED = ["--batch_size", "4", "--clip", "0.5"]
 OOM = ["--auto_microbatch", "--oom_above", "1"]
@@ -49,8 +60,12 @@ VARIANTS = {
     "fsdp, resumed from ddp's step 4": [*RESUMED, "--resume_from", "{ddp}/checkpoints/step-00000004"],
     "ddp, resumed from fsdp's step 4": [*RESUMED, "--ddp", "--resume_from", "{straight}/checkpoints/step-00000004"],
     "fsdp, saved in the background": [*RESUMED, "--save_async"],
-    "fsdp, resumed from a background save": [*RESUMED, "--save_async", "--resume_from",
-                                              "{background}/checkpoints/step-00000004"],
+    "fsdp, resumed from a background save": [
+        *RESUMED,
+        "--save_async",
+        "--resume_from",
+        "{background}/checkpoints/step-00000004",
+    ],
     "fsdp, the highest eval loss kept as best": [*RESUMED, "--eval", "--eval_examples", "8", "--best"],
     # Where the weights come from: built on meta (initialised shard by shard), each process's own (the first's
     # win, as under DDP), from_pretrained with the other processes' new head left on meta.
@@ -63,21 +78,50 @@ VARIANTS = {
     "fsdp, seeded differently on each process": [*SHORT, "--build", "seeded_per_rank"],
     "fsdp, wrapped by size": [*SHORT, *BY_SIZE],
     "fsdp, not wrapped": [*SHORT, "--env", "FSDP_AUTO_WRAP_POLICY=NO_WRAP"],
-    "ddp, a model built in bf16": ["--bf16_model", "--batch_size", "4", "--optimizer", "adamw", "--max_steps", "2",
-                                   "--ddp"],
+    "ddp, a model built in bf16": [
+        "--bf16_model",
+        "--batch_size",
+        "4",
+        "--optimizer",
+        "adamw",
+        "--max_steps",
+        "2",
+        "--ddp",
+    ],
     "fsdp, a pretrained classifier loaded cpu-ram-efficiently": [
-        *SHORT, "--model", "classifier", "--pretrained", "{ddp}/final", "--env", "FSDP_CPU_RAM_EFFICIENT_LOADING=true",
-        "--env", "FSDP_SYNC_MODULE_STATES=true", "--initial"],
-    "ddp, a pretrained classifier": [*SHORT, "--model", "classifier", "--pretrained", "{ddp}/final", "--ddp",
-                                     "--initial"],
+        *SHORT,
+        "--model",
+        "classifier",
+        "--pretrained",
+        "{ddp}/final",
+        "--env",
+        "FSDP_CPU_RAM_EFFICIENT_LOADING=true",
+        "--env",
+        "FSDP_SYNC_MODULE_STATES=true",
+        "--initial",
+    ],
+    "ddp, a pretrained classifier": [
+        *SHORT,
+        "--model",
+        "classifier",
+        "--pretrained",
+        "{ddp}/final",
+        "--ddp",
+        "--initial",
+    ],
     # nanoGPT's recipe through factories the trainer calls after sharding: its AdamW (betas 0.9 / 0.95, decay 0.1
     # on the trainer's groups) and its get_lr; and the config's cosine down to a floor.
     "fsdp, nanoGPT's optimizer and schedule": NANOGPT,
     "ddp, nanoGPT's optimizer and schedule": [*NANOGPT, "--ddp"],
     # Two named eval sets, the best of one kept: straight, and resumed at step 4 (after two evaluations).
     "fsdp, two eval sets": [*RESUMED, "--eval_sets", "--best"],
-    "fsdp, two eval sets, resumed at step 4": [*RESUMED, "--eval_sets", "--best", "--resume_from",
-                                               "{two_sets}/checkpoints/step-00000004"],
+    "fsdp, two eval sets, resumed at step 4": [
+        *RESUMED,
+        "--eval_sets",
+        "--best",
+        "--resume_from",
+        "{two_sets}/checkpoints/step-00000004",
+    ],
     # Rank 1 stuck inside its first block's forward: rank 0 waits in the next block's all-gather, in forward too.
     "fsdp, rank 1 stalled inside a block": [*SHORT, "--stall_in_block", "4"],
     # An average of the weights (ema_decay 0.5 after step 2), evaluated (every 3 steps, and at the end) and
@@ -85,29 +129,96 @@ VARIANTS = {
     "fsdp, ema": [*RESUMED, *EMA, "--eval", "--eval_examples", "8", "--eval_every", "3"],
     "ddp, ema": [*RESUMED, *EMA, "--eval", "--eval_examples", "8", "--eval_every", "3", "--history", "--ddp"],
     "fsdp, ema resumed at step 4": [*RESUMED, *EMA, "--resume_from", "{ema}/checkpoints/step-00000004"],
-    "ddp, ema resumed from fsdp's step 4": [*RESUMED, *EMA, "--ddp", "--resume_from",
-                                            "{ema}/checkpoints/step-00000004"],
-    "fsdp, ema, the highest eval loss kept as best": [*RESUMED, "--ema", "0.5", "--eval", "--eval_examples", "8",
-                                                      "--best"],
+    "ddp, ema resumed from fsdp's step 4": [
+        *RESUMED,
+        *EMA,
+        "--ddp",
+        "--resume_from",
+        "{ema}/checkpoints/step-00000004",
+    ],
+    "fsdp, ema, the highest eval loss kept as best": [
+        *RESUMED,
+        "--ema",
+        "0.5",
+        "--eval",
+        "--eval_examples",
+        "8",
+        "--best",
+    ],
     # Out of memory above 1 example a micro-batch, with auto_microbatch: in rank 1's forwards, in every rank's
     # backwards (checkpointed every 2 steps, and resumed at step 2 with the split that fit).
     "ddp, clipped, out of memory in rank 1's forward": [*CLIPPED, "--ddp", *OOM, "--oom_rank", "1"],
-    "ddp, clipped, out of memory in every backward": [*CLIPPED, "--ddp", *OOM, "--oom_in", "backward", "--save_every",
-                                                      "2", "--keep_last", "6"],
-    "ddp, clipped, out of memory, resumed at step 2": [*CLIPPED, "--ddp", *OOM, "--oom_in", "backward", "--resume_from",
-                                                       "{oom}/checkpoints/step-00000002"],
-    "ddp, out of memory even at one example": ["--batch_size", "2", "--max_steps", "1", "--ddp", "--auto_microbatch",
-                                               "--oom_above", "0", "--expect_refusal"],
+    "ddp, clipped, out of memory in every backward": [
+        *CLIPPED,
+        "--ddp",
+        *OOM,
+        "--oom_in",
+        "backward",
+        "--save_every",
+        "2",
+        "--keep_last",
+        "6",
+    ],
+    "ddp, clipped, out of memory, resumed at step 2": [
+        *CLIPPED,
+        "--ddp",
+        *OOM,
+        "--oom_in",
+        "backward",
+        "--resume_from",
+        "{oom}/checkpoints/step-00000002",
+    ],
+    "ddp, out of memory even at one example": [
+        "--batch_size",
+        "2",
+        "--max_steps",
+        "1",
+        "--ddp",
+        "--auto_microbatch",
+        "--oom_above",
+        "0",
+        "--expect_refusal",
+    ],
     # Sharded: rank 1 out of memory in forward (after the root's all-gather), and in the backward of the third of 4
     # blocks (after the fourth's reduce-scatter: rank 0 stops at its next collective); a piece of one example.
     "fsdp, clipped, out of memory in rank 1's forward": [*CLIPPED, *SHARDED_OOM, "--oom_rank", "1"],
     "fsdp, clipped, 4 blocks": [*CLIPPED, "--layers", "4"],
     "fsdp, clipped, 4 blocks, out of memory in rank 1's third block's backward": [
-        *CLIPPED, "--layers", "4", *SHARDED_OOM, "--oom_rank", "1", "--oom_in", "middle_block_backward"],
-    "fsdp, out of memory even at one example": ["--batch_size", "2", "--max_steps", "1", "--auto_microbatch",
-                                                "--oom_above", "0", "--expect_refusal"],
-    "fsdp, cosine down to a floor": ["--batch_size", "4", "--max_steps", "6", "--optimizer", "adamw", "--lr", "0.01",
-                                     "--warmup", "2", "--schedule", "cosine_with_min_lr", "--min_lr_ratio", "0.1"],
+        *CLIPPED,
+        "--layers",
+        "4",
+        *SHARDED_OOM,
+        "--oom_rank",
+        "1",
+        "--oom_in",
+        "middle_block_backward",
+    ],
+    "fsdp, out of memory even at one example": [
+        "--batch_size",
+        "2",
+        "--max_steps",
+        "1",
+        "--auto_microbatch",
+        "--oom_above",
+        "0",
+        "--expect_refusal",
+    ],
+    "fsdp, cosine down to a floor": [
+        "--batch_size",
+        "4",
+        "--max_steps",
+        "6",
+        "--optimizer",
+        "adamw",
+        "--lr",
+        "0.01",
+        "--warmup",
+        "2",
+        "--schedule",
+        "cosine_with_min_lr",
+        "--min_lr_ratio",
+        "0.1",
+    ],
 }
 
 
@@ -120,9 +231,14 @@ def fsdp(tmp_path_factory):
     """Every job of VARIANTS, in one FSDP2 launch of 2 processes: {name: (summary, output folder)}, and its stdout."""
     out = tmp_path_factory.mktemp("fsdp")
     keys = {name: f"v{i}" for i, name in enumerate(VARIANTS)}
-    folders = {"straight": out / keys["fsdp, straight"], "background": out / keys["fsdp, saved in the background"],
-               "ddp": out / keys["ddp, straight"], "two_sets": out / keys["fsdp, two eval sets"],
-               "ema": out / keys["fsdp, ema"], "oom": out / keys["ddp, clipped, out of memory in every backward"]}
+    folders = {
+        "straight": out / keys["fsdp, straight"],
+        "background": out / keys["fsdp, saved in the background"],
+        "ddp": out / keys["ddp, straight"],
+        "two_sets": out / keys["fsdp, two eval sets"],
+        "ema": out / keys["fsdp, ema"],
+        "oom": out / keys["ddp, clipped, out of memory in every backward"],
+    }
     variants = {keys[name]: [flag.format(**folders) for flag in flags] for name, flags in VARIANTS.items()}
     result = launch(out, "--variants", json.dumps(variants))
     runs = {name: (json.loads((out / key / "ragged.json").read_text()), out / key) for name, key in keys.items()}
@@ -132,8 +248,10 @@ def fsdp(tmp_path_factory):
 def test_fsdp2_shards_the_model_and_reaches_ddps_weights_bit_for_bit(fsdp):
     runs, result = fsdp
     assert "trainer | 2 process(es) on 1 machine(s), device cpu (FSDP2)" in result.stdout
-    assert "| FSDP2 over 2 processes: 28,544 parameters, 14,272 held by this process (2 sharded blocks + root)" \
-           in result.stdout  # fmt: skip
+    assert (
+        "| FSDP2 over 2 processes: 28,544 parameters, 14,272 held by this process (2 sharded blocks + root)"
+        in result.stdout
+    )
     sharded, ddp = runs["fsdp"][0], runs["ddp"][0]
     assert ddp["held"] == 28_544 and sharded["held"] == 28_544 // 2  # each process holds half of every tensor
     # The same updates: AdamW, accumulation 2, token-weighted loss, evaluation in lockstep.
@@ -170,8 +288,10 @@ def test_mixed_precision_bf16_computes_in_bf16_over_fp32_masters(fsdp, tmp_path)
     """bf16 compute over fp32 weights and optimizer state; and a checkpoint written without mixed precision goes
     on under bf16, said in a line."""
     written = fsdp[0]["fsdp, straight"][1] / "checkpoints" / "step-00000004"
-    variants = {"bf16": ["--batch_size", "4", "--optimizer", "adamw", "--max_steps", "2"],
-                "resumed": [*RESUMED, "--resume_from", str(written)]}  # fmt: skip
+    variants = {
+        "bf16": ["--batch_size", "4", "--optimizer", "adamw", "--max_steps", "2"],
+        "resumed": [*RESUMED, "--resume_from", str(written)],
+    }
     result = launch(tmp_path, "--variants", json.dumps(variants), run_args=["--mixed_precision", "bf16"])
     assert "(FSDP2), 1 CPU threads per process, mixed precision bf16" in result.stdout
     summary = json.loads((tmp_path / "bf16" / "ragged.json").read_text())
@@ -235,8 +355,11 @@ def test_a_sharded_model_ends_with_the_best_evaluations_weights(fsdp):
     summary, out = runs["fsdp, the highest eval loss kept as best"]
     best = (out / "checkpoints" / "best").read_text()
     step = int(best.removeprefix("step-"))
-    assert step < 12 and f"load_best_at_end: final/ holds the weights of step {step}, the best evaluation " \
-        "(eval_loss " in result.stdout
+    assert (
+        step < 12
+        and f"load_best_at_end: final/ holds the weights of step {step}, the best evaluation (eval_loss "
+        in result.stdout
+    )
     then = load_file(runs["ddp, straight"][1] / "checkpoints" / best / "model.safetensors")
     assert all(summary["weights"][name] == then[name].flatten().tolist() for name in then)
     assert summary["weights"] != runs["fsdp, straight"][0]["weights"], "not the last step's"
@@ -262,8 +385,10 @@ def test_a_ddp_checkpoint_resumes_sharded_and_a_sharded_one_as_ddp(fsdp):
     every process's shards, FSDP2's shards (DCP) back whole into DDP's model. The same updates as the uninterrupted
     run of the resuming kind, to the float floor (at 2 processes FSDP2 adds DDP's gradients in DDP's order)."""
     runs, result = fsdp
-    for resumed, written_by, straight in (("fsdp, resumed from ddp's step 4", "ddp", "fsdp, straight"),
-                                          ("ddp, resumed from fsdp's step 4", "fsdp", "ddp, straight")):  # fmt: skip
+    for resumed, written_by, straight in (
+        ("fsdp, resumed from ddp's step 4", "ddp", "fsdp, straight"),
+        ("ddp, resumed from fsdp's step 4", "fsdp", "ddp, straight"),
+    ):
         checkpoint = runs[f"{written_by}, straight"][1] / "checkpoints" / "step-00000004"
         assert f"resumed from {checkpoint}: step 4, epoch 0, batch 8" in result.stdout, resumed
         summary, reference = runs[resumed][0], runs[straight][0]
@@ -298,12 +423,25 @@ def test_a_crafted_shard_index_is_refused_by_name_on_resume_and_in_export_and_ru
     state["files"]["shards/.metadata"] = index.stat().st_size
     state["crc32"]["shards/.metadata"] = f"{zlib.crc32(index.read_bytes()):08x}"
     (checkpoint / "trainer_state.json").write_text(json.dumps(state))
-    refused = f"trainer: checkpoint {checkpoint}: shards/.metadata names {os.system.__module__}.system, which is " \
-              "not part of a checkpoint's index: the checkpoint is refused, and nothing in it was run"  # fmt: skip
+    refused = (
+        f"trainer: checkpoint {checkpoint}: shards/.metadata names {os.system.__module__}.system, which is "
+        "not part of a checkpoint's index: the checkpoint is refused, and nothing in it was run"
+    )
     exported = run([sys.executable, "-m", "trainer.export", str(checkpoint), str(tmp_path / "out")], expect_ok=False)
     assert exported.stderr.strip().splitlines() == [refused]
-    resumed = run([sys.executable, str(RAGGED), "--out", str(tmp_path / "resumed"), *RESUMED, "--ddp",
-                   "--resume_from", str(checkpoint)], expect_ok=False)  # fmt: skip
+    resumed = run(
+        [
+            sys.executable,
+            str(RAGGED),
+            "--out",
+            str(tmp_path / "resumed"),
+            *RESUMED,
+            "--ddp",
+            "--resume_from",
+            str(checkpoint),
+        ],
+        expect_ok=False,
+    )
     assert refused in resumed.stderr and "Traceback" not in resumed.stderr, resumed.stderr[-2000:]
     assert not ran.exists(), "the crafted index ran its command"
 
@@ -352,34 +490,60 @@ def test_a_checkpoint_of_2_processes_continues_on_1_or_4_with_the_same_global_ba
     runs = fsdp[0]
     start = {kind: runs[f"{kind}, straight"][1] / "checkpoints" / "step-00000004" for kind in ("fsdp", "ddp")}
     common = ["--optimizer", "adamw", "--lr", "0.01", "--epochs", "2"]
-    one = {"fsdp": [*common, "--batch_size", "2", "--accumulation", "4", "--resume_from", str(start["fsdp"])],
-           "ddp": [*common, "--batch_size", "2", "--accumulation", "4", "--resume_from", str(start["ddp"]), "--ddp"],
-           # The DDP checkpoint continued sharded, on 1 process: another format and another split at once.
-           "fsdp from ddp": [*common, "--batch_size", "2", "--accumulation", "4", "--resume_from", str(start["ddp"])],
-           # A Trainer without train_data (and another global batch, 1 x 3): the weights serve an evaluation.
-           "evaluate": ["--optimizer", "adamw", "--batch_size", "3", "--resume_from", str(start["fsdp"]), "--eval",
-                        "--evaluate_only"],
-           # A model built on meta starts from the same weights on 1 process as on 2.
-           "meta": ["--build", "meta", "--initial", "--batch_size", "2", "--max_steps", "1"]}
+    one = {
+        "fsdp": [*common, "--batch_size", "2", "--accumulation", "4", "--resume_from", str(start["fsdp"])],
+        "ddp": [*common, "--batch_size", "2", "--accumulation", "4", "--resume_from", str(start["ddp"]), "--ddp"],
+        # The DDP checkpoint continued sharded, on 1 process: another format and another split at once.
+        "fsdp from ddp": [*common, "--batch_size", "2", "--accumulation", "4", "--resume_from", str(start["ddp"])],
+        # A Trainer without train_data (and another global batch, 1 x 3): the weights serve an evaluation.
+        "evaluate": [
+            "--optimizer",
+            "adamw",
+            "--batch_size",
+            "3",
+            "--resume_from",
+            str(start["fsdp"]),
+            "--eval",
+            "--evaluate_only",
+        ],
+        # A model built on meta starts from the same weights on 1 process as on 2.
+        "meta": ["--build", "meta", "--initial", "--batch_size", "2", "--max_steps", "1"],
+    }
     result = launch(tmp_path / "one", "--variants", json.dumps(one), num_processes=1)
-    assert "split 2 process(es) x batch 2 x accumulation 2 = 8 global -> 1 process(es) x batch 2 x accumulation " \
-           "4 = 8 global: the same global batch, the same examples" in result.stdout  # fmt: skip
+    assert (
+        "split 2 process(es) x batch 2 x accumulation 2 = 8 global -> 1 process(es) x batch 2 x accumulation "
+        "4 = 8 global: the same global batch, the same examples" in result.stdout
+    )
     for kind in ("fsdp", "ddp"):
         resumed = json.loads((tmp_path / "one" / kind / "ragged.json").read_text())
         close_to(resumed, runs[f"{kind}, straight"][0], f"{kind} 2 -> 1", accumulation=4)
     resumed = json.loads((tmp_path / "one" / "fsdp from ddp" / "ragged.json").read_text())
     close_to(resumed, runs["ddp, straight"][0], "ddp on 2 -> fsdp on 1", accumulation=4)
     evaluated = json.loads((tmp_path / "one" / "evaluate" / "ragged.json").read_text())
-    assert evaluated["weights"] == {name: tensor.flatten().tolist() for name, tensor in
-                                    read_sharded_weights(start["fsdp"]).items() if name in evaluated["weights"]}
+    assert evaluated["weights"] == {
+        name: tensor.flatten().tolist()
+        for name, tensor in read_sharded_weights(start["fsdp"]).items()
+        if name in evaluated["weights"]
+    }
     assert evaluated["eval_loss"] == pytest.approx(evaluated["eval_reference"], rel=1e-6)
     assert evaluated["fit_refused"].startswith("fit(): this Trainer was built with train_data=None")
     on_one = json.loads((tmp_path / "one" / "meta" / "ragged.json").read_text())
     assert on_one["initial"] == runs["fsdp, built on meta"][0]["initial"]
-    result = launch(tmp_path / "four", *common, "--batch_size", "1", "--accumulation", "2", "--resume_from",
-                    start["fsdp"], num_processes=4)  # fmt: skip
-    assert "rank(s) 2, 3 had no saved random state (the checkpoint has 2 processes'): they start from seed + rank" \
-           in result.stdout  # fmt: skip
+    result = launch(
+        tmp_path / "four",
+        *common,
+        "--batch_size",
+        "1",
+        "--accumulation",
+        "2",
+        "--resume_from",
+        start["fsdp"],
+        num_processes=4,
+    )
+    assert (
+        "rank(s) 2, 3 had no saved random state (the checkpoint has 2 processes'): they start from seed + rank"
+        in result.stdout
+    )
     four = json.loads((tmp_path / "four" / "ragged.json").read_text())
     assert four["held"] == 28_544 // 4
     close_to(four, runs["fsdp, straight"][0], "fsdp 2 -> 4", accumulation=2)
@@ -422,8 +586,13 @@ for name, env in cases.items():
     for key in env:
         os.environ.pop(key, None)
 """
-    one = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port())}  # fmt: skip
+    one = {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
     out = run([sys.executable, "-c", script], env=clean_env(**one)).stdout
     from trainer.unsupported import DEEPSPEED, FP8, MEGATRON
 
@@ -441,9 +610,11 @@ def test_a_model_output_fsdp2_cannot_look_into_is_refused_and_a_dict_or_a_datacl
     result = accelerate_launch(ROOT / "tests" / "scenarios.py", "outputs", "--output_dir", tmp_path, config="fsdp.yaml")
     moved = json.loads(result.stdout.split("RESULT ")[-1].splitlines()[0])
     containers = "a dict, a tuple, a dataclass" if _walks_dataclasses() else "a dict, a tuple"
-    refusal = ("forward returns a {}, in which FSDP2 finds no tensor: no gradient would reach the sharded weights, "
-               f"and they would never change (without an error). Return {containers} or a transformers ModelOutput "
-               "instead")  # fmt: skip
+    refusal = (
+        "forward returns a {}, in which FSDP2 finds no tensor: no gradient would reach the sharded weights, "
+        f"and they would never change (without an error). Return {containers} or a transformers ModelOutput "
+        "instead"
+    )
     assert moved["namespace"] == "TinyClassifier." + refusal.format("SimpleNamespace")
     assert moved["dict"] > 1e-3  # every tensor moved
     if _walks_dataclasses():
@@ -464,14 +635,18 @@ def test_the_preflight_reads_an_fsdp_config_as_a_sharded_launch_of_its_processes
     launcher); version 1 is named with the way to convert it."""
     fsdp = ROOT / "accelerate_configs" / "fsdp.yaml"
     fine = run([sys.executable, "-m", "trainer.check", "--config_file", str(fsdp)])
-    assert "  model: sharded over the processes (FSDP2): each holds 1/2 of the weights, gradients and optimizer " \
-           "state" in fine.stdout  # fmt: skip
+    assert (
+        "  model: sharded over the processes (FSDP2): each holds 1/2 of the weights, gradients and optimizer "
+        "state" in fine.stdout
+    )
     assert fine.stdout.rstrip().endswith("preflight: no problems found")
     version_1 = tmp_path / "fsdp1.yaml"
     version_1.write_text(fsdp.read_text().replace("fsdp_version: 2", "fsdp_version: 1"))
     refused = run([sys.executable, "-m", "trainer.check", "--config_file", str(version_1)], expect_ok=False)
-    assert "PROBLEM: fsdp_version 1: the trainer shards with FSDP2; convert the file with `accelerate to-fsdp2 " \
-           "--config_file <yours> --output_file <new>`" in refused.stdout  # fmt: skip
+    assert (
+        "PROBLEM: fsdp_version 1: the trainer shards with FSDP2; convert the file with `accelerate to-fsdp2 "
+        "--config_file <yours> --output_file <new>`" in refused.stdout
+    )
 
 
 def test_a_model_built_on_meta_is_initialised_shard_by_shard_as_ddp_initialises_it_whole(fsdp):
@@ -564,9 +739,11 @@ def test_a_plain_module_with_tied_weights_exports_loadable_with_load_state_dict(
 def test_background_saves_get_a_gloo_group_of_their_own_even_for_one_process(tmp_path):
     """DCP's background save refuses a group without a CPU backend: on one GPU the default group is NCCL, so one
     process needs its gloo group too (tests/test_gpu.py runs the save there)."""
-    script = ("import torch.distributed as dist; from trainer.background_save import writers_group; "
-              f"dist.init_process_group('gloo', init_method='file://{tmp_path}/store', rank=0, world_size=1); "
-              "group = writers_group(1); print(group is not None and dist.get_backend(group))")  # fmt: skip
+    script = (
+        "import torch.distributed as dist; from trainer.background_save import writers_group; "
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path}/store', rank=0, world_size=1); "
+        "group = writers_group(1); print(group is not None and dist.get_backend(group))"
+    )
     assert run([sys.executable, "-c", script]).stdout.strip() == "gloo"
 
 
@@ -579,18 +756,38 @@ def test_four_processes_each_hold_a_fraction_of_what_ddp_needs_while_training_re
     allocator's count (its default raises the threshold as large blocks are freed, then keeps freed memory)."""
     from transformers import GPT2LMHeadModel
 
-    big = ["--width", "384", "--layers", "6", "--batch_size", "1", "--optimizer", "adamw", "--lr", "0.001",
-           "--max_steps", "3", "--build", "meta", "--peak"]  # fmt: skip
+    big = [
+        "--width",
+        "384",
+        "--layers",
+        "6",
+        "--batch_size",
+        "1",
+        "--optimizer",
+        "adamw",
+        "--lr",
+        "0.001",
+        "--max_steps",
+        "3",
+        "--build",
+        "meta",
+        "--peak",
+    ]
     folder = tmp_path / "fsdp"
-    variants = {"ddp": [*big, "--ddp"],  # first: what it leaves behind could only raise the others' peaks
-                "fsdp": [*big, "--save_every", "2", "--keep_last", "3"],
-                "resumed": [*big, "--save_every", "2", "--resume_from", f"{folder}/checkpoints/step-00000002"]}
-    result = launch(tmp_path, "--variants", json.dumps(variants), num_processes=4,
-                    env=clean_env(MALLOC_MMAP_THRESHOLD_="65536"))  # fmt: skip
+    variants = {
+        "ddp": [*big, "--ddp"],  # first: what it leaves behind could only raise the others' peaks
+        "fsdp": [*big, "--save_every", "2", "--keep_last", "3"],
+        "resumed": [*big, "--save_every", "2", "--resume_from", f"{folder}/checkpoints/step-00000002"],
+    }
+    result = launch(
+        tmp_path, "--variants", json.dumps(variants), num_processes=4, env=clean_env(MALLOC_MMAP_THRESHOLD_="65536")
+    )
     runs = {name: json.loads((tmp_path / name / "ragged.json").read_text()) for name in variants}
     assert "FSDP2 over 4 processes: 10,684,416 parameters, 2,671,104 held by this process" in result.stdout
-    needed = {name: [peak - floor for peak, floor in zip(run["peaks"], run["floors"], strict=True)]
-              for name, run in runs.items()}  # fmt: skip
+    needed = {
+        name: [peak - floor for peak, floor in zip(run["peaks"], run["floors"], strict=True)]
+        for name, run in runs.items()
+    }
     sharded = max(needed["fsdp"] + needed["resumed"])
     assert sharded < 0.5 * min(needed["ddp"]), {name: [n // 2**20 for n in mib] for name, mib in needed.items()}
     assert runs["resumed"]["weights"] == runs["fsdp"]["weights"]
@@ -632,8 +829,10 @@ def test_a_model_naming_no_block_class_is_sharded_by_the_children_of_its_largest
     model = PlainGPT()
     by_class = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
     assert wrap_groups(model, by_class) == list(model.h)
-    assert "FSDP2: PlainGPT names no block class (_no_split_modules): each of the 3 modules of h (Block) is one " \
-           "group; name its block class in fsdp_transformer_layer_cls_to_wrap" in capsys.readouterr().out  # fmt: skip
+    assert (
+        "FSDP2: PlainGPT names no block class (_no_split_modules): each of the 3 modules of h (Block) is one "
+        "group; name its block class in fsdp_transformer_layer_cls_to_wrap" in capsys.readouterr().out
+    )
     # By size, nested, every module over 15 parameters but the tied embeddings and head (they stay in the root).
     by_size = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="size_based_wrap", min_num_params=15)
     assert wrap_groups(model, by_size) == [module for block in model.h for module in (block.fc, block)]
@@ -668,8 +867,10 @@ def test_several_named_eval_sets_each_get_their_figures_and_the_best_of_one_surv
     assert resumed["evaluations"] == figures
     # keep_best on eval_tail_loss, mode max: the first evaluation's (step 2), final/'s weights; the resumed run
     # (in a folder of its own) carries that record on from step 4 to its last checkpoint.
-    best = {name: tensor.flatten().tolist() for name, tensor in
-            read_sharded_weights(folder / "checkpoints" / "step-00000002").items()}  # fmt: skip
+    best = {
+        name: tensor.flatten().tolist()
+        for name, tensor in read_sharded_weights(folder / "checkpoints" / "step-00000002").items()
+    }
     assert straight["weights"] == {name: best[name] for name in straight["weights"]}
     last = "checkpoints/step-00000012/trainer_state.json"
     record = json.loads((folder / last).read_text())["best"]
@@ -724,8 +925,10 @@ def test_a_micro_batch_out_of_memory_on_any_rank_is_cut_in_pieces_with_the_same_
     # 4 examples a micro-batch, then 2, then 1: two reruns of step 1, on rank 1 alone or on both.
     assert forward["pieces"] == backward["pieces"] == 4
     assert forward["ooms"] == 0 and backward["ooms"] == 2  # rank 0's count: in forward, rank 1 alone ran out
-    assert "out of memory at step 1 (rank 1 in forward) with micro-batches of 4 example(s): every rank now cuts " \
-           "each micro-batch into 2 pieces (2 example(s) each) and reruns the step" in result.stdout  # fmt: skip
+    assert (
+        "out of memory at step 1 (rank 1 in forward) with micro-batches of 4 example(s): every rank now cuts "
+        "each micro-batch into 2 pieces (2 example(s) each) and reruns the step" in result.stdout
+    )
     assert "(rank 0 in backward, rank 1 in backward) with micro-batches of 2 example(s)" in result.stdout
     tail = len(resumed["losses"])  # the steps the resumed run logged
     for summary in (forward, backward, resumed):  # the same updates, to the float floor of the other split
@@ -737,7 +940,8 @@ def test_a_micro_batch_out_of_memory_on_any_rank_is_cut_in_pieces_with_the_same_
     # A piece of one example that does not fit either: one line, on every rank alike.
     assert runs["ddp, out of memory even at one example"][0]["refused"].startswith(
         "out of memory at step 1 (rank 0 in forward, rank 1 in forward) with micro-batches of one example: the model "
-        "(28,544 parameters) and one example do not fit in this cpu device's memory; shard the model")  # fmt: skip
+        "(28,544 parameters) and one example do not fit in this cpu device's memory; shard the model"
+    )
 
 
 def test_a_sharded_model_out_of_memory_on_one_rank_stops_every_rank_before_its_next_collective(fsdp):
@@ -745,14 +949,17 @@ def test_a_sharded_model_out_of_memory_on_one_rank_stops_every_rank_before_its_n
     learns of it before its next collective, both rerun in smaller pieces and reach the weights of the run that
     never ran out (the failed try's gradients left nowhere, the root's gathered ones included)."""
     runs, result = fsdp
-    pairs = (("fsdp, clipped, out of memory in rank 1's forward", "fsdp, clipped"),
-             ("fsdp, clipped, 4 blocks, out of memory in rank 1's third block's backward", "fsdp, clipped, 4 blocks"))
+    pairs = (
+        ("fsdp, clipped, out of memory in rank 1's forward", "fsdp, clipped"),
+        ("fsdp, clipped, 4 blocks, out of memory in rank 1's third block's backward", "fsdp, clipped, 4 blocks"),
+    )
     if not RESETS:  # torch 2.11 and 2.12: refused by name, on every rank, before a step
         for name in [*(pair[0] for pair in pairs), "fsdp, out of memory even at one example"]:
             assert runs[name][0]["refused"] == (
                 "auto_microbatch with a sharded model needs FSDPModule.reset_iter_state, which torch "
                 f"{torch.__version__} lacks: use torch 2.13 or later, or set auto_microbatch: false and choose "
-                "batch_size"), name  # fmt: skip
+                "batch_size"
+            ), name
         pytest.skip(f"torch {torch.__version__} has no FSDPModule.reset_iter_state: the refusal was checked")
     for name, reference in pairs:
         summary, expected = runs[name][0], runs[reference][0]
@@ -760,12 +967,15 @@ def test_a_sharded_model_out_of_memory_on_one_rank_stops_every_rank_before_its_n
         for weight, values in expected["weights"].items():
             np.testing.assert_allclose(summary["weights"][weight], values, rtol=0, atol=2e-6, err_msg=name)
         np.testing.assert_allclose(summary["losses"], expected["losses"], rtol=1e-5, err_msg=name)
-    assert "out of memory at step 1 (rank 1 in backward) with micro-batches of 2 example(s): every rank now cuts " \
-           "each micro-batch into 4 pieces" in result.stdout  # fmt: skip
+    assert (
+        "out of memory at step 1 (rank 1 in backward) with micro-batches of 2 example(s): every rank now cuts "
+        "each micro-batch into 4 pieces" in result.stdout
+    )
     assert runs["fsdp, out of memory even at one example"][0]["refused"].startswith(
         "out of memory at step 1 (rank 0 in forward, rank 1 in forward) with micro-batches of one example: the model "
         "(28,544 parameters, sharded) and one example do not fit in this cpu device's memory; shard it over more "
-        "processes")  # fmt: skip
+        "processes"
+    )
 
 
 def test_an_export_goes_into_a_folder_of_its_own_and_replaces_one_whole_only_when_told(fsdp, tmp_path):
@@ -783,7 +993,8 @@ def test_an_export_goes_into_a_folder_of_its_own_and_replaces_one_whole_only_whe
     refused = run([sys.executable, "-m", "trainer.export", str(checkpoint), str(stale)], expect_ok=False)
     assert refused.returncode != 0 and refused.stderr.strip().splitlines() == [
         f"trainer: the export's folder {stale} already holds config.json, model-00001-of-00009.safetensors, "
-        f"{INDEX}: export into a new or empty folder, or pass --replace to replace it whole"]  # fmt: skip
+        f"{INDEX}: export into a new or empty folder, or pass --replace to replace it whole"
+    ]
     export(checkpoint, stale, replace=True)
     assert sorted(p.name for p in stale.iterdir()) == ["config.json", "model.safetensors"]
     with pytest.raises(ExportError, match="inside the checkpoint"):
@@ -805,18 +1016,31 @@ def test_a_full_disk_during_a_sharded_save_is_named_and_the_last_checkpoint_stay
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1200k", "tmpfs", str(disk)]).returncode != 0:
         pytest.skip("cannot mount a small tmpfs here (needs root)")
     try:  # ~780 KB a checkpoint: step 2's fits, step 4's fills the disk
-        failed = launch(disk / "run", *ADAMW, "--save_every", "2", "--max_steps", "6",
-                        *(["--save_async"] if save_async else []), expect_ok=False)  # fmt: skip
+        failed = launch(
+            disk / "run",
+            *ADAMW,
+            "--save_every",
+            "2",
+            "--max_steps",
+            "6",
+            *(["--save_async"] if save_async else []),
+            expect_ok=False,
+        )
         checkpoints = disk / "run" / "checkpoints"
         lines = [line.split("trainer: ", 1)[1] for line in failed.stderr.splitlines() if "trainer: " in line]
         said = failed.stdout + failed.stderr
         if save_async:  # the full disk may meet this step's metrics first: the checkpoint in flight is cleaned up
             assert "the disk is full" in said or "No space left on device" in said, said[-3000:]
-            assert "could not write checkpoint step-00000004" in said or "the checkpoint step-00000004 being " \
-                "written in the background was not committed: its folder was removed" in said, said[-3000:]
+            assert (
+                "could not write checkpoint step-00000004" in said
+                or "the checkpoint step-00000004 being "
+                "written in the background was not committed: its folder was removed"
+                in said
+            ), said[-3000:]
         else:
-            assert lines and lines[0].startswith("could not write checkpoint step-00000004: the disk is full"), \
-                failed.stderr[-3000:]  # fmt: skip
+            assert lines and lines[0].startswith("could not write checkpoint step-00000004: the disk is full"), (
+                failed.stderr[-3000:]
+            )
             assert f"{checkpoints / 'step-00000002'} is still the latest" in lines[0]
         assert "CheckpointException" not in failed.stderr
         if not save_async:  # (under save_async the metrics of rank 0 may fail alone first: the other rank, inside an

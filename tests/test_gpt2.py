@@ -15,9 +15,30 @@ from trainer import ConfigError
 from conftest import JOBS, ROOT, accelerate_launch, python, split_jobs, torchrun
 
 GPT2 = ROOT / "examples" / "gpt2.py"
-TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "32", "--vocab-size", "512",
-        "--batch-size", "4", "--log-every", "5", "--eval-every", "1000", "--save-every", "10", "--warmup-steps", "2",
-        "--sample-tokens", "8"]  # fmt: skip
+TINY = [
+    "--n-layer",
+    "1",
+    "--n-embd",
+    "32",
+    "--n-head",
+    "2",
+    "--seq-len",
+    "32",
+    "--vocab-size",
+    "512",
+    "--batch-size",
+    "4",
+    "--log-every",
+    "5",
+    "--eval-every",
+    "1000",
+    "--save-every",
+    "10",
+    "--warmup-steps",
+    "2",
+    "--sample-tokens",
+    "8",
+]
 
 
 ONE_PROCESS_RUNS = pytest.mark.xdist_group("gpt2_one_process")  # the tests that share those runs: on one worker
@@ -77,8 +98,9 @@ def test_streaming_trains_from_a_stream_on_two_processes_and_resumes_mid_stream(
     outputs, folder = two_processes
     (first, _), (again, _) = outputs["streamed"], outputs["streamed again"]
     tmp_path = folder / "streamed"
-    held_out = re.search(r"^gpt2 \| [\d,]+ parameters, streamed train and (\d+) eval sequences of 32 tokens$", first,
-                         re.M)  # fmt: skip
+    held_out = re.search(
+        r"^gpt2 \| [\d,]+ parameters, streamed train and (\d+) eval sequences of 32 tokens$", first, re.M
+    )
     # --eval-blocks 64 at most: the built-in text (Python's own documentation) held out only 32 on a host with
     # Python 3.12.3 and tokenizers 0.23.2: which documents' hashes fall in the held-out part varies with the text.
     assert held_out and 0 < int(held_out[1]) <= 64
@@ -99,8 +121,12 @@ def one_process(tmp_path_factory) -> tuple[dict[str, str], Path]:
     text = out / "notes.txt"
     text.write_text("A trainer runs the same script on one process or many.\n" * 200)
     local = ["--model-name", out / "first" / "final", "--train-file", text, "--peak-flops", "1e12"]
-    runs = {"plain": [*TINY, "--max-steps", "4"], "first": [*TINY, "--max-steps", "2"],
-            "local": [*TINY, "--max-steps", "4", *local], "documents": [*TINY, "--max-steps", "4", "--pack-documents"]}
+    runs = {
+        "plain": [*TINY, "--max-steps", "4"],
+        "first": [*TINY, "--max-steps", "2"],
+        "local": [*TINY, "--max-steps", "4", *local],
+        "documents": [*TINY, "--max-steps", "4", "--pack-documents"],
+    }
     jobs = [[str(GPT2), *map(str, args), "--output-dir", str(out / name)] for name, args in runs.items()]
     outputs = split_jobs(python(JOBS, json.dumps(jobs)).stdout)
     return dict(zip(runs, outputs, strict=True)), out
@@ -144,8 +170,21 @@ def test_the_closing_sample_stops_where_the_models_context_ends():
 
 def test_flags_take_hyphens_or_underscores_and_a_yaml_config(tmp_path):
     example = load_example()
-    args, config = example.parse_args(["--batch-size", "3", "--max_steps", "7", "--betas", "0.8", "0.9",
-                                       "--experiment-name", "x", "--model-name", "m"])  # fmt: skip
+    args, config = example.parse_args(
+        [
+            "--batch-size",
+            "3",
+            "--max_steps",
+            "7",
+            "--betas",
+            "0.8",
+            "0.9",
+            "--experiment-name",
+            "x",
+            "--model-name",
+            "m",
+        ]
+    )
     assert (config.batch_size, config.max_steps, config.betas, config.experiment_name) == (3, 7, (0.8, 0.9), "x")
     assert args.model_name == "m" and config.lr == example.EXAMPLE_DEFAULTS["lr"]
 
@@ -169,8 +208,11 @@ def test_flags_take_hyphens_or_underscores_and_a_yaml_config(tmp_path):
 @ONE_PROCESS_RUNS
 def test_pack_documents_trains_on_whole_documents_flattened_a_micro_batch_at_a_time(one_process):
     outputs, folder = one_process
-    assert re.search(r"^gpt2 \| [\d,]+ parameters, [\d,]+ train and [\d,]+ eval documents of 32 tokens at most$",
-                     outputs["documents"], re.M)  # fmt: skip
+    assert re.search(
+        r"^gpt2 \| [\d,]+ parameters, [\d,]+ train and [\d,]+ eval documents of 32 tokens at most$",
+        outputs["documents"],
+        re.M,
+    )
     assert re.search(r"^step 4/4 \| loss [\d.]+", outputs["documents"], re.M) and "eval loss" in outputs["documents"]
     assert (folder / "documents" / "final" / "model.safetensors").is_file()
 
@@ -178,8 +220,9 @@ def test_pack_documents_trains_on_whole_documents_flattened_a_micro_batch_at_a_t
 @ONE_PROCESS_RUNS
 def test_model_name_and_train_file_take_local_paths(one_process):
     outputs, folder = one_process
-    assert re.search(r"^gpt2 \| [\d,]+ parameters, \d+ train and \d+ eval sequences of 32 tokens$", outputs["local"],
-                     re.M)  # fmt: skip
+    assert re.search(
+        r"^gpt2 \| [\d,]+ parameters, \d+ train and \d+ eval sequences of 32 tokens$", outputs["local"], re.M
+    )
     assert re.search(r"^step 4/4 \| .* examples/s \| [\d,]+ tokens/s \| MFU [\d.]+%$", outputs["local"], re.M)
     assert not (folder / "local" / "tokenizer").exists(), "a --model-name run uses that model's tokenizer"
     # Without --peak-flops a CPU's MFU is not guessed: said once, none on the step line.
@@ -190,12 +233,29 @@ def test_model_name_and_train_file_take_local_paths(one_process):
 def test_mfu_reads_the_peak_of_the_card_named_not_of_one_whose_name_it_contains():
     from trainer.mfu import peak_flops_of
 
-    peaks = {name: peak_flops_of(name) for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA L40",
-                                                     "NVIDIA L4", "NVIDIA A10G", "NVIDIA L40S", "NVIDIA A100-SXM4-80GB",
-                                                     "AMD Instinct MI300X")}  # fmt: skip
-    assert peaks == {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA L40": 181e12,
-                     "NVIDIA L4": 121e12, "NVIDIA A10G": 125e12, "NVIDIA L40S": 362e12,
-                     "NVIDIA A100-SXM4-80GB": 312e12, "AMD Instinct MI300X": None}  # fmt: skip
+    peaks = {
+        name: peak_flops_of(name)
+        for name in (
+            "NVIDIA H100 80GB HBM3",
+            "NVIDIA H100 PCIe",
+            "NVIDIA L40",
+            "NVIDIA L4",
+            "NVIDIA A10G",
+            "NVIDIA L40S",
+            "NVIDIA A100-SXM4-80GB",
+            "AMD Instinct MI300X",
+        )
+    }
+    assert peaks == {
+        "NVIDIA H100 80GB HBM3": 989e12,
+        "NVIDIA H100 PCIe": 756e12,
+        "NVIDIA L40": 181e12,
+        "NVIDIA L4": 121e12,
+        "NVIDIA A10G": 125e12,
+        "NVIDIA L40S": 362e12,
+        "NVIDIA A100-SXM4-80GB": 312e12,
+        "AMD Instinct MI300X": None,
+    }
 
 
 def test_mfu_counts_6n_and_causal_attention_per_token_against_the_peak_of_every_process():
@@ -211,7 +271,8 @@ def test_mfu_counts_6n_and_causal_attention_per_token_against_the_peak_of_every_
     # 1,000 tokens/s in 10 examples/s: sequences of 100 tokens; attention 6 x 2 layers x 32 wide x 100 per token.
     assert gpu.of(1000.0, 10.0) == pytest.approx((6 * parameters + 6 * 2 * 32 * 100) * 1000 / (1e12 * 2))
     assert Utilisation(model, TrainConfig(flops_per_token=5e6, peak_flops=1e12), torch.device("cpu"), 1).of(
-        1000.0, 10.0) == pytest.approx(5e6 * 1000 / 1e12)  # fmt: skip
+        1000.0, 10.0
+    ) == pytest.approx(5e6 * 1000 / 1e12)
     cpu = Utilisation(model, TrainConfig(), torch.device("cpu"), processes=1)
     assert cpu.of(1000.0, 10.0) is None and cpu.said  # said once: a CPU's peak is not guessed
     plain = Utilisation(torch.nn.Linear(4, 4), TrainConfig(peak_flops=1e12), torch.device("cpu"), processes=1)

@@ -46,8 +46,9 @@ def gpu_env(**extra: str) -> dict[str, str]:
 
 
 def job(tmp_path, *args, config="single_gpu.yaml", run_args=(), **kw) -> tuple[dict, str]:
-    result = accelerate_launch(SCENARIOS, "job", "--output_dir", tmp_path, *args, config=config, run_args=run_args,
-                               env=gpu_env(), **kw)  # fmt: skip
+    result = accelerate_launch(
+        SCENARIOS, "job", "--output_dir", tmp_path, *args, config=config, run_args=run_args, env=gpu_env(), **kw
+    )
     return json.loads((tmp_path / "result.json").read_text()), result.stdout + result.stderr
 
 
@@ -64,8 +65,16 @@ def test_one_gpu_trains_in_each_precision_with_pinned_memory_fused_adamw_and_no_
 
 def test_crash_and_resume_on_one_gpu_ends_bit_identical(tmp_path):
     def launch(output_dir, *args, **kw):
-        return accelerate_launch(SCENARIOS, "resume", "--output_dir", output_dir, *map(str, args),
-                                 config="single_gpu.yaml", env=gpu_env(), **kw)  # fmt: skip
+        return accelerate_launch(
+            SCENARIOS,
+            "resume",
+            "--output_dir",
+            output_dir,
+            *map(str, args),
+            config="single_gpu.yaml",
+            env=gpu_env(),
+            **kw,
+        )
 
     launch(tmp_path / "reference")
     crashed = launch(tmp_path / "crashed", "--crash_at", 9, "--crash_rank", 0, expect_ok=False)
@@ -77,8 +86,18 @@ def test_crash_and_resume_on_one_gpu_ends_bit_identical(tmp_path):
 
 def test_compile_on_a_gpu_trains_and_exports_plain_weights(tmp_path):
     bf16 = ["--mixed_precision", "bf16"]
-    result = accelerate_launch(SCENARIOS, "resume", "--output_dir", tmp_path, "--compile", "--max_steps", "8",
-                               config="single_gpu.yaml", run_args=bf16, env=gpu_env())  # fmt: skip
+    result = accelerate_launch(
+        SCENARIOS,
+        "resume",
+        "--output_dir",
+        tmp_path,
+        "--compile",
+        "--max_steps",
+        "8",
+        config="single_gpu.yaml",
+        run_args=bf16,
+        env=gpu_env(),
+    )
     assert result_line(result.stdout)["global_step"] == 8
     assert not any(key.startswith("_orig_mod") for key in final_weights(tmp_path))
 
@@ -100,8 +119,9 @@ def test_more_processes_than_gpus_stop_with_one_message(tmp_path, launcher):
     too_many = GPUS + 1
     gpt2 = ROOT / "examples" / "gpt2.py"
     if launcher == "accelerate":
-        result = accelerate_launch(gpt2, "--output-dir", tmp_path, num_processes=too_many, env=gpu_env(),
-                                   expect_ok=False)  # fmt: skip
+        result = accelerate_launch(
+            gpt2, "--output-dir", tmp_path, num_processes=too_many, env=gpu_env(), expect_ok=False
+        )
     else:
         result = torchrun(gpt2, "--output-dir", tmp_path, nproc=too_many, env=gpu_env(), expect_ok=False)
     output = result.stdout + result.stderr
@@ -115,11 +135,30 @@ def test_the_gpt2_example_on_one_gpu_uses_tf32_a_gpu_batch_and_reports_mfu(tmp_p
     from trainer.mfu import peak_flops_of
 
     known = peak_flops_of(torch.cuda.get_device_name(0)) is not None  # else --peak-flops says
-    tiny = ["--n-layer", "1", "--n-embd", "64", "--n-head", "2", "--seq-len", "64", "--vocab-size", "512",
-            "--max-steps", "10", "--log-every", "5", "--eval-every", "1000", "--save-every", "1000",
-            *([] if known else ["--peak-flops", "1e14"])]  # fmt: skip
-    result = accelerate_launch(ROOT / "examples" / "gpt2.py", *tiny, "--output-dir", tmp_path,
-                               config="single_gpu.yaml", env=gpu_env())  # fmt: skip
+    tiny = [
+        "--n-layer",
+        "1",
+        "--n-embd",
+        "64",
+        "--n-head",
+        "2",
+        "--seq-len",
+        "64",
+        "--vocab-size",
+        "512",
+        "--max-steps",
+        "10",
+        "--log-every",
+        "5",
+        "--eval-every",
+        "1000",
+        "--save-every",
+        "1000",
+        *([] if known else ["--peak-flops", "1e14"]),
+    ]
+    result = accelerate_launch(
+        ROOT / "examples" / "gpt2.py", *tiny, "--output-dir", tmp_path, config="single_gpu.yaml", env=gpu_env()
+    )
     assert "TF32 matmuls on" in result.stdout
     assert f"batch {example.GPU_BATCH_SIZE} per process x 1 processes" in result.stdout
     assert re.search(r"^step 10/10 \| .* tokens/s \| MFU [\d.]+%$", result.stdout, re.M)
@@ -129,9 +168,24 @@ def test_fsdp2_shards_over_nccl_and_computes_in_bf16_over_fp32_masters(tmp_path)
     """fsdp.yaml on one GPU (a mesh of one, NCCL): sharded, bf16 compute, fp32 master weights and AdamW state, a
     sharded checkpoint, evaluation in lockstep."""
     ragged = ROOT / "tests" / "ragged_lm.py"
-    result = accelerate_launch(ragged, "--out", tmp_path, "--batch_size", "4", "--optimizer", "adamw", "--max_steps",
-                               "3", "--save_every", "2", "--eval", config="fsdp.yaml", num_processes=1,
-                               run_args=["--mixed_precision", "bf16"], env=gpu_env())  # fmt: skip
+    result = accelerate_launch(
+        ragged,
+        "--out",
+        tmp_path,
+        "--batch_size",
+        "4",
+        "--optimizer",
+        "adamw",
+        "--max_steps",
+        "3",
+        "--save_every",
+        "2",
+        "--eval",
+        config="fsdp.yaml",
+        num_processes=1,
+        run_args=["--mixed_precision", "bf16"],
+        env=gpu_env(),
+    )
     assert "device cuda (FSDP2)" in result.stdout and "mixed precision bf16" in result.stdout
     summary = json.loads((tmp_path / "ragged.json").read_text())
     assert summary["computed"] == ["torch.bfloat16"]
@@ -139,15 +193,28 @@ def test_fsdp2_shards_over_nccl_and_computes_in_bf16_over_fp32_masters(tmp_path)
     assert (tmp_path / "checkpoints" / "step-00000002" / "shards" / ".metadata").is_file()
 
 
-
 def test_fsdp2_on_one_gpu_saves_in_the_background_and_builds_a_meta_model_on_the_gpu(tmp_path):
     """save_async on one process: DCP's background save needs a CPU (gloo) group beside NCCL even at world size 1.
     A model built on meta: each module made on the GPU and initialised there, never whole on the CPU."""
     ragged = ROOT / "tests" / "ragged_lm.py"
-    variants = {"async": ["--save_async", "--save_every", "2", "--max_steps", "4"],
-                "meta": ["--build", "meta", "--initial", "--max_steps", "2"]}  # fmt: skip
-    result = accelerate_launch(ragged, "--out", tmp_path, "--batch_size", "4", "--optimizer", "adamw", "--variants",
-                               json.dumps(variants), config="fsdp.yaml", num_processes=1, env=gpu_env())  # fmt: skip
+    variants = {
+        "async": ["--save_async", "--save_every", "2", "--max_steps", "4"],
+        "meta": ["--build", "meta", "--initial", "--max_steps", "2"],
+    }
+    result = accelerate_launch(
+        ragged,
+        "--out",
+        tmp_path,
+        "--batch_size",
+        "4",
+        "--optimizer",
+        "adamw",
+        "--variants",
+        json.dumps(variants),
+        config="fsdp.yaml",
+        num_processes=1,
+        env=gpu_env(),
+    )
     assert (tmp_path / "async" / "checkpoints" / "step-00000004" / "shards" / ".metadata").is_file()
     assert "built on meta, each process initialised its shards" in result.stdout
     meta = json.loads((tmp_path / "meta" / "ragged.json").read_text())
@@ -158,12 +225,20 @@ def test_two_launches_of_a_multi_node_job_on_one_gpu_host_stop_once_joined_with_
     """multi_node.yaml's two machines started on one host: each launch's one process is local rank 0 and takes
     GPU 0. Joined over NCCL, they find they share it (their GPUs' UUIDs), before NCCL's first collective would."""
     port = free_port()
-    results = run_together([(accelerate_node(rank, port, SCENARIOS, "job", "--output_dir", tmp_path / f"node{rank}"),
-                             ROOT) for rank in range(2)], env=gpu_env(), expect_ok=False)  # fmt: skip
+    results = run_together(
+        [
+            (accelerate_node(rank, port, SCENARIOS, "job", "--output_dir", tmp_path / f"node{rank}"), ROOT)
+            for rank in range(2)
+        ],
+        env=gpu_env(),
+        expect_ok=False,
+    )
     output = "".join(result.stdout + result.stderr for result in results)
     assert output.count(REFUSAL) == 1, output
-    assert "this launch starts 2 processes on this machine, but it has 1 GPU(s) for them (ranks 0 and 1 share " \
-           "one" in output  # fmt: skip  (then ", CUDA_VISIBLE_DEVICES=... in each" where the host sets it)
+    assert (
+        "this launch starts 2 processes on this machine, but it has 1 GPU(s) for them (ranks 0 and 1 share "
+        "one" in output
+    )  # then ", CUDA_VISIBLE_DEVICES=... in each" where the host sets it
 
 
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
@@ -183,11 +258,34 @@ def test_ddp_and_fsdp2_over_nccl_on_two_gpus_agree_save_in_the_background_and_ex
     evaluation, a sharded checkpoint written in the background beside NCCL (its gloo group), and the teardown."""
     from test_mesh import largest_difference
 
-    common = ["--batch_size", "2", "--accumulation", "2", "--optimizer", "adamw", "--lr", "0.01", "--max_steps", "4",
-              "--save_every", "2", "--eval", "--eval_examples", "45"]  # fmt: skip
+    common = [
+        "--batch_size",
+        "2",
+        "--accumulation",
+        "2",
+        "--optimizer",
+        "adamw",
+        "--lr",
+        "0.01",
+        "--max_steps",
+        "4",
+        "--save_every",
+        "2",
+        "--eval",
+        "--eval_examples",
+        "45",
+    ]
     variants = {"fsdp": [*common, "--save_async"], "ddp": [*common, "--ddp"]}
-    result = accelerate_launch(ROOT / "tests" / "ragged_lm.py", "--out", tmp_path, "--variants", json.dumps(variants),
-                               config="fsdp.yaml", num_processes=2, env=gpu_env())  # fmt: skip
+    result = accelerate_launch(
+        ROOT / "tests" / "ragged_lm.py",
+        "--out",
+        tmp_path,
+        "--variants",
+        json.dumps(variants),
+        config="fsdp.yaml",
+        num_processes=2,
+        env=gpu_env(),
+    )
     assert "trainer | 2 process(es) on 1 machine(s), device cuda (FSDP2)" in result.stdout
     runs = {name: json.loads((tmp_path / name / "ragged.json").read_text()) for name in variants}
     assert largest_difference(runs["fsdp"], runs["ddp"]) < 1e-5  # TF32 off (torch's default): to the float floor
@@ -204,11 +302,23 @@ def test_hsdp_and_tensor_parallelism_over_nccl_equal_ddp_on_four_gpus(tmp_path):
     (Llama), to the float floor (TF32 off: torch's default, which the trainer leaves alone)."""
     from test_mesh import DDP_4, EVALUATED, FOUR, FSDP_4, LLAMA, TP_FSDP, TWO, largest_difference, sizes
 
-    variants = {"hsdp": [*FOUR, *EVALUATED, *sizes(2, 2)], "fsdp": [*FOUR, *EVALUATED, *FSDP_4],
-                "ddp": [*FOUR, *EVALUATED, *DDP_4, "--ddp"], "tp x fsdp": [*LLAMA, *TWO, *EVALUATED, *TP_FSDP],
-                "ddp, llama": [*LLAMA, *FOUR, *EVALUATED, *DDP_4, "--ddp"]}  # fmt: skip
-    result = accelerate_launch(ROOT / "tests" / "ragged_lm.py", "--out", tmp_path, "--variants", json.dumps(variants),
-                               config="fsdp.yaml", num_processes=4, env=gpu_env())  # fmt: skip
+    variants = {
+        "hsdp": [*FOUR, *EVALUATED, *sizes(2, 2)],
+        "fsdp": [*FOUR, *EVALUATED, *FSDP_4],
+        "ddp": [*FOUR, *EVALUATED, *DDP_4, "--ddp"],
+        "tp x fsdp": [*LLAMA, *TWO, *EVALUATED, *TP_FSDP],
+        "ddp, llama": [*LLAMA, *FOUR, *EVALUATED, *DDP_4, "--ddp"],
+    }
+    result = accelerate_launch(
+        ROOT / "tests" / "ragged_lm.py",
+        "--out",
+        tmp_path,
+        "--variants",
+        json.dumps(variants),
+        config="fsdp.yaml",
+        num_processes=4,
+        env=gpu_env(),
+    )
     assert "device cuda (HSDP)" in result.stdout and "device cuda (TP x FSDP2)" in result.stdout
     runs = {name: json.loads((tmp_path / name / "ragged.json").read_text()) for name in variants}
     for one, other in (("hsdp", "fsdp"), ("hsdp", "ddp"), ("tp x fsdp", "ddp, llama")):

@@ -40,8 +40,9 @@ def test_more_processes_than_gpus_stop_at_once_with_one_message_naming_what_work
 def test_a_launcher_that_gives_each_process_a_gpu_of_its_own_is_told_why_it_cannot_run_so(tmp_path):
     """srun --gpus-per-task sets CUDA_VISIBLE_DEVICES per process: each of 2 processes a machine sees one GPU.
     accelerate would map each to its own, but its barriers then address GPU 1 in a process that has only GPU 0."""
-    result = torchrun(GPT2, "--output-dir", tmp_path, env={**pretend_gpus(2), "CUDA_VISIBLE_DEVICES": "1"},
-                      expect_ok=False)  # fmt: skip
+    result = torchrun(
+        GPT2, "--output-dir", tmp_path, env={**pretend_gpus(2), "CUDA_VISIBLE_DEVICES": "1"}, expect_ok=False
+    )
     output = result.stdout + result.stderr
     assert output.count(REFUSAL) == 1, output
     assert "starts 2 processes on this machine, but it has 1 GPU(s)" in output
@@ -78,16 +79,19 @@ def test_two_processes_given_one_gpu_stop_once_joined_with_one_message(tmp_path)
     shared = torchrun(tmp_path / "shared.py", "shared", env=env, expect_ok=False)
     output = shared.stdout + shared.stderr
     assert output.count(REFUSAL) == 1, output
-    assert ("trainer: cannot start: this launch starts 2 processes on this machine, but it has 1 GPU(s) for them "
-            "(ranks 0 and 1 share one, CUDA_VISIBLE_DEVICES='0' in each): one process per GPU. Run `accelerate "
-            "launch --num_processes 1 ...`") in output  # fmt: skip
+    assert (
+        "trainer: cannot start: this launch starts 2 processes on this machine, but it has 1 GPU(s) for them "
+        "(ranks 0 and 1 share one, CUDA_VISIBLE_DEVICES='0' in each): one process per GPU. Run `accelerate "
+        "launch --num_processes 1 ...`"
+    ) in output
     assert "has a GPU of its own" not in output
 
 
 @pytest.mark.parametrize("processes", [1, 2])
 def test_cpu_yaml_runs_on_the_cpu_of_a_host_with_a_gpu(tmp_path, processes):
-    result = accelerate_launch(SCENARIOS, "job", "--output_dir", tmp_path, config="cpu.yaml",
-                               num_processes=processes, env=pretend_gpus(1))  # fmt: skip
+    result = accelerate_launch(
+        SCENARIOS, "job", "--output_dir", tmp_path, config="cpu.yaml", num_processes=processes, env=pretend_gpus(1)
+    )
     report = job_report(tmp_path)
     assert (report["world_size"], report["device"]) == (processes, "cpu")
     assert f"trainer | {processes} process(es) on 1 machine(s), device cpu" in result.stdout
@@ -96,14 +100,23 @@ def test_cpu_yaml_runs_on_the_cpu_of_a_host_with_a_gpu(tmp_path, processes):
 
 def test_accelerates_cpu_flag_on_a_host_with_a_gpu_runs_on_the_cpu(tmp_path):
     # accelerate's own CPU path (ACCELERATE_USE_CPU): the process state, set_seed and the Accelerator must agree.
-    accelerate_launch(SCENARIOS, "job", "--output_dir", tmp_path, config="single_gpu.yaml", run_args=["--cpu"],
-                      env=pretend_gpus(1))  # fmt: skip
+    accelerate_launch(
+        SCENARIOS, "job", "--output_dir", tmp_path, config="single_gpu.yaml", run_args=["--cpu"], env=pretend_gpus(1)
+    )
     assert job_report(tmp_path)["device"] == "cpu"
 
 
 def test_several_processes_asked_of_accelerates_cpu_launcher_stop_naming_what_works(tmp_path):
-    result = accelerate_launch(SCENARIOS, "job", "--output_dir", tmp_path, config="single_gpu.yaml",
-                               run_args=["--cpu"], num_processes=2, expect_ok=False)  # fmt: skip
+    result = accelerate_launch(
+        SCENARIOS,
+        "job",
+        "--output_dir",
+        tmp_path,
+        config="single_gpu.yaml",
+        run_args=["--cpu"],
+        num_processes=2,
+        expect_ok=False,
+    )
     output = result.stdout + result.stderr
     assert output.count(REFUSAL) == 1 and "but started ONE" in output
     assert "accelerate_configs/cpu.yaml --num_processes K" in output
@@ -121,12 +134,23 @@ MULTI_CPU_ANSWERS = {"Which type of machine": "multi-CPU", "How many processes":
 def test_the_readmes_accelerate_config_answers_give_k_cpu_processes_even_on_a_gpu_host(tmp_path):
     path = tmp_path / "my.yaml"
     asked = accelerate_config(path, README_CPU_ANSWERS)
-    assert ("What GPU(s) (by id) should be used for training on this machine as a comma-separated list? [all]:",
-            "-1,-1") in asked  # fmt: skip
+    assert (
+        "What GPU(s) (by id) should be used for training on this machine as a comma-separated list? [all]:",
+        "-1,-1",
+    ) in asked
     walk_through = (ROOT / "docs" / "clusters.md").read_text()
     assert all(f"`{answer}`" in walk_through for answer in README_CPU_ANSWERS.values()), "the docs walk through these"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", path, SCENARIOS, "job",
-           "--output_dir", tmp_path / "job"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        path,
+        SCENARIOS,
+        "job",
+        "--output_dir",
+        tmp_path / "job",
+    ]
     run([str(c) for c in cmd], env=pretend_gpus(1))
     report = job_report(tmp_path / "job")
     assert (report["world_size"], report["device"]) == (2, "cpu")
@@ -138,18 +162,40 @@ def test_a_multi_cpu_config_from_accelerate_config_stops_instead_of_running_one_
     assert "distributed_type: MULTI_CPU" in path.read_text() and "num_processes: 2" in path.read_text()
     check = run([sys.executable, "-m", "trainer.check", "--config_file", str(path)], expect_ok=False)
     assert "PROBLEM: accelerate launch starts 1 process for this file, not 2" in check.stdout
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", path, SCENARIOS, "job",
-           "--output_dir", tmp_path / "job"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        path,
+        SCENARIOS,
+        "job",
+        "--output_dir",
+        tmp_path / "job",
+    ]
     result = run([str(c) for c in cmd], expect_ok=False)
     assert (result.stdout + result.stderr).count(REFUSAL) == 1
     assert not (tmp_path / "job" / "result.json").exists()
 
 
 def test_preflight_names_more_processes_than_gpus_and_passes_cpu_yaml():
-    check = run([sys.executable, "-m", "trainer.check", "--config_file", str(CONFIGS / "multi_gpu.yaml")],
-                env=pretend_gpus(1), expect_ok=False)  # fmt: skip
+    check = run(
+        [sys.executable, "-m", "trainer.check", "--config_file", str(CONFIGS / "multi_gpu.yaml")],
+        env=pretend_gpus(1),
+        expect_ok=False,
+    )
     assert "PROBLEM: 2 processes per machine, but this machine has 1 GPU(s)" in check.stdout
     for processes in ("1", "2"):
-        cpu = run([sys.executable, "-m", "trainer.check", "--config_file", str(CONFIGS / "cpu.yaml"),
-                   "--num_processes", processes], env=pretend_gpus(1))  # fmt: skip
+        cpu = run(
+            [
+                sys.executable,
+                "-m",
+                "trainer.check",
+                "--config_file",
+                str(CONFIGS / "cpu.yaml"),
+                "--num_processes",
+                processes,
+            ],
+            env=pretend_gpus(1),
+        )
         assert "gloo on CPU" in cpu.stdout and "preflight: no problems found" in cpu.stdout

@@ -26,8 +26,15 @@ def test_config_loads_with_accelerates_own_loader_and_says_how_to_launch(name):
 
 
 def test_the_expected_configs_exist():
-    expected = {"single_gpu.yaml", "multi_gpu.yaml", "multi_node.yaml", "fp16.yaml", "bf16.yaml", "cpu.yaml",
-                "fsdp.yaml"}
+    expected = {
+        "single_gpu.yaml",
+        "multi_gpu.yaml",
+        "multi_node.yaml",
+        "fp16.yaml",
+        "bf16.yaml",
+        "cpu.yaml",
+        "fsdp.yaml",
+    }
     assert expected <= set(ALL_CONFIGS)
 
 
@@ -80,8 +87,7 @@ def test_users_dataloader_of_a_stream_that_splits_itself_is_read_on_every_proces
 
 
 def test_users_dataloader_without_distributed_sampler_is_refused_with_what_to_pass(tmp_path):
-    result = accelerate_launch(SCENARIOS, "user_loader", "--sampler", "none", "--output_dir", tmp_path,
-                               expect_ok=False)  # fmt: skip
+    result = accelerate_launch(SCENARIOS, "user_loader", "--sampler", "none", "--output_dir", tmp_path, expect_ok=False)
     assert "train_data is a DataLoader with a SequentialSampler" in result.stderr
     assert "Pass the Dataset itself as train_data" in result.stderr
 
@@ -126,7 +132,12 @@ waiting_for_a_peer()
 def test_a_process_ended_by_sigabrt_says_where_it_was():
     """NCCL's watchdog ends a waiting rank with SIGABRT: no exception, no traceback, unless the process says where
     it was (faulthandler, on stderr)."""
-    result = subprocess.run([sys.executable, "-c", ABORTED.format(root=str(ROOT))], capture_output=True, text=True,
-                            env=clean_env(), timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", ABORTED.format(root=str(ROOT))],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        timeout=120,
+    )
     assert result.returncode == -6  # SIGABRT
     assert "Fatal Python error: Aborted" in result.stderr and "waiting_for_a_peer" in result.stderr, result.stderr

@@ -14,8 +14,10 @@ def row(**values: float) -> list[float]:
 
 
 def test_the_global_loss_weighs_every_ranks_counted_items_and_the_slowest_rank_is_named():
-    rows = [row(loss_sum=8.0, loss_weight=4, examples=32, tokens=320, data_wait=0.1, forward=0.4),
-            row(loss_sum=36.0, loss_weight=12, examples=32, tokens=960, data_wait=0.9, forward=0.5, seconds=2.5)]
+    rows = [
+        row(loss_sum=8.0, loss_weight=4, examples=32, tokens=320, data_wait=0.1, forward=0.4),
+        row(loss_sum=36.0, loss_weight=12, examples=32, tokens=960, data_wait=0.9, forward=0.5, seconds=2.5),
+    ]
     own, job = summarize(rows, rank=1)
     assert job["global/train_loss"] == 44.0 / 16, "every counted token alike, not the mean of the ranks' means"
     assert own["rank/loss"] == 3.0 and own["rank/data_wait_s"] == pytest.approx(0.9 / 4)

@@ -133,8 +133,16 @@ def test_an_adapted_embedding_and_a_module_to_save_export_as_peft_saves_them(tmp
     from trainer.export import main as export
 
     torch.manual_seed(0)
-    base = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=2, num_key_value_heads=2))  # fmt: skip
+    base = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    )
     adapter = LoraConfig(r=4, target_modules=["q_proj", "embed_tokens"], modules_to_save=["lm_head"])
     model = get_peft_model(base, adapter)
     rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (8, 16))]

@@ -25,10 +25,18 @@ pytestmark = pytest.mark.xdist_group("mesh")
 RAGGED = ROOT / "tests" / "ragged_lm.py"
 ON = ["--env", "ACCELERATE_USE_PARALLELISM_CONFIG=true"]
 
+
 def sizes(replicate: int, shard: int, tp: int = 1) -> list[str]:
     """The flags of a job whose parallelism_config has these sizes (over the launch's own)."""
-    return [*ON, "--env", f"PARALLELISM_CONFIG_DP_REPLICATE_SIZE={replicate}", "--env",
-            f"PARALLELISM_CONFIG_DP_SHARD_SIZE={shard}", "--env", f"PARALLELISM_CONFIG_TP_SIZE={tp}"]
+    return [
+        *ON,
+        "--env",
+        f"PARALLELISM_CONFIG_DP_REPLICATE_SIZE={replicate}",
+        "--env",
+        f"PARALLELISM_CONFIG_DP_SHARD_SIZE={shard}",
+        "--env",
+        f"PARALLELISM_CONFIG_TP_SIZE={tp}",
+    ]
 
 
 FSDP_4, DDP_4, TP_FSDP, TP_ALONE = sizes(1, 4), sizes(4, 1), sizes(1, 2, 2), sizes(1, 1, 4)
@@ -66,10 +74,21 @@ def meshes(tmp_path_factory):
     keys = {name: f"v{i}" for i, name in enumerate(VARIANTS)}
     folders = {"hsdp": out / keys["hsdp"], "tp": out / keys["tp x fsdp"]}
     variants = {keys[name]: [flag.format(**folders) for flag in flags] for name, flags in VARIANTS.items()}
-    hsdp = ["--num_machines", "1", "--num_processes", "4", "--mixed_precision", "no",
-            "--parallelism_config_dp_replicate_size", "2", "--parallelism_config_dp_shard_size", "2"]  # fmt: skip
-    result = accelerate_launch(RAGGED, "--out", out, "--variants", json.dumps(variants), config="hsdp.yaml",
-                               run_args=hsdp)  # fmt: skip
+    hsdp = [
+        "--num_machines",
+        "1",
+        "--num_processes",
+        "4",
+        "--mixed_precision",
+        "no",
+        "--parallelism_config_dp_replicate_size",
+        "2",
+        "--parallelism_config_dp_shard_size",
+        "2",
+    ]
+    result = accelerate_launch(
+        RAGGED, "--out", out, "--variants", json.dumps(variants), config="hsdp.yaml", run_args=hsdp
+    )
     runs = {name: (json.loads((out / key / "ragged.json").read_text()), out / key) for name, key in keys.items()}
     return runs, result
 
@@ -98,8 +117,9 @@ def test_hsdp_shards_within_a_replica_and_equals_fsdp_and_ddp_over_4(meshes):
 def test_tensor_parallelism_alone_and_under_fsdp_equals_ddp_and_a_group_reads_one_batch(meshes):
     runs, result = meshes
     assert "device cpu (TP x FSDP2)" in result.stdout and "device cpu (TP)" in result.stdout
-    assert "batch 2 per tensor-parallel group of 2 x 2 tensor-parallel groups x 2 accumulation = 8 global" \
-        in result.stdout  # fmt: skip
+    assert (
+        "batch 2 per tensor-parallel group of 2 x 2 tensor-parallel groups x 2 accumulation = 8 global" in result.stdout
+    )
     tp_fsdp, tp, ddp = (runs[name][0] for name in ("tp x fsdp", "tp", "ddp, llama"))
     parameters = sum(len(w) for w in ddp["weights"].values())
     assert f"TP 2 x FSDP 2: {parameters:,} parameters" in result.stdout and f"TP 4: {parameters:,}" in result.stdout
@@ -122,9 +142,11 @@ def test_tensor_parallelism_alone_and_under_fsdp_equals_ddp_and_a_group_reads_on
 def test_auto_microbatch_is_refused_by_name_on_a_mesh_it_cannot_watch(meshes):
     runs = meshes[0]
     assert runs["hsdp, auto_microbatch"][0]["refused"].startswith(
-        "auto_microbatch is not supported with HSDP 2 x 2 (replicate x shard) yet")
+        "auto_microbatch is not supported with HSDP 2 x 2 (replicate x shard) yet"
+    )
     assert runs["tp x fsdp, auto_microbatch"][0]["refused"].startswith(
-        "auto_microbatch is not supported with TP 2 x FSDP 2 yet")
+        "auto_microbatch is not supported with TP 2 x FSDP 2 yet"
+    )
 
 
 def test_the_export_of_any_mesh_is_the_whole_trained_model(meshes):
@@ -141,12 +163,26 @@ def test_checkpoints_continue_on_other_meshes_from_the_same_example(meshes, tmp_
     """HSDP 2 x 2 and TP 2 x FSDP 2 checkpoints at step 2, continued as FSDP over 4 and DDP over 4 (in the 4-process
     launch) and on 1 process (here): the examples of the uninterrupted run, its weights to the float floor."""
     runs = meshes[0]
-    for straight, resumed in (("hsdp", "hsdp, resumed as fsdp"), ("hsdp", "hsdp, resumed as ddp"),
-                              ("tp x fsdp", "tp x fsdp, resumed as fsdp"), ("tp x fsdp", "tp x fsdp, resumed as ddp")):
+    for straight, resumed in (
+        ("hsdp", "hsdp, resumed as fsdp"),
+        ("hsdp", "hsdp, resumed as ddp"),
+        ("tp x fsdp", "tp x fsdp, resumed as fsdp"),
+        ("tp x fsdp", "tp x fsdp, resumed as ddp"),
+    ):
         assert_continues(runs[resumed][0], runs[straight][0], f"{straight} -> {resumed}")
-    one = {name: [*flags, "--batch_size", "2", "--accumulation", "4", *COMMON, "--resume_from",
-                  str(runs[name][1] / "checkpoints" / "step-00000002")]
-           for name, flags in (("hsdp", []), ("tp x fsdp", LLAMA))}  # fmt: skip
+    one = {
+        name: [
+            *flags,
+            "--batch_size",
+            "2",
+            "--accumulation",
+            "4",
+            *COMMON,
+            "--resume_from",
+            str(runs[name][1] / "checkpoints" / "step-00000002"),
+        ]
+        for name, flags in (("hsdp", []), ("tp x fsdp", LLAMA))
+    }
     accelerate_launch(RAGGED, "--out", tmp_path, "--variants", json.dumps(one), config="fsdp.yaml", num_processes=1)
     for name in one:
         assert_continues(json.loads((tmp_path / name / "ragged.json").read_text()), runs[name][0], f"{name} -> 1")
@@ -174,7 +210,8 @@ def test_a_mesh_the_trainer_cannot_build_is_refused_by_name(monkeypatch):
 
     assert "cp_size 2 asks for context parallelism" in refused(4, True, cp_size="2", dp_shard_size="2")
     assert "dp_replicate_size 2 x dp_shard_size 2 x tp_size 1 = 4 processes, but the launch has 8" in refused(
-        8, True, dp_replicate_size="2", dp_shard_size="2")
+        8, True, dp_replicate_size="2", dp_shard_size="2"
+    )
     assert "dp_shard_size 4 shards the model, which needs an FSDP config" in refused(4, False, dp_shard_size="4")
     assert "dp_shard_size 1 leaves FSDP nothing to shard over" in refused(4, True, dp_replicate_size="4")
     assert "parallelism_config: Tensor/Context parallelism" in refused(4, True, tp_size="2", dp_replicate_size="2")
@@ -205,17 +242,24 @@ def test_tensor_parallelism_without_a_plan_or_with_heads_it_cannot_split_is_refu
     llama.config.num_key_value_heads = 4
     split = tensor_parallel(llama, TwoProcessMesh(), None)
     names = {id(m): n for n, m in llama.named_modules()}
-    assert {names[i] for i in split.styles} >= {"model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj",
-                                                "lm_head"}  # fmt: skip
+    assert {names[i] for i in split.styles} >= {
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.1.mlp.down_proj",
+        "lm_head",
+    }
 
 
 def test_a_launch_with_context_parallelism_stops_with_one_line(tmp_path):
     script = f"import torch, trainer as t; t.Trainer(torch.nn.Linear(1, 1), t.TrainConfig('{tmp_path}'), [[1.0]])"
-    result = run([sys.executable, "-c", script], expect_ok=False,
-                 env=clean_env(ACCELERATE_USE_PARALLELISM_CONFIG="true", PARALLELISM_CONFIG_CP_SIZE="2"))  # fmt: skip
+    result = run(
+        [sys.executable, "-c", script],
+        expect_ok=False,
+        env=clean_env(ACCELERATE_USE_PARALLELISM_CONFIG="true", PARALLELISM_CONFIG_CP_SIZE="2"),
+    )
     assert result.stderr.strip().splitlines() == [
         "trainer: parallelism_config: cp_size 2 asks for context parallelism, which this trainer does not do: set "
-        "cp_size to 1"]  # fmt: skip
+        "cp_size to 1"
+    ]
 
 
 def test_the_preflight_prints_the_mesh_per_machine_and_refuses_one_that_does_not_fit(tmp_path):
@@ -223,15 +267,22 @@ def test_the_preflight_prints_the_mesh_per_machine_and_refuses_one_that_does_not
 
     hsdp = ROOT / "accelerate_configs" / "hsdp.yaml"
     fine = run([sys.executable, "-m", "trainer.check", "--config_file", str(hsdp)])  # as a user runs it
-    assert "  model: HSDP 2 x 8 (replicate x shard): each process holds 1/8 of the weights, gradients and optimizer " \
-           "state\n  machine 0: ranks 0-7: replica(s) 0\n  machine 1: ranks 8-15: replica(s) 1\n" in fine.stdout
+    assert (
+        "  model: HSDP 2 x 8 (replicate x shard): each process holds 1/8 of the weights, gradients and optimizer "
+        "state\n  machine 0: ranks 0-7: replica(s) 0\n  machine 1: ranks 8-15: replica(s) 1\n" in fine.stdout
+    )
     across = tmp_path / "across.yaml"  # FSDP x TP over 16 processes: each replica spans both machines
-    across.write_text(hsdp.read_text().replace("dp_replicate_size: 2", "dp_replicate_size: 1").replace(
-        "dp_shard_size: 8", "dp_shard_size: 8\n  parallelism_config_tp_size: 2"))
+    across.write_text(
+        hsdp.read_text()
+        .replace("dp_replicate_size: 2", "dp_replicate_size: 1")
+        .replace("dp_shard_size: 8", "dp_shard_size: 8\n  parallelism_config_tp_size: 2")
+    )
     lines = describe_config(str(across), launched=True)[0]
     assert "  model: TP 2 x FSDP 8: each process holds 1/16 of the weights, gradients and optimizer state" in lines
     assert any(line.startswith("  note: one replica's 16 processes span 2 machines") for line in lines)
     wrong = tmp_path / "wrong.yaml"
     wrong.write_text(hsdp.read_text().replace("dp_shard_size: 8", "dp_shard_size: 4"))
-    assert "parallelism_config: dp_replicate_size 2 x dp_shard_size 4 x tp_size 1 = 8 processes, but the launch " \
-           "has 16: make the product the number of processes" in describe_config(str(wrong), launched=True)[1]
+    assert (
+        "parallelism_config: dp_replicate_size 2 x dp_shard_size 4 x tp_size 1 = 8 processes, but the launch "
+        "has 16: make the product the number of processes" in describe_config(str(wrong), launched=True)[1]
+    )

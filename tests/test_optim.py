@@ -32,16 +32,34 @@ def test_weight_decay_skips_biases_and_norm_weights_as_transformers_does():
 
 
 SCHEDULES = [  # (lr_scheduler, warmup_steps, min_lr_ratio, lr_scheduler_kwargs)
-    ("constant", 0, None, {}), ("constant", 3, None, {}), ("linear", 0, None, {}), ("linear", 4, None, {}),
-    ("cosine", 3, None, {}), ("cosine", 0, None, {"num_cycles": 1.5}), ("cosine_with_min_lr", 3, 0.1, {}),
-    ("cosine_with_min_lr", 2, None, {"min_lr": 1e-4}), ("polynomial", 3, 0.01, {"power": 2.0}),
+    ("constant", 0, None, {}),
+    ("constant", 3, None, {}),
+    ("linear", 0, None, {}),
+    ("linear", 4, None, {}),
+    ("cosine", 3, None, {}),
+    ("cosine", 0, None, {"num_cycles": 1.5}),
+    ("cosine_with_min_lr", 3, 0.1, {}),
+    ("cosine_with_min_lr", 2, None, {"min_lr": 1e-4}),
+    ("polynomial", 3, 0.01, {"power": 2.0}),
     ("polynomial", 0, None, {}),
-    ("inverse_sqrt", 4, None, {}), ("inverse_sqrt", 0, None, {}), ("inverse_sqrt", 2, None, {"timescale": 7}),
+    ("inverse_sqrt", 4, None, {}),
+    ("inverse_sqrt", 0, None, {}),
+    ("inverse_sqrt", 2, None, {"timescale": 7}),
     ("warmup_stable_decay", 3, 0.1, {"num_decay_steps": 5}),
     ("warmup_stable_decay", 4, None, {"num_decay_steps": 6, "warmup_type": "cosine", "decay_type": "1-sqrt"}),
-    ("warmup_stable_decay", 5, 0.2, {"num_decay_steps": 4, "num_stable_steps": 3, "warmup_type": "1-sqrt",
-                                     "decay_type": "linear", "num_cycles": 0.7}),
-]  # fmt: skip
+    (
+        "warmup_stable_decay",
+        5,
+        0.2,
+        {
+            "num_decay_steps": 4,
+            "num_stable_steps": 3,
+            "warmup_type": "1-sqrt",
+            "decay_type": "linear",
+            "num_cycles": 0.7,
+        },
+    ),
+]
 
 
 @pytest.mark.parametrize("name, warmup, floor, kwargs", SCHEDULES)
@@ -52,13 +70,19 @@ def test_every_schedule_gives_transformers_lr_at_every_step_bit_for_bit(name, wa
 
     from trainer.optim import schedule_settings
 
-    config = TrainConfig(lr=3e-3, lr_scheduler=name, warmup_steps=warmup, min_lr_ratio=floor,
-                         lr_scheduler_kwargs=kwargs)  # fmt: skip
+    config = TrainConfig(
+        lr=3e-3, lr_scheduler=name, warmup_steps=warmup, min_lr_ratio=floor, lr_scheduler_kwargs=kwargs
+    )
     ours, theirs = (torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=3e-3) for _ in range(2))
     schedule = build_scheduler(ours, config, 20)
     theirs_name = "constant_with_warmup" if name == "constant" else name
-    reference = get_scheduler(theirs_name, theirs, num_warmup_steps=warmup, num_training_steps=20,
-                              scheduler_specific_kwargs=schedule_settings(config, theirs_name))  # fmt: skip
+    reference = get_scheduler(
+        theirs_name,
+        theirs,
+        num_warmup_steps=warmup,
+        num_training_steps=20,
+        scheduler_specific_kwargs=schedule_settings(config, theirs_name),
+    )
     for step in range(25):
         assert ours.param_groups[0]["lr"] == theirs.param_groups[0]["lr"], (name, step)
         for optimizer, scheduler in ((ours, schedule), (theirs, reference)):
@@ -78,8 +102,10 @@ def test_the_groups_and_the_banner():
     config = TrainConfig(weight_decay=0.1, lr_scheduler="cosine", warmup_steps=3)
     optimizer = build_optimizer(model, config)
     words = describe(optimizer, build_scheduler(optimizer, config, 10), config, True, True)
-    assert words == ("adamw lr 0.0003, weight decay 0.1 on 10 of 28 tensors (not biases or norm weights), cosine "
-                     "schedule after 3 warm-up steps")  # fmt: skip
+    assert words == (
+        "adamw lr 0.0003, weight decay 0.1 on 10 of 28 tensors (not biases or norm weights), cosine "
+        "schedule after 3 warm-up steps"
+    )
     yours = torch.optim.RMSprop(model.parameters(), lr=0.01)
     step = torch.optim.lr_scheduler.StepLR(yours, 5)
     assert describe(yours, step, TrainConfig(), False, False) == "your RMSprop (lr 0.01), your StepLR"

@@ -8,8 +8,12 @@ import torch
 
 from trainer.precision import apply_tf32, precision_words
 
-GPUS = {"Tesla V100-SXM2-32GB": (7, 0), "Tesla T4": (7, 5), "NVIDIA A100-SXM4-80GB": (8, 0),
-        "NVIDIA H100 80GB HBM3": (9, 0)}  # fmt: skip
+GPUS = {
+    "Tesla V100-SXM2-32GB": (7, 0),
+    "Tesla T4": (7, 5),
+    "NVIDIA A100-SXM4-80GB": (8, 0),
+    "NVIDIA H100 80GB HBM3": (9, 0),
+}
 
 
 @pytest.fixture

@@ -46,11 +46,25 @@ def start_slow_job(output_dir: Path, *args: str, until: str = "") -> tuple[subpr
     """The 2-process `resume` job at 0.3 s a step, returned once it is past step 6 (and its checkpoint of step 4),
     or once its output holds ``until``."""
     log = tempfile.TemporaryFile("w+")
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "multi_gpu.yaml"),
-               "--main_process_port", str(free_port()), str(SCENARIOS), "resume", "--output_dir", str(output_dir),
-               "--step_sleep", "0.3", *args]  # fmt: skip
-    launcher = subprocess.Popen(command, env=clean_env(), stdout=log, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(CONFIGS / "multi_gpu.yaml"),
+        "--main_process_port",
+        str(free_port()),
+        str(SCENARIOS),
+        "resume",
+        "--output_dir",
+        str(output_dir),
+        "--step_sleep",
+        "0.3",
+        *args,
+    ]
+    launcher = subprocess.Popen(
+        command, env=clean_env(), stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     metrics = output_dir / "metrics" / "rank0.jsonl"
 
     def ready() -> bool:
@@ -123,8 +137,17 @@ def test_a_killed_launcher_takes_the_workers_of_a_stalled_job_with_it(tmp_path):
     launcher's death sends both SIGTERM, but no step can end for the checkpoint, and nobody is left to kill them: each
     ends itself, at once since it is stalled past stall_warning_s, instead of living on until preemption_grace_s (180
     s) or the collective timeout."""
-    launcher, log = start_slow_job(tmp_path, "--stall_at", "5", "--stall_s", "900", "--stall_deaf",
-                                   "--stall_warning_s", "2", until="trainer: stalled for")  # fmt: skip
+    launcher, log = start_slow_job(
+        tmp_path,
+        "--stall_at",
+        "5",
+        "--stall_s",
+        "900",
+        "--stall_deaf",
+        "--stall_warning_s",
+        "2",
+        until="trainer: stalled for",
+    )
     seconds = kill_the_launcher(launcher, tmp_path, within_s=60)
     assert not workers_alive(tmp_path), "the workers of a stalled job outlived their launcher"
     print(f"SIGKILL to a stalled job's launcher: its workers gone {seconds:.1f} s later")
@@ -138,8 +161,20 @@ def test_a_killed_launcher_takes_the_workers_of_a_stalled_job_with_it(tmp_path):
 
 def test_a_save_that_hangs_ends_at_the_deadline_and_the_last_checkpoint_stays(tmp_path):
     started = time.monotonic()
-    result = python(SCENARIOS, "resume", "--output_dir", tmp_path, "--signal_at", 5, "--signal_rank", 0,
-                    "--hang_in_preemption_save", "--preemption_grace_s", 3, expect_ok=False)  # fmt: skip
+    result = python(
+        SCENARIOS,
+        "resume",
+        "--output_dir",
+        tmp_path,
+        "--signal_at",
+        5,
+        "--signal_rank",
+        0,
+        "--hang_in_preemption_save",
+        "--preemption_grace_s",
+        3,
+        expect_ok=False,
+    )
     assert result.returncode == PREEMPTED_EXIT
     assert "HANGING in the save of step 5" in result.stdout
     assert "trainer: still not done 3 s after SIGUSR1 (preemption_grace_s): exiting now" in result.stderr
@@ -149,8 +184,18 @@ def test_a_save_that_hangs_ends_at_the_deadline_and_the_last_checkpoint_stays(tm
 
 def test_a_second_signal_exits_at_once(tmp_path):
     """A second signal, seconds after the first (copies within 2 s count as one)."""
-    command = [sys.executable, str(SCENARIOS), "resume", "--output_dir", str(tmp_path), "--signal_at", "5",
-               "--signal_rank", "0", "--hang_in_preemption_save"]  # fmt: skip
+    command = [
+        sys.executable,
+        str(SCENARIOS),
+        "resume",
+        "--output_dir",
+        str(tmp_path),
+        "--signal_at",
+        "5",
+        "--signal_rank",
+        "0",
+        "--hang_in_preemption_save",
+    ]
     job = subprocess.Popen(command, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in job.stdout:
         if line.startswith("HANGING"):

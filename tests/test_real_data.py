@@ -31,26 +31,43 @@ def run(tmp_path, name, *args, processes=1, launcher=None, **kw):
 
 def largest_difference(a: dict, b: dict) -> float:
     """The largest weight difference, relative to the largest weight of its tensor."""
-    return max(float(np.max(np.abs(np.subtract(a["weights"][k], b["weights"][k]))) / np.max(np.abs(b["weights"][k])))
-               for k in b["weights"])  # fmt: skip
+    return max(
+        float(np.max(np.abs(np.subtract(a["weights"][k], b["weights"][k]))) / np.max(np.abs(b["weights"][k])))
+        for k in b["weights"]
+    )
 
 
 # One launch each for the 1-process and the 2-process jobs (tests/ragged_lm.py --variants): the start-up paid once.
-ONE_PROCESS = {"batch 8": ["--batch_size", "8"],
-               "1 process x 4 x accumulation 2": ["--batch_size", "4", "--accumulation", "2"]}
-TWO_PROCESSES = {"2 processes x 2 x accumulation 2": ["--batch_size", "2", "--accumulation", "2"],
-                 "2 processes x 4": ["--batch_size", "4"],
-                 "2 processes x 4, their loss_fn returns (sum, count)": ["--batch_size", "4", "--loss", "pair"],
-                 "2 processes x 2 x accumulation 2, a torch IterableDataset": [
-                     "--batch_size", "2", "--accumulation", "2", "--data", "torch_stream", "--max_steps", "6"]}
+ONE_PROCESS = {
+    "batch 8": ["--batch_size", "8"],
+    "1 process x 4 x accumulation 2": ["--batch_size", "4", "--accumulation", "2"],
+}
+TWO_PROCESSES = {
+    "2 processes x 2 x accumulation 2": ["--batch_size", "2", "--accumulation", "2"],
+    "2 processes x 4": ["--batch_size", "4"],
+    "2 processes x 4, their loss_fn returns (sum, count)": ["--batch_size", "4", "--loss", "pair"],
+    "2 processes x 2 x accumulation 2, a torch IterableDataset": [
+        "--batch_size",
+        "2",
+        "--accumulation",
+        "2",
+        "--data",
+        "torch_stream",
+        "--max_steps",
+        "6",
+    ],
+}
 # GPT-2 as a sequence classifier takes **kwargs but computes its loss inline, a mean over its examples: weighed by
 # its examples. 46 examples, batch 4: 1 process x accumulation 2 ends on a window of 4 + 2 examples (an average of
 # the two micro-batch means would give the 2 examples the weight of 4); 2 processes end on 3 + 3.
 CLASSIFIER = ["--model", "classifier", "--examples", "46"]
-ONE_PROCESS.update({"classifier, batch 8": [*CLASSIFIER, "--batch_size", "8"],
-                    "classifier, 1 process x 4 x accumulation 2": [*CLASSIFIER, "--batch_size", "4", "--accumulation",
-                                                                   "2"]})
-TWO_PROCESSES["classifier, 2 processes x 4"] = [*CLASSIFIER, "--batch_size", "4"]  # fmt: skip
+ONE_PROCESS.update(
+    {
+        "classifier, batch 8": [*CLASSIFIER, "--batch_size", "8"],
+        "classifier, 1 process x 4 x accumulation 2": [*CLASSIFIER, "--batch_size", "4", "--accumulation", "2"],
+    }
+)
+TWO_PROCESSES["classifier, 2 processes x 4"] = [*CLASSIFIER, "--batch_size", "4"]
 
 
 # The uninterrupted jobs the stream resumes are compared with (by processes, steps), in the same launches.
@@ -64,13 +81,27 @@ def splits(tmp_path_factory) -> dict[str, dict]:
     tmp_path, runs = tmp_path_factory.mktemp("splits"), {}
     for processes, variants in ((1, ONE_PROCESS), (2, TWO_PROCESSES)):
         flags = {name: [*args, *([] if "classifier" in name else ["--eval"])] for name, args in variants.items()}
-        flags.update({f"in order, {p} x {steps}": [*RESUMED, "--max_steps", str(steps)] for p, steps in IN_ORDER
-                      if p == processes})  # fmt: skip
+        flags.update(
+            {
+                f"in order, {p} x {steps}": [*RESUMED, "--max_steps", str(steps)]
+                for p, steps in IN_ORDER
+                if p == processes
+            }
+        )
         keys = {f"v{i}": name for i, name in enumerate(flags)}
-        run(tmp_path, str(processes), "--variants", json.dumps({key: flags[name] for key, name in keys.items()}),
-            processes=processes)  # fmt: skip
-        runs.update({name: json.loads((tmp_path / str(processes) / key / "ragged.json").read_text())
-                     for key, name in keys.items()})  # fmt: skip
+        run(
+            tmp_path,
+            str(processes),
+            "--variants",
+            json.dumps({key: flags[name] for key, name in keys.items()}),
+            processes=processes,
+        )
+        runs.update(
+            {
+                name: json.loads((tmp_path / str(processes) / key / "ragged.json").read_text())
+                for key, name in keys.items()
+            }
+        )
     return runs
 
 
@@ -91,14 +122,33 @@ def test_every_counted_token_weighs_the_same_whatever_the_split(splits):
 
 ORACLE_CASES = {
     "adamw, accumulation 4, warm-up + cosine, clipping, weight decay 0.1, a short last window": [
-        "--examples", "52", "--batch_size", "2", "--accumulation", "4", "--optimizer", "adamw", "--lr", "0.01",
-        "--weight_decay", "0.1", "--schedule", "cosine", "--warmup", "2", "--clip", "0.5"],
+        "--examples",
+        "52",
+        "--batch_size",
+        "2",
+        "--accumulation",
+        "4",
+        "--optimizer",
+        "adamw",
+        "--lr",
+        "0.01",
+        "--weight_decay",
+        "0.1",
+        "--schedule",
+        "cosine",
+        "--warmup",
+        "2",
+        "--clip",
+        "0.5",
+    ],
     "sgd, batch 8": ["--batch_size", "8"],
-}  # fmt: skip
+}
 
 
-@pytest.mark.skipif(Version(transformers.__version__) < Version("5.17"),
-                    reason="transformers' Trainer counts a causal LM's tokens after the shift from 5.x (checked: 5.17)")
+@pytest.mark.skipif(
+    Version(transformers.__version__) < Version("5.17"),
+    reason="transformers' Trainer counts a causal LM's tokens after the shift from 5.x (checked: 5.17)",
+)
 def test_transformers_trainer_reaches_the_same_weights_bit_for_bit(tmp_path):
     cases = {f"c{i}": flags for i, flags in enumerate(ORACLE_CASES.values())}
     for trainer in ("ours", "hf"):
@@ -128,13 +178,17 @@ def in_order(splits):
 # resumed, the first batch each process reads when it reruns): at the very end of a pass on 1 process, a datasets
 # stream and a torch IterableDataset with state_dict(); 2 steps into the second pass on 2 (datasets'
 # split_dataset_by_node: every 2nd example).
-STREAM_RESUMES = [("stream", 1, 14, 13, 12, [[0, 1]]), ("torch_stream", 1, 14, 13, 12, [[0, 1]]),
-                  ("stream", 2, 10, 9, 8, [[16, 18], [17, 19]])]  # fmt: skip
+STREAM_RESUMES = [
+    ("stream", 1, 14, 13, 12, [[0, 1]]),
+    ("torch_stream", 1, 14, 13, 12, [[0, 1]]),
+    ("stream", 2, 10, 9, 8, [[16, 18], [17, 19]]),
+]
 
 
 @pytest.mark.parametrize("data,processes,steps,crash,resumed_at,first_reads", STREAM_RESUMES)
-def test_a_stream_is_read_in_parts_and_resumes_where_it_stopped_bit_identical(tmp_path, in_order, data, processes,
-                                                                              steps, crash, resumed_at, first_reads):
+def test_a_stream_is_read_in_parts_and_resumes_where_it_stopped_bit_identical(
+    tmp_path, in_order, data, processes, steps, crash, resumed_at, first_reads
+):
     if data == "stream":
         pytest.importorskip("datasets")
     args = [*RESUMED, "--data", data, "--max_steps", str(steps)]
@@ -152,6 +206,8 @@ def test_a_stream_that_cannot_say_where_it_is_is_refused_at_resume(tmp_path):
     args = [*RESUMED, "--data", "torch_stream", "--stateless", "--max_steps", "10"]
     run(tmp_path, "run", *args, "--crash_at", "5", expect_ok=False)
     _, result = run(tmp_path, "run", *args, expect_ok=False)
-    assert "trainer: the checkpoint is 8 batches into an epoch of train_data (TorchStream), but it could not say " \
-           "where it stood: it has no state_dict() / load_state_dict()" in result.stderr
+    assert (
+        "trainer: the checkpoint is 8 batches into an epoch of train_data (TorchStream), but it could not say "
+        "where it stood: it has no state_dict() / load_state_dict()" in result.stderr
+    )
     assert "Traceback" not in result.stderr

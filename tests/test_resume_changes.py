@@ -43,8 +43,10 @@ def figure(line: str, name: str):
 
 def test_a_changed_optimizer_is_refused_naming_both_whoever_built_it(cases):
     for new in ("sgd", "adam"):
-        assert (f"step-00000009: it was written with optimizer adamw, and this run has {new}: the saved optimizer "
-                f"state cannot go on as {new}'s. Resume with optimizer adamw") in cases[f"optimizer_{new}"]
+        assert (
+            f"step-00000009: it was written with optimizer adamw, and this run has {new}: the saved optimizer "
+            f"state cannot go on as {new}'s. Resume with optimizer adamw"
+        ) in cases[f"optimizer_{new}"]
         # Loaded for evaluate() and predict(), not "resumed from": fit() refuses to continue from it.
         assert "step-00000009 for evaluate() and predict() only: step 9, epoch 1" in cases[f"optimizer_{new}"]
         assert "resumed from" not in cases[f"optimizer_{new}"]
@@ -59,24 +61,36 @@ def test_a_changed_lr_or_schedule_is_applied_whole_from_the_next_step_and_said(c
         line = cases[name]
         assert "REFUSED" not in line, line
         assert math.isclose(figure(line, "next_lr"), figure(line, "fresh_lr"), rel_tol=1e-12), line
-    assert ("changed since the checkpoint, applied from step 10: lr 0.01 -> 0.0001, so the next step's lr is "
-            "3.806e-06, not 0.0003806") in cases["lr"]  # fmt: skip
-    assert "lr_scheduler cosine -> constant, warmup_steps 2 -> 0, so the next step's lr is 0.01, not 0.0003806" \
+    assert (
+        "changed since the checkpoint, applied from step 10: lr 0.01 -> 0.0001, so the next step's lr is "
+        "3.806e-06, not 0.0003806"
+    ) in cases["lr"]
+    assert (
+        "lr_scheduler cosine -> constant, warmup_steps 2 -> 0, so the next step's lr is 0.01, not 0.0003806"
         in cases["constant"]
+    )
     assert "applied from step 11: max_steps 10 -> 20, so the next step's lr is 0.005868, not 0" in cases["max_steps"]
     assert figure(cases["weight_decay"], "settings") == [[0.8, 0.99], 0.02], "the optimizer's own settings too"
     assert "changed since" not in cases["unchanged"]
 
 
 def test_a_seed_change_is_refused_mid_epoch_and_taken_at_an_epoch_boundary(cases):
-    assert ("seed 0 -> 1 changes the order of examples in the epoch it stopped in: some examples would be read "
-            "twice and others never. Resume with seed 0 until the epoch ends") in cases["seed_mid_epoch"]  # fmt: skip
+    assert (
+        "seed 0 -> 1 changes the order of examples in the epoch it stopped in: some examples would be read "
+        "twice and others never. Resume with seed 0 until the epoch ends"
+    ) in cases["seed_mid_epoch"]
     assert "applied from step 7: seed 0 -> 1" in cases["seed_at_epoch_end"]
 
 
-@pytest.mark.parametrize("name, shown", [("elsewhere", "holds b'../../other/checkpoints/step-00000003'"),
-                                         ("not_utf8", r"holds b'\xff\xfe'"), ("empty", "is empty"),
-                                         ("nul", r"holds b'\x00\x00")])  # fmt: skip
+@pytest.mark.parametrize(
+    "name, shown",
+    [
+        ("elsewhere", "holds b'../../other/checkpoints/step-00000003'"),
+        ("not_utf8", r"holds b'\xff\xfe'"),
+        ("empty", "is empty"),
+        ("nul", r"holds b'\x00\x00"),
+    ],
+)
 def test_a_damaged_latest_pointer_is_named_and_the_newest_whole_checkpoint_used(cases, name, shown):
     line = cases[f"pointer_{name}"]
     assert figure(line, "resumed") == "step-00000010", line
@@ -100,10 +114,14 @@ def test_an_unwritable_metrics_file_is_one_line_on_each_rank(cases):
 
 
 def test_a_misspelt_figure_to_keep_or_watch_is_one_line_at_the_first_evaluation(cases):
-    assert "REFUSED keep_best is 'eval_los', but evaluate() gives eval_loss, eval_examples: set keep_best to one " \
+    assert (
+        "REFUSED keep_best is 'eval_los', but evaluate() gives eval_loss, eval_examples: set keep_best to one "
         "of them" in cases["misspelt_keep_best"]
-    assert "REFUSED EarlyStopping watches 'eval_accuracy', but evaluate() gives eval_loss, eval_examples: set its " \
+    )
+    assert (
+        "REFUSED EarlyStopping watches 'eval_accuracy', but evaluate() gives eval_loss, eval_examples: set its "
         "monitor to one of them" in cases["misspelt_early_stopping"]
+    )
 
 
 def test_a_resumed_run_shows_each_step_once_in_tensorboard(cases, cases_dir):
@@ -137,8 +155,10 @@ def test_the_figures_a_user_logs_reach_every_tracker_from_every_rank(cases, case
         events = EventAccumulator(str(out / "tensorboard" / f"rank{rank}")).Reload()
         assert [e.value for e in events.Scalars("rank_figure")] == [100 * rank + 1.5, 100 * rank + 3.5]
         assert "rank/loss" in events.Tags()["scalars"]
-    assert all(row["global/grad_norm"] == h["grad_norm"] for row, h in zip(
-        [r for r in rows[0] if "global/grad_norm" in r], history, strict=True))  # fmt: skip
+    assert all(
+        row["global/grad_norm"] == h["grad_norm"]
+        for row, h in zip([r for r in rows[0] if "global/grad_norm" in r], history, strict=True)
+    )
     runs = {run.name: run for run in offline_runs(out)}
     assert sorted(runs) == ["experiment-rank0", "experiment-rank1"]
     assert [h["rank_figure"] for h in runs["experiment-rank1"].history if "rank_figure" in h] == [101.5, 103.5]
@@ -159,11 +179,25 @@ def test_sighup_during_slow_saves_checkpoints_at_the_next_save_not_saves_later(t
     """Saves of 2 s against steps of 0.05 s: the ranks' agreement, paced on the steps, would come some 20 steps
     (five saves) after the signal; a periodic save first asks every rank, so the preemption's checkpoint is that
     save's step. SIGHUP (an ssh session closed) is a preemption signal by default, as SIGQUIT is."""
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "multi_gpu.yaml"),
-               "--main_process_port", str(free_port()), str(CASES), "--output_dir", str(tmp_path),
-               "--slow_saves", "2", "--signal", "SIGHUP"]  # fmt: skip
-    job = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=240,
-                         start_new_session=True)  # fmt: skip  (the job's own process group: the script signals it)
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(CONFIGS / "multi_gpu.yaml"),
+        "--main_process_port",
+        str(free_port()),
+        str(CASES),
+        "--output_dir",
+        str(tmp_path),
+        "--slow_saves",
+        "2",
+        "--signal",
+        "SIGHUP",
+    ]
+    job = subprocess.run(
+        command, env=clean_env(), capture_output=True, text=True, timeout=240, start_new_session=True
+    )  # the job's own process group: the script signals it
     output = job.stdout + job.stderr
     assert "SIGNAL SIGHUP to the job after step 5" in output, output[-3000:]
     assert "trainer: preempted (SIGHUP) at step 8 of 200: checkpoint" in output, output[-3000:]

@@ -17,7 +17,7 @@ from trainer.resume_policy import (
     changed_settings,
     find_resume_point,
     group_settings,
-    random_states,  # fmt: skip
+    random_states,
     refusal,
     resumed_position,
     said,
@@ -35,16 +35,21 @@ def test_the_same_global_batch_on_another_split_continues_at_the_same_example():
     # 2 x 2 x accumulation 2, 8 micro-batches in (4 steps): 1 x 2 x 4 reads on from micro-batch 16 (4 steps of 4)
     batches, words = resumed_position(run_of(2, 2, 2), 8, Split(1, 2, 4), PATH, streaming=False)
     assert batches == 16
-    assert words == ("; split 2 process(es) x batch 2 x accumulation 2 = 8 global -> 1 process(es) x batch 2 x "
-                     "accumulation 4 = 8 global: the same global batch, the same examples")  # fmt: skip
+    assert words == (
+        "; split 2 process(es) x batch 2 x accumulation 2 = 8 global -> 1 process(es) x batch 2 x "
+        "accumulation 4 = 8 global: the same global batch, the same examples"
+    )
 
 
-@pytest.mark.parametrize("now, keep", [
-    (Split(2, 4, 1), "keep 4 global (batch_size 2 with gradient_accumulation_steps 1)"),
-    (Split(3, 1, 1), "keep 4 global (4 does not split over 3 processes: launch a divisor of it)"),
-    (Split(2, 1, 4), "keep 4 global (batch_size 2 with gradient_accumulation_steps 1)"),
-    (Split(1, 3, 2), "keep 4 global (batch_size 2 with gradient_accumulation_steps 2)"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "now, keep",
+    [
+        (Split(2, 4, 1), "keep 4 global (batch_size 2 with gradient_accumulation_steps 1)"),
+        (Split(3, 1, 1), "keep 4 global (4 does not split over 3 processes: launch a divisor of it)"),
+        (Split(2, 1, 4), "keep 4 global (batch_size 2 with gradient_accumulation_steps 1)"),
+        (Split(1, 3, 2), "keep 4 global (batch_size 2 with gradient_accumulation_steps 2)"),
+    ],
+)
 def test_another_global_batch_is_refused_naming_both_and_a_split_that_keeps_it(now, keep):
     with pytest.raises(CheckpointError, match="was written with 1 process") as refused:
         resumed_position(run_of(1, 4, 1), 3, now, PATH, streaming=False)
@@ -56,8 +61,9 @@ def test_a_streams_split_cannot_change():
         resumed_position(run_of(2, 2, 2), 8, Split(1, 2, 4), PATH, streaming=True)
 
 
-BASE = TrainConfig(optimizer="adamw", lr=1e-2, weight_decay=0.01, lr_scheduler="cosine", warmup_steps=2,
-                   max_steps=10).to_dict()  # fmt: skip
+BASE = TrainConfig(
+    optimizer="adamw", lr=1e-2, weight_decay=0.01, lr_scheduler="cosine", warmup_steps=2, max_steps=10
+).to_dict()
 
 
 def refused(mid_epoch: bool = True, saved_class: str = "AdamW", now_class: str = "AdamW", **changes):
@@ -73,15 +79,19 @@ def test_what_the_saved_state_cannot_go_on_under_is_refused_by_name():
     assert "seed 0 -> 1 changes the order of examples in the epoch it stopped in" in refused(seed=1)
     assert refused(seed=1, mid_epoch=False) is None, "at an epoch's end any order goes"
     assert refused(seed=1, shuffle=False) is not None, "shuffle changed too: the order changes"
-    assert refusal({**BASE, "shuffle": False}, {**BASE, "shuffle": False, "seed": 1}, PATH, True, True, "AdamW",
-                   "AdamW") is None, "an epoch read in order does not depend on the seed"  # fmt: skip
+    assert (
+        refusal({**BASE, "shuffle": False}, {**BASE, "shuffle": False, "seed": 1}, PATH, True, True, "AdamW", "AdamW")
+        is None
+    ), "an epoch read in order does not depend on the seed"
 
 
 def test_what_changed_is_said_in_one_line_with_the_next_lr():
     changes = changed_settings(BASE, {**BASE, "lr": 1e-4, "output_dir": "elsewhere", "batch_size": 99})
     assert changes == {"lr": (0.01, 0.0001)}, "where the run writes and how it splits are not compared"
-    assert said(changes, 9, (3.8e-4, 3.8e-6)) == ("changed since the checkpoint, applied from step 10: lr 0.01 -> "
-                                                   "0.0001, so the next step's lr is 3.8e-06, not 0.00038")  # fmt: skip
+    assert said(changes, 9, (3.8e-4, 3.8e-6)) == (
+        "changed since the checkpoint, applied from step 10: lr 0.01 -> "
+        "0.0001, so the next step's lr is 3.8e-06, not 0.00038"
+    )
     assert said({}, 9, (0.1, 0.1)) == ""
 
 

@@ -36,7 +36,7 @@ ONE_PROCESS = {
     "short_window_small": [*SHORT_WINDOW, "--batch_size", "2", "--gradient_accumulation_steps", "4"],
     "long_window_whole": [*LONG_WINDOW, "--batch_size", "12"],
     "long_window_accumulated": [*LONG_WINDOW, "--batch_size", "2", "--gradient_accumulation_steps", "8"],
-}  # fmt: skip
+}
 TWO_PROCESSES = {
     "sgd_sum": [*COMMON, "--opt", "sgd", "--loss", "sum", "--batch_size", "5", "--lr", "2"],
     "sgd_sum_same_lr": [*COMMON, "--opt", "sgd", "--loss", "sum", "--batch_size", "5", "--lr", "1"],
@@ -45,7 +45,7 @@ TWO_PROCESSES = {
     "sharding_padded_tail": SHARDING,
     "reshuffle": [*RESHUFFLE, "--batch_size", "3"],
     "short_window": [*SHORT_WINDOW, "--batch_size", "2", "--gradient_accumulation_steps", "2"],
-}  # fmt: skip
+}
 
 
 def jobs(runs: dict, out: Path) -> str:

@@ -20,8 +20,11 @@ from conftest import ROOT, SAME_UPDATES, SCENARIOS, clean_env, read_summary
 
 pytestmark = [
     pytest.mark.xdist_group("slurm"),  # its tests share one Slurm cluster (module-scoped): started once
-    pytest.mark.skipif(bool(slurm_cluster.missing()), reason="Slurm is not installed here (missing "
-                       f"{', '.join(slurm_cluster.missing())}): apt-get install slurmctld slurmd slurm-client munge"),
+    pytest.mark.skipif(
+        bool(slurm_cluster.missing()),
+        reason="Slurm is not installed here (missing "
+        f"{', '.join(slurm_cluster.missing())}): apt-get install slurmctld slurmd slurm-client munge",
+    ),
 ]
 SCRIPTS = ROOT / "examples" / "slurm"
 # The scripts' #SBATCH lines are for a GPU cluster ("edit them for yours"): here, from the command line.
@@ -47,8 +50,7 @@ def sbatch(cluster, script: str, *args, env: dict, sbatch_args=(), wait: bool = 
     """Submit as a user would; with ``wait``, until the job ended, and it must have completed. (Polled here rather
     than by `sbatch --wait`, whose own polling backs off to tens of seconds: most of a test's time.)"""
     cluster.env = {**clean_env(), **env, "SLURM_CONF": str(cluster.conf)}
-    done = cluster.run("sbatch", "--parsable", *HERE, *sbatch_args, SCRIPTS / script, *args, check=False,
-                       timeout=300)  # fmt: skip
+    done = cluster.run("sbatch", "--parsable", *HERE, *sbatch_args, SCRIPTS / script, *args, check=False, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     job = done.stdout.strip().split(";")[0]
     if wait:
@@ -59,9 +61,18 @@ def sbatch(cluster, script: str, *args, env: dict, sbatch_args=(), wait: bool = 
 
 def test_single_node_script_under_sbatch_matches_one_process(cluster, tmp_path, one_process):  # noqa: F811
     log = tmp_path / "job.out"
-    job = sbatch(cluster, "single_node.sbatch", *COMMON, *SGD_MEAN, "--batch_size", "5", "--output_dir",
-                 tmp_path / "out", env={"SCRIPT": str(SAME_UPDATES), "PROCESSES_PER_NODE": "2"},
-                 sbatch_args=["--gpus=0", "-o", str(log)])  # fmt: skip
+    job = sbatch(
+        cluster,
+        "single_node.sbatch",
+        *COMMON,
+        *SGD_MEAN,
+        "--batch_size",
+        "5",
+        "--output_dir",
+        tmp_path / "out",
+        env={"SCRIPT": str(SAME_UPDATES), "PROCESSES_PER_NODE": "2"},
+        sbatch_args=["--gpus=0", "-o", str(log)],
+    )
     assert f"slurm job {job}: 1 node, 2 process(es)" in log.read_text()
     two = read_summary(tmp_path / "out")
     assert two["world_size"] == 2
@@ -70,10 +81,22 @@ def test_single_node_script_under_sbatch_matches_one_process(cluster, tmp_path, 
 
 def test_two_node_script_under_sbatch_matches_one_process(cluster, tmp_path, one_process):  # noqa: F811
     log = tmp_path / "job.out"
-    job = sbatch(cluster, "multi_node.sbatch", *COMMON, *SGD_MEAN, "--batch_size", "5", "--output_dir",
-                 tmp_path / "out", env={"SCRIPT": str(SAME_UPDATES), "PROCESSES_PER_NODE": "1",
-                                        "MAIN_PROCESS_IP": "127.0.0.1"},  # n1, n2: names that do not resolve here
-                 sbatch_args=["--nodes=2", "--gpus-per-node=0", "-o", str(log)])  # fmt: skip
+    job = sbatch(
+        cluster,
+        "multi_node.sbatch",
+        *COMMON,
+        *SGD_MEAN,
+        "--batch_size",
+        "5",
+        "--output_dir",
+        tmp_path / "out",
+        env={
+            "SCRIPT": str(SAME_UPDATES),
+            "PROCESSES_PER_NODE": "1",
+            "MAIN_PROCESS_IP": "127.0.0.1",
+        },  # n1, n2: names that do not resolve here
+        sbatch_args=["--nodes=2", "--gpus-per-node=0", "-o", str(log)],
+    )
     text = log.read_text()
     assert f"slurm job {job}: 2 nodes x 1 process(es), head 127.0.0.1:" in text
     assert cluster.job_state(job)["NodeList"] == "n[1-2]"
@@ -84,9 +107,19 @@ def test_two_node_script_under_sbatch_matches_one_process(cluster, tmp_path, one
 
 def test_a_preempted_job_checkpoints_requeues_itself_and_finishes_bit_identical(cluster, tmp_path, reference):  # noqa: F811
     log, out = tmp_path / "job.out", tmp_path / "out"
-    job = sbatch(cluster, "single_node.sbatch", "resume", "--output_dir", out, "--step_sleep", "0.5",
-                 "--slurm_requeue", env={"SCRIPT": str(SCENARIOS), "PROCESSES_PER_NODE": "2"},
-                 sbatch_args=["--gpus=0", "-o", str(log)], wait=False)  # fmt: skip
+    job = sbatch(
+        cluster,
+        "single_node.sbatch",
+        "resume",
+        "--output_dir",
+        out,
+        "--step_sleep",
+        "0.5",
+        "--slurm_requeue",
+        env={"SCRIPT": str(SCENARIOS), "PROCESSES_PER_NODE": "2"},
+        sbatch_args=["--gpus=0", "-o", str(log)],
+        wait=False,
+    )
     metrics = out / "metrics" / "rank0.jsonl"
     deadline = time.monotonic() + 120
     while not (metrics.is_file() and '"step": 6' in metrics.read_text()):

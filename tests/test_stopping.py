@@ -19,8 +19,12 @@ from conftest import JOBS, SCENARIOS, accelerate_launch, split_jobs
 pytestmark = pytest.mark.xdist_group("stopping")  # four of its runs share one launch: run it once
 
 # The runs that need no signal, in one launch of 2 processes (tests/jobs.py), in this order: name -> arguments.
-RUNS = {"one_rank_stops": ["stop", "--stop_at", "5"], "early_stopping": ["stop"], "best": ["best"],
-        "best_again": ["best", "--max_steps", "14"]}  # fmt: skip
+RUNS = {
+    "one_rank_stops": ["stop", "--stop_at", "5"],
+    "early_stopping": ["stop"],
+    "best": ["best"],
+    "best_again": ["best", "--max_steps", "14"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +38,11 @@ def runs(tmp_path_factory) -> dict[str, tuple[str, Path]]:
 
 
 def stopped(output: str) -> tuple[dict, str]:
-    reports = {line.split(" ", 2)[1]: json.loads(line.split(" ", 2)[2])
-               for line in output.splitlines() if line.startswith("STOPPED ")}  # fmt: skip
+    reports = {
+        line.split(" ", 2)[1]: json.loads(line.split(" ", 2)[2])
+        for line in output.splitlines()
+        if line.startswith("STOPPED ")
+    }
     assert set(reports) == {"rank0", "rank1"}
     for report in reports.values():
         report.pop("train_runtime_s")
@@ -71,14 +78,20 @@ def test_early_stopping_and_a_users_callback_keep_their_state_across_a_preemptio
     assert "trainer: preempted (SIGUSR1) at step 6 of 40" in preempted.stdout, preempted.stdout[-2000:]
     assert f"exitcode  : {PREEMPTED_EXIT}" in preempted.stderr
     resumed = accelerate_launch(SCENARIOS, "patience", "--output_dir", tmp_path)
-    begin = {line.split(" ", 2)[1]: json.loads(line.split(" ", 2)[2])
-             for line in resumed.stdout.splitlines() if line.startswith("BEGIN ")}  # fmt: skip
+    begin = {
+        line.split(" ", 2)[1]: json.loads(line.split(" ", 2)[2])
+        for line in resumed.stdout.splitlines()
+        if line.startswith("BEGIN ")
+    }
     assert begin["rank0"] == begin["rank1"]
-    assert {key: begin["rank0"][key] for key in ("step", "waited", "best_step", "seen")} == \
-        {"step": 6, "waited": 2, "best_step": 2, "seen": 3}  # fmt: skip
+    assert {key: begin["rank0"][key] for key in ("step", "waited", "best_step", "seen")} == {
+        "step": 6,
+        "waited": 2,
+        "best_step": 2,
+        "seen": 3,
+    }
     assert begin["rank0"]["total"] > 0, "the callback's tensor came back too"
-    stopped = [json.loads(line.split(" ", 2)[2]) for line in resumed.stdout.splitlines()
-               if line.startswith("STOPPED ")]  # fmt: skip
+    stopped = [json.loads(line.split(" ", 2)[2]) for line in resumed.stdout.splitlines() if line.startswith("STOPPED ")]
     assert len(stopped) == 2 and all(result["global_step"] == 10 for result in stopped), stopped
     assert "EarlyStopping: eval_loss has not improved on" in stopped[0]["stopped"]
     assert "(step 2) for 3 evaluations" in stopped[0]["stopped"]
@@ -91,14 +104,20 @@ def test_keep_best_keeps_the_best_evaluations_checkpoint_apart_from_keep_last(ru
     assert f"BEST rank0 {best} " in output and f"BEST rank1 {best} " in output
     assert '"figure": "eval_peak", "value": 0.0, "step": 4' in output
     # load_best_at_end (keep_best's default): the model fit() ends with is the best evaluation's, and it says so.
-    assert "load_best_at_end: final/ holds the weights of step 4, the best evaluation (eval_peak 0), not those of " \
+    assert (
+        "load_best_at_end: final/ holds the weights of step 4, the best evaluation (eval_peak 0), not those of "
         "the last step, 10" in output
+    )
     # Resumed and trained on, the best is still the step-4 one (its value came back with the checkpoint); the
     # first run kept best, latest, step 4 and step 10 (keep_last=1): step 10 gives way to step 14.
     again, _ = runs["best_again"]
     assert f"BEST rank0 {best} " in again and f"resumed from {tmp_path}/checkpoints/step-00000010" in again
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["best", "latest", "step-00000004",
-                                                                            "step-00000014"]  # fmt: skip
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "best",
+        "latest",
+        "step-00000004",
+        "step-00000014",
+    ]
     assert_same_weights(tmp_path / "final" / "model.safetensors", best / "model.safetensors")
 
 

@@ -61,8 +61,10 @@ def test_two_processes_log_two_runs_in_one_group_with_their_own_shards(logged_ru
     # The straggler: rank 1 sleeps 100 ms in every forward; the main process names it at every log.
     assert [h["global/slowest_rank"] for h in logged(rank0)] == [1] * 6
     assert all(h["global/step_time_max_s"] >= h["global/step_time_min_s"] for h in logged(rank0))
-    assert all(h["global/forward_max_s"] == own1["rank/forward_s"] >= 0.1 for h, own1 in
-               zip(logged(rank0), logged(rank1), strict=True))  # fmt: skip
+    assert all(
+        h["global/forward_max_s"] == own1["rank/forward_s"] >= 0.1
+        for h, own1 in zip(logged(rank0), logged(rank1), strict=True)
+    )
     # The local metrics hold the same figures, one file per rank.
     lines = [json.loads(line) for line in (out / "metrics" / "rank1.jsonl").read_text().splitlines()]
     assert [line["rank/loss"] for line in lines] == [h["rank/loss"] for h in logged(rank1)]
@@ -88,8 +90,19 @@ def test_a_resumed_job_continues_the_same_runs(tmp_path):
 
 def test_a_preempted_job_ends_its_runs_preempting_and_the_rerun_continues_them(tmp_path):
     out, env = tmp_path / "run", wandb_env(tmp_path)
-    preempted = accelerate_launch(SCENARIOS, "resume", "--output_dir", out, *PROJECT, "--signal_at", "2",
-                                  "--signal_rank", "1", env=env, expect_ok=False)  # fmt: skip
+    preempted = accelerate_launch(
+        SCENARIOS,
+        "resume",
+        "--output_dir",
+        out,
+        *PROJECT,
+        "--signal_at",
+        "2",
+        "--signal_rank",
+        "1",
+        env=env,
+        expect_ok=False,
+    )
     assert "trainer: preempted (SIGUSR1) at step 3 of 18" in preempted.stdout
     first = offline_runs(out)
     assert len(first) == 2 and all(r.preempting and r.exit_code == 75 for r in first), first
@@ -103,13 +116,18 @@ def test_a_preempted_job_ends_its_runs_preempting_and_the_rerun_continues_them(t
 
 def test_an_exception_on_one_rank_marks_its_run_failed_with_the_error(tmp_path):
     out = tmp_path / "run"
-    failed = accelerate_launch(SCENARIOS, "resume", "--output_dir", out, *PROJECT, "--raise_at", "5",
-                               env=wandb_env(tmp_path), expect_ok=False)  # fmt: skip
+    failed = accelerate_launch(
+        SCENARIOS, "resume", "--output_dir", out, *PROJECT, "--raise_at", "5", env=wandb_env(tmp_path), expect_ok=False
+    )
     assert "boom on rank 1 at step 5" in failed.stderr
     # Rank 0, left in the gradients' all-reduce, says so in one line rather than with a second traceback (unless
     # the launcher, seeing rank 1 gone, ends it first: then it says nothing).
-    assert failed.stderr.count("trainer: another process of the job ended while this one waited for it in a "
-                               "collective (Connection ") <= 1, failed.stderr[-3000:]  # fmt: skip
+    assert (
+        failed.stderr.count(
+            "trainer: another process of the job ended while this one waited for it in a collective (Connection "
+        )
+        <= 1
+    ), failed.stderr[-3000:]
     assert "[rank0]: Traceback" not in failed.stderr, failed.stderr[-3000:]
     rank1 = by_name(offline_runs(out))["exp-rank1"]
     assert rank1.exit_code == 1
@@ -121,8 +139,9 @@ def test_an_exception_on_one_rank_marks_its_run_failed_with_the_error(tmp_path):
 
 def test_no_credentials_and_no_network_still_train_offline(tmp_path):
     # Online mode, an API key, and a server address where nothing listens: wandb.init fails (fast, here).
-    env = wandb_env(tmp_path, WANDB_API_KEY="x" * 40, WANDB_BASE_URL=f"http://127.0.0.1:{free_port()}",
-                    WANDB_INIT_TIMEOUT="3")  # fmt: skip
+    env = wandb_env(
+        tmp_path, WANDB_API_KEY="x" * 40, WANDB_BASE_URL=f"http://127.0.0.1:{free_port()}", WANDB_INIT_TIMEOUT="3"
+    )
     del env["WANDB_MODE"]
     result = python(SCENARIOS, "resume", "--output_dir", tmp_path / "a", *PROJECT, env=env)
     assert result.stderr.count("wandb is unreachable") == 1 and "RESULT" in result.stdout

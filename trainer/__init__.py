@@ -11,15 +11,15 @@ The same script runs on a CPU, one GPU, a node or a cluster; the accelerate conf
 from trainer.callbacks import EarlyStopping
 from trainer.config import TrainConfig
 from trainer.errors import (
-                            PREEMPTED_EXIT,
-                            CheckpointError,
-                            ConfigError,
-                            DataError,
-                            NonFiniteLoss,
-                            Preempted,
-                            Refusal,
-                            WorldSizeMismatch,  # fmt: skip
-                            install_hook,
+    PREEMPTED_EXIT,
+    CheckpointError,
+    ConfigError,
+    DataError,
+    NonFiniteLoss,
+    Preempted,
+    Refusal,
+    WorldSizeMismatch,
+    install_hook,
 )
 from trainer.launch import distributed_state
 from trainer.trainer import Trainer
@@ -27,7 +27,17 @@ from trainer.trainer import Trainer
 install_hook()  # an uncaught Refusal ends the process with its one-line message, not a traceback
 
 __all__ = [
-    "CheckpointError", "ConfigError", "DataError", "EarlyStopping", "NonFiniteLoss", "PREEMPTED_EXIT", "Preempted",
-    "Refusal", "TrainConfig", "Trainer", "WorldSizeMismatch", "distributed_state",
-]  # fmt: skip
+    "CheckpointError",
+    "ConfigError",
+    "DataError",
+    "EarlyStopping",
+    "NonFiniteLoss",
+    "PREEMPTED_EXIT",
+    "Preempted",
+    "Refusal",
+    "TrainConfig",
+    "Trainer",
+    "WorldSizeMismatch",
+    "distributed_state",
+]
 __version__ = "0.1.0"

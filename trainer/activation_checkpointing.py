@@ -21,9 +21,11 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     names = set(getattr(model, "_no_split_modules", None) or ())
     found = [module for module in model.modules() if module is not model and type(module).__name__ in names]
     if not found:
-        raise ConfigError(f"activation_checkpointing: no transformer block found in {type(model).__name__} (it "
-                             "names none in _no_split_modules, as transformers models do): set it to false, or wrap "
-                             "your blocks with torch.utils.checkpoint yourself")  # fmt: skip
+        raise ConfigError(
+            f"activation_checkpointing: no transformer block found in {type(model).__name__} (it "
+            "names none in _no_split_modules, as transformers models do): set it to false, or wrap "
+            "your blocks with torch.utils.checkpoint yourself"
+        )
     return outermost(found)
 
 
@@ -46,6 +48,7 @@ def checkpoint_activations(model: torch.nn.Module, blocks: list[torch.nn.Module]
     if getattr(config, "use_cache", False):
         config.use_cache = False  # a recomputed block would add its keys to the cache twice (transformers does this)
     chosen = {id(block) for block in blocks}
-    apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,
-                                   check_fn=lambda module: id(module) in chosen)  # fmt: skip
+    apply_activation_checkpointing(
+        model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda module: id(module) in chosen
+    )
     return [module for module in model.modules() if isinstance(module, CheckpointWrapper)]

@@ -38,8 +38,9 @@ def holds_adapter(folder: Path) -> bool:
     return (folder / ADAPTER_CONFIG).is_file()
 
 
-def write_adapter(folder: Path, directory: Path, names: list[str],
-                  fetch: Callable[[list[str]], dict[str, torch.Tensor]], merged: bool) -> Path:  # fmt: skip
+def write_adapter(
+    folder: Path, directory: Path, names: list[str], fetch: Callable[[list[str]], dict[str, torch.Tensor]], merged: bool
+) -> Path:
     """Write checkpoint ``folder``'s adapter (``merged``: the base model with it folded in) into ``directory``;
     ``names``: the checkpoint's tensors, ``fetch(names)``: those tensors whole on the CPU. Returns the main file."""
     model = _meta_model(folder)
@@ -52,8 +53,10 @@ def write_adapter(folder: Path, directory: Path, names: list[str],
     base.tie_weights()  # a tied weight is stored once (the input embedding's); from_pretrained ties it again
     left = [name for name, tensor in model.state_dict().items() if tensor.is_meta]
     if left:
-        raise ExportError(f"checkpoint {folder} holds no tensor for {', '.join(left[:3])}"
-                          f"{' and others' if len(left) > 3 else ''}: it cannot be merged")  # fmt: skip
+        raise ExportError(
+            f"checkpoint {folder} holds no tensor for {', '.join(left[:3])}"
+            f"{' and others' if len(left) > 3 else ''}: it cannot be merged"
+        )
     model.merge_and_unload().save_pretrained(str(directory))
     written = sorted(directory.glob("model*.safetensors*"))
     return next((path for path in written if path.name.endswith(".json")), written[0])
@@ -67,8 +70,9 @@ def write_merged(model: torch.nn.Module, state: dict[str, torch.Tensor], directo
 
     with tempfile.TemporaryDirectory() as configs:
         save_model_config(model, Path(configs))  # the base model's config and the adapters', as a checkpoint's
-        return write_adapter(Path(configs), directory, list(state), lambda wanted: {n: state[n] for n in wanted},
-                             merged=True)  # fmt: skip
+        return write_adapter(
+            Path(configs), directory, list(state), lambda wanted: {n: state[n] for n in wanted}, merged=True
+        )
 
 
 def _saved_by_peft(model: torch.nn.Module, names: list[str]) -> list[str]:
@@ -96,9 +100,11 @@ def _meta_model(folder: Path) -> torch.nn.Module:
     architecture = (config.architectures or [""])[0]
     model_class = getattr(transformers, architecture, None)
     if model_class is None:
-        raise ExportError(f"checkpoint {folder} holds a PEFT adapter over a {architecture or 'model with no class'} "
-                          "(its config.json), which transformers does not name: load the checkpoint with the "
-                          "Trainer and call save_pretrained")  # fmt: skip
+        raise ExportError(
+            f"checkpoint {folder} holds a PEFT adapter over a {architecture or 'model with no class'} "
+            "(its config.json), which transformers does not name: load the checkpoint with the "
+            "Trainer and call save_pretrained"
+        )
     with torch.device("meta"):
         base = model_class(config)
         model = get_peft_model(base, PeftConfig.from_pretrained(str(folder)))

@@ -35,8 +35,9 @@ class BackgroundSave:
         self.error: Optional[BaseException] = None
         self._thread = None
         if commit is not None:
-            self._thread = threading.Thread(target=self._commit_when_written, args=(commit,), daemon=True,
-                                            name="trainer-checkpoint-commit")  # fmt: skip
+            self._thread = threading.Thread(
+                target=self._commit_when_written, args=(commit,), daemon=True, name="trainer-checkpoint-commit"
+            )
             self._thread.start()
 
     def _commit_when_written(self, commit: Callable[[], Path]) -> None:
@@ -96,7 +97,6 @@ class BackgroundSaves:
             raise CheckpointError(f"checkpoint {save.staging.name} could not be written (rank {rank}: {kind}: {text})")
         return save.staging.parent / save.staging.name.removeprefix(".tmp-")
 
-
     def abandon(self, timeout_s: float = 60.0) -> Optional[str]:
         """After an error ends the run: this process's write in flight waited for (a while: the other processes
         may be gone, so nothing collective), and on the main process its folder removed unless it was committed.
@@ -122,14 +122,17 @@ def writers_group(world_size: int, timeout_s: Optional[float] = None) -> Any:
     return torch.distributed.new_group(backend="gloo", **timeout)
 
 
-def background_saves(save_async: bool, sharded: bool, main: bool, world_size: int, errors_group: Any,
-                     timeout_s: Optional[float] = None) -> Optional[BackgroundSaves]:  # fmt: skip
+def background_saves(
+    save_async: bool, sharded: bool, main: bool, world_size: int, errors_group: Any, timeout_s: Optional[float] = None
+) -> Optional[BackgroundSaves]:
     """The background saves of a run with ``save_async``; None without. Only a sharded model's checkpoint is written
     by torch.distributed.checkpoint, which can write in the background: on a DDP run it is refused."""
     if not save_async:
         return None
     if not sharded:
-        raise CheckpointError("save_async: true writes a sharded (FSDP2) model's checkpoints in the background, and "
-                              "this run is DDP: launch with an FSDP config (accelerate_configs/fsdp.yaml) or set "
-                              "save_async: false")  # fmt: skip
+        raise CheckpointError(
+            "save_async: true writes a sharded (FSDP2) model's checkpoints in the background, and "
+            "this run is DDP: launch with an FSDP config (accelerate_configs/fsdp.yaml) or set "
+            "save_async: false"
+        )
     return BackgroundSaves(main, world_size, errors_group, timeout_s)

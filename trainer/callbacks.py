@@ -68,8 +68,10 @@ class EarlyStopping:
 
     def on_evaluate(self, trainer: Any, metrics: dict) -> None:
         if self.monitor not in metrics:
-            raise ConfigError(f"EarlyStopping watches {self.monitor!r}, but evaluate() gives {', '.join(metrics)}: "
-                              "set its monitor to one of them")  # fmt: skip
+            raise ConfigError(
+                f"EarlyStopping watches {self.monitor!r}, but evaluate() gives {', '.join(metrics)}: "
+                "set its monitor to one of them"
+            )
         value = metrics[self.monitor]
         if improves(value, self.best, self.mode, self.min_delta):
             self.best, self.best_step, self.waited = value, trainer.global_step, 0
@@ -77,8 +79,10 @@ class EarlyStopping:
         self.waited += 1
         if self.waited >= self.patience:
             trainer.should_stop = True
-            trainer.stop_reason = (f"EarlyStopping: {self.monitor} has not improved on {self.best:.6g} (step "
-                                   f"{self.best_step}) for {self.waited} evaluations")  # fmt: skip
+            trainer.stop_reason = (
+                f"EarlyStopping: {self.monitor} has not improved on {self.best:.6g} (step "
+                f"{self.best_step}) for {self.waited} evaluations"
+            )
 
     def state_dict(self) -> dict[str, Any]:
         return {"monitor": self.monitor, "best": self.best, "best_step": self.best_step, "waited": self.waited}
@@ -99,8 +103,9 @@ class KeepBest:
     def judge(self, step: int, metrics: dict[str, float]) -> bool:
         """Whether step ``step``'s evaluation (``metrics``) is the best yet; then it is recorded."""
         if self.figure not in metrics:
-            raise ConfigError(f"keep_best is {self.figure!r}, but evaluate() gives {', '.join(metrics)}: set "
-                              "keep_best to one of them")  # fmt: skip
+            raise ConfigError(
+                f"keep_best is {self.figure!r}, but evaluate() gives {', '.join(metrics)}: set keep_best to one of them"
+            )
         value = metrics[self.figure]
         if not improves(value, self.best and self.best["value"], self.mode):
             return False
@@ -111,8 +116,14 @@ class KeepBest:
         """Whether the run ending at ``step`` reads the best evaluation's checkpoint back (an earlier step's)."""
         return self.load_at_end and self.best is not None and self.best["step"] != step
 
-    def load_best(self, checkpoint: Optional[Path], step: int, load_weights: Callable[[Path], None],
-                  say: Callable[[str], None], damage: Optional[str] = None) -> None:  # fmt: skip
+    def load_best(
+        self,
+        checkpoint: Optional[Path],
+        step: int,
+        load_weights: Callable[[Path], None],
+        say: Callable[[str], None],
+        damage: Optional[str] = None,
+    ) -> None:
         """At the end of ``fit()``, before the model is exported: the best evaluation's weights (those of
         ``checkpoint``, which the ``best`` pointer names) back in the model, said in one line. Every rank.
         ``damage``: why that checkpoint is not whole; then final/ keeps the last step's weights, and says why."""
@@ -120,20 +131,26 @@ class KeepBest:
             return
         figure = f"{self.best['figure']} {self.best['value']:.6g}"
         if damage is not None:
-            warn(f"load_best_at_end: {damage}: final/ holds the last step's weights, {step}, not the best "
-                 f"evaluation's (step {self.best['step']}, {figure}); that checkpoint is left as it is",
-                 main_only=True)  # fmt: skip
+            warn(
+                f"load_best_at_end: {damage}: final/ holds the last step's weights, {step}, not the best "
+                f"evaluation's (step {self.best['step']}, {figure}); that checkpoint is left as it is",
+                main_only=True,
+            )
             return
         if checkpoint is None and self.best["step"] != step:
-            say(f"load_best_at_end: the best evaluation's checkpoint (step {self.best['step']}, {figure}) is not "
-                f"among this output_dir's checkpoints: final/ holds the last step's weights, {step}")  # fmt: skip
+            say(
+                f"load_best_at_end: the best evaluation's checkpoint (step {self.best['step']}, {figure}) is not "
+                f"among this output_dir's checkpoints: final/ holds the last step's weights, {step}"
+            )
             return
         if self.best["step"] == step:
             say(f"the best evaluation is this last step's ({figure}): final/ holds its weights")
             return
         load_weights(checkpoint)
-        say(f"load_best_at_end: final/ holds the weights of step {self.best['step']}, the best evaluation "
-            f"({figure}), not those of the last step, {step}")  # fmt: skip
+        say(
+            f"load_best_at_end: final/ holds the weights of step {self.best['step']}, the best evaluation "
+            f"({figure}), not those of the last step, {step}"
+        )
 
     def state_dict(self) -> Optional[dict[str, Any]]:
         return self.best

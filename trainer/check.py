@@ -35,8 +35,13 @@ from trainer.unsupported import refusal_of_the_file
 Problems = list[str]
 
 
-def describe_config(path: str, launched: bool, num_processes: Optional[int] = None, num_machines: Optional[int] = None,
-                    rdzv_backend: Optional[str] = None) -> tuple[list[str], Problems, Optional[int]]:
+def describe_config(
+    path: str,
+    launched: bool,
+    num_processes: Optional[int] = None,
+    num_machines: Optional[int] = None,
+    rdzv_backend: Optional[str] = None,
+) -> tuple[list[str], Problems, Optional[int]]:
     """What ``accelerate launch --config_file path`` would start, checked against this host: the lines to print,
     the problems, and the number of processes the config asks for. ``num_processes`` / ``num_machines`` override
     the file as the same flags of ``accelerate launch`` do, and ``rdzv_backend`` is its ``--rdzv_backend`` (the
@@ -78,8 +83,10 @@ def describe_config(path: str, launched: bool, num_processes: Optional[int] = No
     section = {k.removeprefix("parallelism_config_"): v for k, v in (config.parallelism_config or {}).items()}
     sizes = {name: int(value) for name, value in section.items() if name.endswith("_size")}
     if sizes and fsdp_version is None:
-        problems.append("accelerate launch takes a parallelism_config section only with distributed_type: FSDP "
-                        "(fsdp_version: 2): remove it for DDP, or use an FSDP config (accelerate_configs/hsdp.yaml)")
+        problems.append(
+            "accelerate launch takes a parallelism_config section only with distributed_type: FSDP "
+            "(fsdp_version: 2): remove it for DDP, or use an FSDP config (accelerate_configs/hsdp.yaml)"
+        )
     elif fsdp_version is not None:
         try:
             lines += mesh_lines(requested_layout(processes, True, sizes), per_machine, processes)
@@ -91,35 +98,47 @@ def describe_config(path: str, launched: bool, num_processes: Optional[int] = No
         if config.mixed_precision == "fp16":
             problems.append(NO_FP16)
         if fsdp_version != 2:
-            problems.append(f"fsdp_version {fsdp_version}: the trainer shards with FSDP2; convert the file with "
-                            "`accelerate to-fsdp2 --config_file <yours> --output_file <new>`")  # fmt: skip
+            problems.append(
+                f"fsdp_version {fsdp_version}: the trainer shards with FSDP2; convert the file with "
+                "`accelerate to-fsdp2 --config_file <yours> --output_file <new>`"
+            )
     if processes % max(machines, 1):
-        problems.append(f"num_processes {processes} is not a multiple of num_machines {machines}: every machine runs "
-                        "num_processes / num_machines processes")  # fmt: skip
+        problems.append(
+            f"num_processes {processes} is not a multiple of num_machines {machines}: every machine runs "
+            "num_processes / num_machines processes"
+        )
     if not on_cpu and per_machine > gpus:
         problems.append(f"{per_machine} processes per machine, but this machine has {gpus} GPU(s)")
     mpirun = (config.mpirun_config or {}).get("mpirun_hostfile")
     if not through_torchrun and machines > 1 and not mpirun:
-        problems.append(f"accelerate launch starts each machine's process alone for this multi-CPU file of {machines} "
-                        "machines: its CPU launcher joins machines only through mpirun (mpirun_hostfile). For "
-                        "several machines over gloo use a multi-GPU file (accelerate_configs/multi_node.yaml): where "
-                        "a machine has no GPU, the trainer runs its processes on the CPU")  # fmt: skip
+        problems.append(
+            f"accelerate launch starts each machine's process alone for this multi-CPU file of {machines} "
+            "machines: its CPU launcher joins machines only through mpirun (mpirun_hostfile). For "
+            "several machines over gloo use a multi-GPU file (accelerate_configs/multi_node.yaml): where "
+            "a machine has no GPU, the trainer runs its processes on the CPU"
+        )
     elif not through_torchrun and per_machine > 1 and not mpirun:
-        problems.append(f"accelerate launch starts 1 process for this file, not {per_machine}: its CPU launcher "
-                        "starts several only through mpirun (mpirun_hostfile). For K processes on the CPU over gloo "
-                        "use accelerate_configs/cpu.yaml with --num_processes K")  # fmt: skip
+        problems.append(
+            f"accelerate launch starts 1 process for this file, not {per_machine}: its CPU launcher "
+            "starts several only through mpirun (mpirun_hostfile). For K processes on the CPU over gloo "
+            "use accelerate_configs/cpu.yaml with --num_processes K"
+        )
     if config.mixed_precision == "bf16" and not on_cpu and not torch.cuda.is_bf16_supported():
         problems.append("mixed_precision bf16, but this machine's GPU has no bf16: use fp16.yaml")
     if machines > 1:
         lines += _rendezvous_lines(config, rdzv_backend)
         if (rdzv_backend or "static").startswith("etcd") and importlib.util.find_spec("etcd") is None:
-            problems.append(f"--rdzv_backend {rdzv_backend}: torchrun's etcd rendezvous needs the python-etcd package "
-                            "(pip install python-etcd) and an etcd server at main_process_ip:main_process_port; "
-                            "c10d needs neither")  # fmt: skip
+            problems.append(
+                f"--rdzv_backend {rdzv_backend}: torchrun's etcd rendezvous needs the python-etcd package "
+                "(pip install python-etcd) and an etcd server at main_process_ip:main_process_port; "
+                "c10d needs neither"
+            )
         interface = os.environ.get("GLOO_SOCKET_IFNAME")
-        unset = ("  network: GLOO_SOCKET_IFNAME is not set: gloo (the trainer's CPU agreements) uses the interface "
-                 "this host's name resolves to; where that one does not reach the other nodes, export "
-                 "GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME)")  # fmt: skip
+        unset = (
+            "  network: GLOO_SOCKET_IFNAME is not set: gloo (the trainer's CPU agreements) uses the interface "
+            "this host's name resolves to; where that one does not reach the other nodes, export "
+            "GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME)"
+        )
         lines.append(f"  network: gloo on {interface}" if interface else unset)
         if not launched:
             problems += _rendezvous_problems(config.main_process_ip, config.main_process_port)
@@ -129,10 +148,14 @@ def describe_config(path: str, launched: bool, num_processes: Optional[int] = No
 def mesh_lines(layout: Layout, per_machine: int, processes: int) -> list[str]:
     """What each process holds, and which replicas and groups each machine runs (the first few machines)."""
     if layout.data_parallel * layout.tp == processes and not layout.hybrid and layout.tp == 1:
-        return [f"  model: sharded over the processes (FSDP2): each holds 1/{processes} of the weights, gradients "
-                "and optimizer state"]  # fmt: skip
-    lines = [f"  model: {layout.describe()}: each process holds 1/{layout.shard * layout.tp} of the weights, "
-             "gradients and optimizer state"]  # fmt: skip
+        return [
+            f"  model: sharded over the processes (FSDP2): each holds 1/{processes} of the weights, gradients "
+            "and optimizer state"
+        ]
+    lines = [
+        f"  model: {layout.describe()}: each process holds 1/{layout.shard * layout.tp} of the weights, "
+        "gradients and optimizer state"
+    ]
     replica = layout.shard * layout.tp  # consecutive processes: one replica, sharded (and split) among them
     for machine in range(min(processes // max(per_machine, 1), 4)):
         first, last = machine * per_machine, (machine + 1) * per_machine - 1
@@ -140,9 +163,11 @@ def mesh_lines(layout: Layout, per_machine: int, processes: int) -> list[str]:
         groups = f", tensor-parallel groups of {layout.tp}" if layout.tp > 1 else ""
         lines.append(f"  machine {machine}: ranks {first}-{last}: replica(s) {', '.join(map(str, replicas))}{groups}")
     if replica > per_machine:
-        lines.append(f"  note: one replica's {replica} processes span {-(-replica // per_machine)} machines: its "
-                     "all-gathers and reduce-scatters cross the link between them (HSDP keeps a replica on one "
-                     "machine: dp_shard_size x tp_size = processes per machine)")  # fmt: skip
+        lines.append(
+            f"  note: one replica's {replica} processes span {-(-replica // per_machine)} machines: its "
+            "all-gathers and reduce-scatters cross the link between them (HSDP keeps a replica on one "
+            "machine: dp_shard_size x tp_size = processes per machine)"
+        )
     return lines
 
 
@@ -169,8 +194,10 @@ def _rendezvous_lines(config: object, flag: Optional[str]) -> list[str]:
     ranks = "each node passes its own --machine_rank" if backend == "static" else "ranks given as nodes join"
     lines = [f"  rendezvous: {backend} at {where}; {ranks}"]
     if flag is None and written != "static":
-        lines.append(f"  note: this file's rdzv_backend {written} is not used: accelerate launch reads the rendezvous "
-                     f"backend from its command line alone (pass --rdzv_backend {written} on every node)")  # fmt: skip
+        lines.append(
+            f"  note: this file's rdzv_backend {written} is not used: accelerate launch reads the rendezvous "
+            f"backend from its command line alone (pass --rdzv_backend {written} on every node)"
+        )
     return lines
 
 
@@ -180,8 +207,10 @@ def _rendezvous_problems(address: Optional[str], port: Optional[int]) -> Problem
     problems = []
     try:
         if ipaddress.ip_address(socket.gethostbyname(address)).is_loopback:
-            problems.append(f"main_process_ip {address} is a loopback address: other machines cannot reach it "
-                            "(pass --main_process_ip <node 0's address> on every node)")  # fmt: skip
+            problems.append(
+                f"main_process_ip {address} is a loopback address: other machines cannot reach it "
+                "(pass --main_process_ip <node 0's address> on every node)"
+            )
     except (socket.gaierror, ValueError):
         problems.append(f"main_process_ip {address} does not resolve on this host")
     if not port or not 0 < int(port) < 65536:
@@ -189,8 +218,9 @@ def _rendezvous_problems(address: Optional[str], port: Optional[int]) -> Problem
     return problems
 
 
-def check_launch(output_dir: Optional[str], expected_processes: Optional[int], timeout_s: float,
-                 uses_wandb: bool = False) -> Problems:
+def check_launch(
+    output_dir: Optional[str], expected_processes: Optional[int], timeout_s: float, uses_wandb: bool = False
+) -> Problems:
     """Run on every rank of a launched job; return the problems (the same list on every rank). wandb is asked
     only of a job that uses it: one that does not should not fail its preflight over a missing API key."""
     from accelerate.utils import broadcast_object_list, gather_object
@@ -199,12 +229,17 @@ def check_launch(output_dir: Optional[str], expected_processes: Optional[int], t
 
     state = distributed_state(collective_timeout_s=timeout_s)
     rank, world = state.process_index, state.num_processes
-    me = {"rank": rank, "local_rank": state.local_process_index, "host": socket.gethostname(),
-          "device": str(state.device)}  # fmt: skip
+    me = {
+        "rank": rank,
+        "local_rank": state.local_process_index,
+        "host": socket.gethostname(),
+        "device": str(state.device),
+    }
     problems: Problems = []
     if world != launched_world_size():
-        problems.append(f"rank {rank} joined a world of {world}, but the launcher said WORLD_SIZE="
-                        f"{launched_world_size()}")  # fmt: skip
+        problems.append(
+            f"rank {rank} joined a world of {world}, but the launcher said WORLD_SIZE={launched_world_size()}"
+        )
     if expected_processes is not None and world != expected_processes:
         problems.append(f"the job has {world} processes, the config asks for {expected_processes}")
     if output_dir:
@@ -221,13 +256,17 @@ def check_launch(output_dir: Optional[str], expected_processes: Optional[int], t
     if output_dir:
         unwritable = [o for o in everyone if o["cannot_write"]]
         for other in unwritable:
-            problems.append(f"output_dir {output_dir} is not writable from rank {other['rank']} ({other['host']}): "
-                            f"{other['cannot_write']}")  # fmt: skip
+            problems.append(
+                f"output_dir {output_dir} is not writable from rank {other['rank']} ({other['host']}): "
+                f"{other['cannot_write']}"
+            )
         blind = [o for o in everyone if o["sees"] < world and not unwritable]
         for other in blind:
-            problems.append(f"output_dir {output_dir} is not one shared filesystem: rank {other['rank']} "
-                            f"({other['host']}) sees {other['sees']} of the {world} ranks' files. Checkpoints are "
-                            "written by one process and read by every rank: use a path all nodes share")  # fmt: skip
+            problems.append(
+                f"output_dir {output_dir} is not one shared filesystem: rank {other['rank']} "
+                f"({other['host']}) sees {other['sees']} of the {world} ranks' files. Checkpoints are "
+                "written by one process and read by every rank: use a path all nodes share"
+            )
         if not blind and not unwritable and state.is_main_process:
             print(f"output_dir {output_dir}: one filesystem, shared by all {len(hosts)} host(s)")
     problems += [f"{o['host']}: wandb: {o['wandb']}" for o in everyone if o["wandb"]]
@@ -278,8 +317,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.check", description=__doc__.splitlines()[0])
     parser.add_argument("--config_file", "--config-file", help="an accelerate config YAML to describe and check")
     parser.add_argument("--output_dir", "--output-dir", help="check that every node shares this directory")
-    parser.add_argument("--wandb_project", "--wandb-project", default=os.environ.get("WANDB_PROJECT"),
-                        help="the job logs to wandb: check that every node reaches it (default: $WANDB_PROJECT)")
+    parser.add_argument(
+        "--wandb_project",
+        "--wandb-project",
+        default=os.environ.get("WANDB_PROJECT"),
+        help="the job logs to wandb: check that every node reaches it (default: $WANDB_PROJECT)",
+    )
     parser.add_argument("--num_processes", "--num-processes", type=int, help="as accelerate launch's, over the file")
     parser.add_argument("--num_machines", "--num-machines", type=int, help="as accelerate launch's, over the file")
     parser.add_argument("--rdzv_backend", "--rdzv-backend", help="as accelerate launch's (the file's is not read)")
@@ -289,8 +332,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     launched = "LOCAL_RANK" in os.environ or "WORLD_SIZE" in os.environ
     lines, problems, expected = [], [], None
     if args.config_file:
-        lines, problems, expected = describe_config(args.config_file, launched, args.num_processes,
-                                                    args.num_machines, args.rdzv_backend)
+        lines, problems, expected = describe_config(
+            args.config_file, launched, args.num_processes, args.num_machines, args.rdzv_backend
+        )
     main_process = int(os.environ.get("RANK", "0")) == 0
     if main_process and lines:
         print("\n".join(lines))

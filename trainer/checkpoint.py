@@ -118,8 +118,10 @@ def pointed_at(pointer: Path) -> str:
     name = raw.decode("utf-8", errors="replace").strip()
     if not STEP_FOLDER.fullmatch(name):
         shown = f"holds {ascii(raw[:60])}{'...' if len(raw) > 60 else ''}" if raw else "is empty"  # printable
-        raise CheckpointError(f"the {pointer.name} pointer {pointer} is corrupt: it {shown}, not the name of a "
-                              f"{PREFIX}<digits> folder beside it")  # fmt: skip
+        raise CheckpointError(
+            f"the {pointer.name} pointer {pointer} is corrupt: it {shown}, not the name of a "
+            f"{PREFIX}<digits> folder beside it"
+        )
     return name
 
 
@@ -154,8 +156,10 @@ def verify(path: Path, contents: bool = True) -> Path:
             raise CheckpointError(f"checkpoint {path} is torn: {name} is missing or truncated{_others(path)}")
     for name, crc in state.get("crc32", {}).items() if contents else ():  # older checkpoints have none
         if _crc32(path / name) != crc:
-            raise CheckpointError(f"checkpoint {path} is damaged: {name} does not hold what was written (its "
-                                  f"CRC-32 differs){_others(path)}")  # fmt: skip
+            raise CheckpointError(
+                f"checkpoint {path} is damaged: {name} does not hold what was written (its "
+                f"CRC-32 differs){_others(path)}"
+            )
     return path
 
 
@@ -164,8 +168,10 @@ def _listed_inside(path: Path, listed: dict[str, Any]) -> None:
     for name in listed:
         parts = Path(name).parts
         if Path(name).is_absolute() or ".." in parts or not parts:
-            raise CheckpointError(f"checkpoint {path} is not to be trusted: its manifest lists {name!r}, outside its "
-                                  f"folder; none of its files was read{_others(path)}")  # fmt: skip
+            raise CheckpointError(
+                f"checkpoint {path} is not to be trusted: its manifest lists {name!r}, outside its "
+                f"folder; none of its files was read{_others(path)}"
+            )
 
 
 def _no_links(path: Path) -> None:
@@ -175,9 +181,11 @@ def _no_links(path: Path) -> None:
         for name in subfolders + files:
             if os.path.islink(os.path.join(folder, name)):
                 link = Path(folder, name).relative_to(path)
-                raise CheckpointError(f"checkpoint {path} is not to be trusted: {link} is a symbolic link (to "
-                                      f"{os.readlink(os.path.join(folder, name))}); a checkpoint holds its own "
-                                      f"files, and none of them was read{_others(path)}")  # fmt: skip
+                raise CheckpointError(
+                    f"checkpoint {path} is not to be trusted: {link} is a symbolic link (to "
+                    f"{os.readlink(os.path.join(folder, name))}); a checkpoint holds its own "
+                    f"files, and none of them was read{_others(path)}"
+                )
 
 
 def read_state(path: Path) -> dict[str, Any]:
@@ -191,21 +199,32 @@ def read_state(path: Path) -> dict[str, Any]:
         state = _from_before_the_registry(state)
     position = state.get("train") if isinstance(state, dict) else None
     wrong = [] if isinstance(state, dict) and isinstance(state.get("files"), dict) else ["files"]
-    wrong += [f"train.{key}" for key in ("global_step", "epoch", "batches_into_epoch")
-              if not isinstance(position, dict) or not isinstance(position.get(key), int)]  # fmt: skip
+    wrong += [
+        f"train.{key}"
+        for key in ("global_step", "epoch", "batches_into_epoch")
+        if not isinstance(position, dict) or not isinstance(position.get(key), int)
+    ]
     if wrong:
-        raise CheckpointError(f"checkpoint {path}: {STATE_FILE} is not a trainer state (no valid "
-                              f"{', '.join(wrong)}){_others(path)}")  # fmt: skip
+        raise CheckpointError(
+            f"checkpoint {path}: {STATE_FILE} is not a trainer state (no valid {', '.join(wrong)}){_others(path)}"
+        )
     return state
 
 
 def _from_before_the_registry(flat: dict[str, Any]) -> dict[str, Any]:
     """A state written before its parts were kept by name (every key at the top), in today's layout."""
-    keys = {"train": ("global_step", "epoch", "batches_into_epoch", "run_id"),
-            "run": ("world_size", "batch_size", "gradient_accumulation_steps", "optimizer_class", "config")}
+    keys = {
+        "train": ("global_step", "epoch", "batches_into_epoch", "run_id"),
+        "run": ("world_size", "batch_size", "gradient_accumulation_steps", "optimizer_class", "config"),
+    }
     state = {part: {key: flat[key] for key in names if key in flat} for part, names in keys.items()}
-    state.update(data={"streams": flat.get("streams")}, best=flat.get("best"), sharding=flat.get("sharding", "DDP"),
-                 files=flat.get("files"), crc32=flat.get("crc32", {}))
+    state.update(
+        data={"streams": flat.get("streams")},
+        best=flat.get("best"),
+        sharding=flat.get("sharding", "DDP"),
+        files=flat.get("files"),
+        crc32=flat.get("crc32", {}),
+    )
     return state
 
 
@@ -225,8 +244,10 @@ def commit(staging: Path, trainer_state: dict[str, Any], keep_last: int) -> Path
     Returns the committed folder."""
     root, final = staging.parent, staging.parent / staging.name.removeprefix(".tmp-")
     written = {p.relative_to(staging).as_posix(): p for p in sorted(staging.rglob("*")) if p.is_file()}
-    manifest = {"files": {name: p.stat().st_size for name, p in written.items()},
-                "crc32": {name: _crc32(p) for name, p in written.items()}}  # fmt: skip
+    manifest = {
+        "files": {name: p.stat().st_size for name, p in written.items()},
+        "crc32": {name: _crc32(p) for name, p in written.items()},
+    }
     try:
         _write_atomically(staging / STATE_FILE, json.dumps({**trainer_state, **manifest}, indent=1))
     except OSError as err:
@@ -262,9 +283,11 @@ def lock_output_dir(output_dir: str | Path):
         handle.seek(0)
         holder = handle.read().strip() or "another process"
         handle.close()
-        raise CheckpointError(f"output_dir {output_dir} is in use by another job ({holder}): two jobs would "
-                              "overwrite each other's checkpoints. Wait for it, stop it, or choose another "
-                              "output_dir.") from None  # fmt: skip
+        raise CheckpointError(
+            f"output_dir {output_dir} is in use by another job ({holder}): two jobs would "
+            "overwrite each other's checkpoints. Wait for it, stop it, or choose another "
+            "output_dir."
+        ) from None
     handle.seek(0)
     handle.truncate()
     handle.write(f"pid {os.getpid()} on {socket.gethostname()}")
@@ -298,8 +321,10 @@ def write_failed(staging: Path, root: Path, err: BaseException, rank: Optional[i
             kept = f"{root / pointed_at(pointer)} is still the latest"
         except CheckpointError as err:
             kept = str(err)
-    return CheckpointError(f"could not write checkpoint {staging.name.removeprefix('.tmp-')}: {why}. The unfinished "
-                           f"folder was removed; {kept}.")  # fmt: skip
+    return CheckpointError(
+        f"could not write checkpoint {staging.name.removeprefix('.tmp-')}: {why}. The unfinished "
+        f"folder was removed; {kept}."
+    )
 
 
 def root_cause(err: BaseException) -> tuple[Optional[int], BaseException]:

@@ -52,8 +52,15 @@ class Checkpointer:
         parts: the registered parts, by name (``register`` adds more).
     """
 
-    def __init__(self, accelerator: Accelerator, output_dir: str, keep_last: int,
-                 background: Optional[BackgroundSaves], setup: RunSetup, parts: dict[str, Any]):  # fmt: skip
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        output_dir: str,
+        keep_last: int,
+        background: Optional[BackgroundSaves],
+        setup: RunSetup,
+        parts: dict[str, Any],
+    ):
         self.accelerator, self.output_dir, self.keep_last = accelerator, output_dir, keep_last
         self.root = checkpoint_root(output_dir)
         self.background, self.setup = background, setup
@@ -62,16 +69,38 @@ class Checkpointer:
         self._lock: Any = None  # the output_dir's lock, held by the main process while it lives
 
     @classmethod
-    def for_run(cls, config: Any, accelerator: Accelerator, setup: RunSetup, model: Any, scheduler: Any, state: Any,
-                best: Any, callbacks: list, stream: Any, host: Any) -> "Checkpointer":  # fmt: skip
+    def for_run(
+        cls,
+        config: Any,
+        accelerator: Accelerator,
+        setup: RunSetup,
+        model: Any,
+        scheduler: Any,
+        state: Any,
+        best: Any,
+        callbacks: list,
+        stream: Any,
+        host: Any,
+    ) -> "Checkpointer":
         """The Trainer's checkpoints: its parts registered (see the module docstring)."""
         acc = accelerator
-        parts = {"model": model, "accelerate": AccelerateState(acc, scheduler), "train": state, "best": best,
-                 "callbacks": CallbackStates(callbacks, acc.process_index, acc.device, stateful)}  # fmt: skip
+        parts = {
+            "model": model,
+            "accelerate": AccelerateState(acc, scheduler),
+            "train": state,
+            "best": best,
+            "callbacks": CallbackStates(callbacks, acc.process_index, acc.device, stateful),
+        }
         if stream is not None:
             parts["data"] = StreamPositions(stream, state, acc.process_index, host)
-        saves = background_saves(config.save_async, model.format != "DDP", acc.is_main_process, acc.num_processes,
-                                 host, config.collective_timeout_s)  # fmt: skip
+        saves = background_saves(
+            config.save_async,
+            model.format != "DDP",
+            acc.is_main_process,
+            acc.num_processes,
+            host,
+            config.collective_timeout_s,
+        )
         return cls(acc, config.output_dir, config.keep_last, saves, setup, parts)
 
     def register(self, name: str, part: Any) -> None:
@@ -87,8 +116,13 @@ class Checkpointer:
         self.wait()  # one save in flight at a time
         acc = self.accelerator
         state = {"run": self.setup.record(), "sharding": self.parts["model"].format}  # the weights' format
-        state.update({name: part.state_dict() for name, part in self.parts.items()
-                      if callable(getattr(part, "state_dict", None))})  # fmt: skip
+        state.update(
+            {
+                name: part.state_dict()
+                for name, part in self.parts.items()
+                if callable(getattr(part, "state_dict", None))
+            }
+        )
         staging = staging_folder(self.root, step)
         if acc.is_main_process:
             if staging.exists():
@@ -195,15 +229,18 @@ class Checkpointer:
         if misfit or refused:  # fit() says why when it is called; evaluate() and predict() go on with the weights
             say(f"loaded {path} for evaluate() and predict() only: step {position.step}, epoch {position.epoch}")
             return misfit or refused
-        say(f"resumed from {path}: step {position.step}, epoch {position.epoch}, batch {batches}{resplit}"
-            f"{random_states(saved_processes, processes)}")  # fmt: skip
+        say(
+            f"resumed from {path}: step {position.step}, epoch {position.epoch}, batch {batches}{resplit}"
+            f"{random_states(saved_processes, processes)}"
+        )
         applied = self.setup.apply_changes(state["run"], position.step, own_settings)
         if applied:
             say(applied)
         return None
 
-    def load(self, path: Path, state: dict[str, Any], skip: tuple[str, ...] = (),
-             refused: Optional[CheckpointError] = None) -> None:  # fmt: skip
+    def load(
+        self, path: Path, state: dict[str, Any], skip: tuple[str, ...] = (), refused: Optional[CheckpointError] = None
+    ) -> None:
         """Every registered part but those in ``skip`` back from checkpoint ``path`` (its ``state``): the files
         first (a failure to fit is said as one line, or as ``refused`` when a changed setting explains it), then the
         plain data."""
@@ -213,9 +250,11 @@ class Checkpointer:
                     part.load(path, state)
         except (pickle.UnpicklingError, EOFError) as err:  # torch.load(weights_only=True) refused it, or it ends early
             detail = " ".join(str(err).split())[:600]
-            raise CheckpointError(f"checkpoint {path} holds a file that cannot be loaded safely (nothing in it was "
-                                  f"run): {type(err).__name__}: {detail}. Resume from another checkpoint "
-                                  f"(resume=<path>), or delete this one") from None  # fmt: skip
+            raise CheckpointError(
+                f"checkpoint {path} holds a file that cannot be loaded safely (nothing in it was "
+                f"run): {type(err).__name__}: {detail}. Resume from another checkpoint "
+                f"(resume=<path>), or delete this one"
+            ) from None
         except (RuntimeError, LookupError, ValueError, OSError) as err:
             if isinstance(err, Refusal):
                 raise
@@ -242,8 +281,16 @@ class AccelerateState:
         from accelerate.checkpointing import load_accelerator_state
 
         acc = self.accelerator
-        load_accelerator_state(str(folder), models=[], optimizers=[], schedulers=[self.scheduler], dataloaders=[],
-                               process_index=acc.process_index, scaler=acc.scaler, map_location="cpu")  # fmt: skip
+        load_accelerator_state(
+            str(folder),
+            models=[],
+            optimizers=[],
+            schedulers=[self.scheduler],
+            dataloaders=[],
+            process_index=acc.process_index,
+            scaler=acc.scaler,
+            map_location="cpu",
+        )
 
 
 class CallbackStates:

@@ -28,8 +28,15 @@ from trainer.errors import ConfigError
 OPTIMIZERS = ("sgd", "adam", "adamw")
 NAN_POLICIES = ("raise", "skip")
 # transformers' step-based schedules (get_scheduler; trainer.schedules), each after warmup_steps of linear warm-up.
-LR_SCHEDULERS = ("constant", "linear", "cosine", "cosine_with_min_lr", "warmup_stable_decay", "polynomial",
-                 "inverse_sqrt")  # fmt: skip
+LR_SCHEDULERS = (
+    "constant",
+    "linear",
+    "cosine",
+    "cosine_with_min_lr",
+    "warmup_stable_decay",
+    "polynomial",
+    "inverse_sqrt",
+)
 
 
 @dataclass
@@ -181,11 +188,26 @@ class TrainConfig:
 
     def _validate(self) -> None:
         at_least = {
-            "epochs": 1, "batch_size": 1, "gradient_accumulation_steps": 1, "warmup_steps": 0,
-            "num_workers": 0, "log_every": 1, "keep_last": 1, "max_steps": 1, "eval_every": 1, "save_every": 1,
-            "lr": 0.0, "weight_decay": 0.0, "eps": 0.0, "collective_timeout_s": 1.0, "stall_warning_s": 0.1,
-            "preemption_grace_s": 1.0, "ema_start_step": 0, "flops_per_token": 1.0, "peak_flops": 1.0,
-        }  # fmt: skip
+            "epochs": 1,
+            "batch_size": 1,
+            "gradient_accumulation_steps": 1,
+            "warmup_steps": 0,
+            "num_workers": 0,
+            "log_every": 1,
+            "keep_last": 1,
+            "max_steps": 1,
+            "eval_every": 1,
+            "save_every": 1,
+            "lr": 0.0,
+            "weight_decay": 0.0,
+            "eps": 0.0,
+            "collective_timeout_s": 1.0,
+            "stall_warning_s": 0.1,
+            "preemption_grace_s": 1.0,
+            "ema_start_step": 0,
+            "flops_per_token": 1.0,
+            "peak_flops": 1.0,
+        }
         for key, low in at_least.items():
             value = getattr(self, key)
             if value is not None and value < low:
@@ -200,27 +222,36 @@ class TrainConfig:
         _check_choice("lr_scheduler", self.lr_scheduler, LR_SCHEDULERS)
         floors = ("cosine_with_min_lr", "warmup_stable_decay", "polynomial")
         if self.min_lr_ratio is not None and (self.lr_scheduler not in floors or not 0 <= self.min_lr_ratio <= 1):
-            raise ConfigError(f"min_lr_ratio {self.min_lr_ratio!r} is a fraction of lr in [0, 1] that "
-                              f"{', '.join(floors)} end at; lr_scheduler is {self.lr_scheduler!r}")  # fmt: skip
+            raise ConfigError(
+                f"min_lr_ratio {self.min_lr_ratio!r} is a fraction of lr in [0, 1] that "
+                f"{', '.join(floors)} end at; lr_scheduler is {self.lr_scheduler!r}"
+            )
         if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
-            raise ConfigError(f"ema_decay must be in (0, 1), say 0.999 (or null for no average); got "
-                              f"{self.ema_decay!r}")  # fmt: skip
+            raise ConfigError(
+                f"ema_decay must be in (0, 1), say 0.999 (or null for no average); got {self.ema_decay!r}"
+            )
         _check_choice("nan_policy", self.nan_policy, NAN_POLICIES)
         _check_choice("keep_best_mode", self.keep_best_mode, ("min", "max"))
         if self.resume == "":
             raise ConfigError("resume must be null, 'auto' or a checkpoint path; got ''")
         for name in self.signal_names:
             if name not in signal.Signals.__members__:
-                raise ConfigError(f"preemption_signals: {name!r} is not a signal name (say 'SIGTERM,SIGUSR1'; '' "
-                                  "for none)")  # fmt: skip
-        if self.keep_best is not None and (self.eval_every is None or self.save_every is None
-                                           or self.eval_every % self.save_every):  # fmt: skip
-            raise ConfigError(f"keep_best is {self.keep_best!r}, but eval_every is {self.eval_every} and save_every "
-                              f"{self.save_every}: the best evaluation's checkpoint is kept only if every evaluation "
-                              "step is saved. Set eval_every to a multiple of save_every (say both 500)")  # fmt: skip
+                raise ConfigError(
+                    f"preemption_signals: {name!r} is not a signal name (say 'SIGTERM,SIGUSR1'; '' for none)"
+                )
+        if self.keep_best is not None and (
+            self.eval_every is None or self.save_every is None or self.eval_every % self.save_every
+        ):
+            raise ConfigError(
+                f"keep_best is {self.keep_best!r}, but eval_every is {self.eval_every} and save_every "
+                f"{self.save_every}: the best evaluation's checkpoint is kept only if every evaluation "
+                "step is saved. Set eval_every to a multiple of save_every (say both 500)"
+            )
         if self.load_best_at_end and self.keep_best is None:
-            raise ConfigError("load_best_at_end needs keep_best (the evaluate() figure whose best is loaded), say "
-                              "keep_best: eval_loss")  # fmt: skip
+            raise ConfigError(
+                "load_best_at_end needs keep_best (the evaluate() figure whose best is loaded), say "
+                "keep_best: eval_loss"
+            )
         if self.profile_steps is not None:
             from trainer.profiling import steps_of
 
@@ -257,19 +288,31 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
     if values is None:
-        raise ConfigError(f"{path} is empty: list the TrainConfig keys that differ from the defaults, or do not "
-                          "pass a config file")  # fmt: skip
+        raise ConfigError(
+            f"{path} is empty: list the TrainConfig keys that differ from the defaults, or do not pass a config file"
+        )
     if not isinstance(values, dict):
         raise ConfigError(f"{path}: expected a mapping of TrainConfig keys, got {type(values).__name__}")
     return values
 
 
 # What transformers' TrainingArguments (and habit) call some keys: a misspelling of these suggests ours.
-OTHER_NAMES = {"learning_rate": "lr", "num_train_epochs": "epochs", "per_device_train_batch_size": "batch_size",
-               "train_batch_size": "batch_size", "lr_scheduler_type": "lr_scheduler", "logging_steps": "log_every",
-               "eval_steps": "eval_every", "save_steps": "save_every", "save_total_limit": "keep_last",
-               "resume_from_checkpoint": "resume", "adam_epsilon": "eps", "grad_clip": "max_grad_norm",
-               "gradient_accumulation": "gradient_accumulation_steps", "warmup": "warmup_steps"}  # fmt: skip
+OTHER_NAMES = {
+    "learning_rate": "lr",
+    "num_train_epochs": "epochs",
+    "per_device_train_batch_size": "batch_size",
+    "train_batch_size": "batch_size",
+    "lr_scheduler_type": "lr_scheduler",
+    "logging_steps": "log_every",
+    "eval_steps": "eval_every",
+    "save_steps": "save_every",
+    "save_total_limit": "keep_last",
+    "resume_from_checkpoint": "resume",
+    "adam_epsilon": "eps",
+    "grad_clip": "max_grad_norm",
+    "gradient_accumulation": "gradient_accumulation_steps",
+    "warmup": "warmup_steps",
+}
 
 
 # Settings other trainers take in their config that the accelerate config at launch decides here.
@@ -288,8 +331,10 @@ def _check_keys(cls: type, values: dict[str, Any], source: str) -> None:
     valid = [f.name for f in dataclasses.fields(cls)]
     for key in values:
         if key in LAUNCH_SETTINGS and key not in valid:
-            raise ConfigError(f"{source}: '{key}' is not a TrainConfig key: the accelerate config chosen at launch "
-                              f"sets it, for every process alike (launch with {LAUNCH_SETTINGS[key]})")  # fmt: skip
+            raise ConfigError(
+                f"{source}: '{key}' is not a TrainConfig key: the accelerate config chosen at launch "
+                f"sets it, for every process alike (launch with {LAUNCH_SETTINGS[key]})"
+            )
         if key not in valid:
             names = {**{name: name for name in valid}, **{k: v for k, v in OTHER_NAMES.items() if v in valid}}
             close = difflib.get_close_matches(str(key).lower(), list(names), n=3, cutoff=0.5)

@@ -89,8 +89,10 @@ def step_line(metrics: dict[str, Any], total_steps: int) -> str:
     """``step 300/300 | loss 4.746 | lr 0.0002 | 53.4 examples/s | 6,834 tokens/s``, then any figure logged with
     ``trainer.log`` or added to ``metrics`` in ``on_log``; ``| MFU 41.5%`` where it is known (``trainer.mfu``);
     ``grad_norm`` is in the logs only."""
-    line = (f"step {metrics['step']}/{total_steps} | loss {metrics['train_loss']:.6g} | lr {metrics['lr']:.4g} | "
-            f"{metrics['examples_per_s']:.1f} examples/s")  # fmt: skip
+    line = (
+        f"step {metrics['step']}/{total_steps} | loss {metrics['train_loss']:.6g} | lr {metrics['lr']:.4g} | "
+        f"{metrics['examples_per_s']:.1f} examples/s"
+    )
     if "tokens_per_s" in metrics:
         line += f" | {metrics['tokens_per_s']:,.0f} tokens/s"
     if "mfu" in metrics:  # model FLOPs utilisation (trainer.mfu), a fraction
@@ -101,8 +103,15 @@ def step_line(metrics: dict[str, Any], total_steps: int) -> str:
     return line
 
 
-def banner(launch: tuple[str, str, int, str], config: Any, state: Any, total_steps: int, share: Optional[int],
-           weighs_tokens: bool, optimization: str) -> str:  # fmt: skip
+def banner(
+    launch: tuple[str, str, int, str],
+    config: Any,
+    state: Any,
+    total_steps: int,
+    share: Optional[int],
+    weighs_tokens: bool,
+    optimization: str,
+) -> str:
     """What a run is about to do, said once at the start of ``fit()``: the launch and what sharding did
     (``Parallelism.describe``), the global batch and how its loss is weighed (``share``: the examples a process
     reads per epoch; fewer than a step takes, each step takes them all), the steps, the optimizer and schedule."""
@@ -110,14 +119,22 @@ def banner(launch: tuple[str, str, int, str], config: Any, state: Any, total_ste
     global_batch, short = batch * processes * accumulation, ""
     if share is not None and share < batch * accumulation:
         global_batch = share * processes
-        short = (f"an epoch has {share} examples per process in {state.batches_per_epoch} batch(es), fewer than "
-                 f"batch x accumulation: each step takes them all, {global_batch} global")  # fmt: skip
+        short = (
+            f"an epoch has {share} examples per process in {state.batches_per_epoch} batch(es), fewer than "
+            f"batch x accumulation: each step takes them all, {global_batch} global"
+        )
     weighs = "; the loss weighs every counted token alike" if weighs_tokens else ""
     until = f"max_steps={config.max_steps}" if config.max_steps else f"{config.epochs} epochs"
     readers = "processes" if reader == "process" else f"{reader.split(' of ')[0]}s"
-    lines = (launch[0], launch[1], f"batch {batch} per {reader} x {processes} {readers} x {accumulation} accumulation "
-             f"= {global_batch} global{weighs}", short, f"{state.steps_per_epoch or 'unknown'} optimizer steps per "
-             f"epoch, {total_steps} in all ({until}); {optimization}")  # fmt: skip
+    lines = (
+        launch[0],
+        launch[1],
+        f"batch {batch} per {reader} x {processes} {readers} x {accumulation} accumulation "
+        f"= {global_batch} global{weighs}",
+        short,
+        f"{state.steps_per_epoch or 'unknown'} optimizer steps per "
+        f"epoch, {total_steps} in all ({until}); {optimization}",
+    )
     return "trainer | " + "\n        | ".join(line for line in lines if line)
 
 

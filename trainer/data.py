@@ -72,8 +72,16 @@ class ShardSampler(Sampler[int]):
         return len(self.indices)
 
 
-def data_loader(data: Any, model: torch.nn.Module, name: str, config: TrainConfig, accelerator: Accelerator, dp: Any,
-                collate_fn: Optional[Callable], evaluation: bool = False) -> DataLoader:  # fmt: skip
+def data_loader(
+    data: Any,
+    model: torch.nn.Module,
+    name: str,
+    config: TrainConfig,
+    accelerator: Accelerator,
+    dp: Any,
+    collate_fn: Optional[Callable],
+    evaluation: bool = False,
+) -> DataLoader:
     """This process's loader of ``data`` (``name``: how the user passed it), for training or ``evaluation``; an
     unformatted datasets.Dataset's model inputs first readied as tensors (``trainer.columns``), said once."""
     data, change = ready_columns(data, model, collate_fn is not None, name)
@@ -83,23 +91,32 @@ def data_loader(data: Any, model: torch.nn.Module, name: str, config: TrainConfi
     return build(data, config, accelerator, dp, collate_fn)
 
 
-def build_train_loader(data: Dataset | DataLoader, config: TrainConfig, accelerator: Accelerator, dp: Any,
-                       collate_fn: Optional[Callable]) -> DataLoader:  # fmt: skip
+def build_train_loader(
+    data: Dataset | DataLoader, config: TrainConfig, accelerator: Accelerator, dp: Any, collate_fn: Optional[Callable]
+) -> DataLoader:
     """This process's training loader, ready for ``Accelerator.prepare``; ``dp``: its data-parallel coordinates
     (``trainer.parallel.DataParallel``), which decide its share."""
     if isinstance(data, DataLoader):
         loader = _accept_user_loader(data, dp, "train_data")
         if isinstance(loader.dataset, IterableDataset):  # its stream's position noted for checkpoints
-            stream = StreamShard(loader.dataset, dp.rank, dp.size,
-                                 loader.batch_size or 1, read_ahead(config), split=False)  # fmt: skip
-            loader = DataLoader(stream, batch_size=loader.batch_size, collate_fn=loader.collate_fn,
-                                num_workers=loader.num_workers, pin_memory=loader.pin_memory,
-                                drop_last=loader.drop_last, worker_init_fn=loader.worker_init_fn,
-                                persistent_workers=loader.persistent_workers, generator=loader.generator,
-                                prefetch_factor=loader.prefetch_factor, timeout=loader.timeout)  # fmt: skip
+            stream = StreamShard(
+                loader.dataset, dp.rank, dp.size, loader.batch_size or 1, read_ahead(config), split=False
+            )
+            loader = DataLoader(
+                stream,
+                batch_size=loader.batch_size,
+                collate_fn=loader.collate_fn,
+                num_workers=loader.num_workers,
+                pin_memory=loader.pin_memory,
+                drop_last=loader.drop_last,
+                worker_init_fn=loader.worker_init_fn,
+                persistent_workers=loader.persistent_workers,
+                generator=loader.generator,
+                prefetch_factor=loader.prefetch_factor,
+                timeout=loader.timeout,
+            )
     elif isinstance(data, IterableDataset):
-        stream = StreamShard(data, dp.rank, dp.size, config.batch_size,
-                             read_ahead(config))  # fmt: skip
+        stream = StreamShard(data, dp.rank, dp.size, config.batch_size, read_ahead(config))
         loader = _loader(stream, None, config, accelerator, collate_fn)
     else:
         _check_size(data, dp, "train_data")
@@ -162,8 +179,9 @@ def examples_per_process(loader: DataLoader) -> Optional[int]:
         return None
 
 
-def build_eval_loader(data: Dataset | DataLoader, config: TrainConfig, accelerator: Accelerator, dp: Any,
-                      collate_fn: Optional[Callable]) -> DataLoader:  # fmt: skip
+def build_eval_loader(
+    data: Dataset | DataLoader, config: TrainConfig, accelerator: Accelerator, dp: Any, collate_fn: Optional[Callable]
+) -> DataLoader:
     """This process's evaluation loader: its share of the examples, each example on exactly one process."""
     if isinstance(data, DataLoader):
         loader = _accept_user_loader(data, dp, "eval_data")
@@ -235,11 +253,11 @@ def _check_size(data: Dataset, dp: Any, name: str) -> None:
     try:
         size = len(data)
     except TypeError:
-        raise DataError(f"{name} has no len(): pass a map-style Dataset, an IterableDataset or a DataLoader",
-                        job_wide=True) from None
+        raise DataError(
+            f"{name} has no len(): pass a map-style Dataset, an IterableDataset or a DataLoader", job_wide=True
+        ) from None
     if size < dp.size:
         raise DataError(
-            f"{name} has {size} examples, fewer than the {dp.size} processes: "
-            "every process needs at least one example",
+            f"{name} has {size} examples, fewer than the {dp.size} processes: every process needs at least one example",
             job_wide=True,
         )

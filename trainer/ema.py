@@ -108,8 +108,7 @@ class WeightAverage:
         """A checkpoint written without an average: the average starts from the weights it held."""
         with torch.no_grad():
             torch._foreach_copy_(_pieces(self.average), _pieces(self.weights))
-        say(f"ema_decay: checkpoint {folder.name} holds no average of the weights: the average starts from its "
-            "weights")  # fmt: skip
+        say(f"ema_decay: checkpoint {folder.name} holds no average of the weights: the average starts from its weights")
 
 
 def _pieces(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

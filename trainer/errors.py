@@ -88,8 +88,10 @@ def peer_loss_in_a_line() -> Iterator[None]:
         if isinstance(err, Refusal) or not any(sign in text for sign in PEER_GONE):
             raise
         detail = text.split("] ", 1)[-1].split(". This is typically")[0]  # gloo's source path and advice left out
-        raise PeerLost(f"another process of the job ended while this one waited for it in a collective ({detail}): "
-                       "its own error, above, is the cause") from err
+        raise PeerLost(
+            f"another process of the job ended while this one waited for it in a collective ({detail}): "
+            "its own error, above, is the cause"
+        ) from err
 
 
 class UnusedParameters(Refusal, RuntimeError):

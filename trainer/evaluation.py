@@ -46,12 +46,26 @@ class Evaluator:
         loader: builds the loader of a data set (each process its share, each example once).
     """
 
-    def __init__(self, model: torch.nn.Module, loss_fn: LossFn, metrics_fn: Optional[MetricsFn],
-                 accelerator: Accelerator, dp: Any, autocast: Callable[[], ContextManager],
-                 tokens: Callable[[Any], Optional[torch.Tensor]], lockstep: bool, host: Any,
-                 loader: Callable[..., DataLoader]):  # fmt: skip
-        self.model, self.loss_fn, self.metrics_fn, self.accelerator, self.dp = (model, loss_fn, metrics_fn,
-                                                                                accelerator, dp)  # fmt: skip
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        loss_fn: LossFn,
+        metrics_fn: Optional[MetricsFn],
+        accelerator: Accelerator,
+        dp: Any,
+        autocast: Callable[[], ContextManager],
+        tokens: Callable[[Any], Optional[torch.Tensor]],
+        lockstep: bool,
+        host: Any,
+        loader: Callable[..., DataLoader],
+    ):
+        self.model, self.loss_fn, self.metrics_fn, self.accelerator, self.dp = (
+            model,
+            loss_fn,
+            metrics_fn,
+            accelerator,
+            dp,
+        )
         self.autocast, self.tokens, self.lockstep, self.host, self.loader = autocast, tokens, lockstep, host, loader
 
     def evaluate(self, loaders: dict[str, DataLoader], step: int) -> dict[str, float]:
@@ -65,8 +79,17 @@ class Evaluator:
         metrics = {}
         for name, loader in loaders.items():
             with self._in_eval_mode():
-                figures = evaluate(self.model, loader, self.loss_fn, self.metrics_fn, self.accelerator, self.dp,
-                                   self.autocast, self.tokens, lockstep=self.lockstep)  # fmt: skip
+                figures = evaluate(
+                    self.model,
+                    loader,
+                    self.loss_fn,
+                    self.metrics_fn,
+                    self.accelerator,
+                    self.dp,
+                    self.autocast,
+                    self.tokens,
+                    lockstep=self.lockstep,
+                )
             if self.loss_fn is model_loss and generates(self.model):
                 figures["eval_perplexity"] = perplexity(figures["eval_loss"])
             figures = {key.replace("eval_", f"eval_{name}_", 1) if name else key: v for key, v in figures.items()}
@@ -76,20 +99,33 @@ class Evaluator:
 
     def loaders(self, data: Any) -> dict[str, DataLoader]:
         """Each set of ``data`` (a data set, or a dict of named ones: ``named_sets``) as this process's loader."""
-        return {name: self.loader(part, name=f"eval_data[{name!r}]" if name else "data")
-                for name, part in named_sets(data).items()}  # fmt: skip
+        return {
+            name: self.loader(part, name=f"eval_data[{name!r}]" if name else "data")
+            for name, part in named_sets(data).items()
+        }
 
     def predict(self, data: Any, predict_fn: Optional[PredictFn]) -> torch.Tensor:
         """One row per example of the Dataset ``data``, in dataset order, on every process (on the CPU)."""
         if isinstance(data, DataLoader):
-            raise DataError("predict() takes the Dataset itself (each process predicts its share and the rows are put "
-                            "back in dataset order), not a DataLoader")  # fmt: skip
+            raise DataError(
+                "predict() takes the Dataset itself (each process predicts its share and the rows are put "
+                "back in dataset order), not a DataLoader"
+            )
         if len(data) == 0:
             raise DataError("predict() got a data set with no examples")
         loader = self.loader(data, name="data")
         with self._in_eval_mode():
-            return predict(self.model, loader, predict_fn or model_logits, self.accelerator, self.dp, self.autocast,
-                           len(data), lockstep=self.lockstep, host=self.host)  # fmt: skip
+            return predict(
+                self.model,
+                loader,
+                predict_fn or model_logits,
+                self.accelerator,
+                self.dp,
+                self.autocast,
+                len(data),
+                lockstep=self.lockstep,
+                host=self.host,
+            )
 
     @contextlib.contextmanager
     def _in_eval_mode(self):
@@ -108,25 +144,40 @@ def named_sets(data: Any) -> dict[str, Any]:
         return {}
     if not isinstance(data, Mapping):
         return {"": data}
-    odd = {name: type(part).__name__ for name, part in data.items()
-           if not isinstance(name, str) or not name.isidentifier() or not _is_data_set(part)}  # fmt: skip
+    odd = {
+        name: type(part).__name__
+        for name, part in data.items()
+        if not isinstance(name, str) or not name.isidentifier() or not _is_data_set(part)
+    }
     if odd or not data:
         got = ", ".join(f"{name!r}: {kind}" for name, kind in odd.items()) or "an empty dict"
-        raise DataError(f"eval_data is a dict, so each entry must be a named data set (a Dataset, a DataLoader or an "
-                        f"IterableDataset, under a name usable in eval_<name>_loss); got {got}")  # fmt: skip
+        raise DataError(
+            f"eval_data is a dict, so each entry must be a named data set (a Dataset, a DataLoader or an "
+            f"IterableDataset, under a name usable in eval_<name>_loss); got {got}"
+        )
     return dict(data)
 
 
 def _is_data_set(part: Any) -> bool:
     return isinstance(part, (DataLoader, torch.utils.data.IterableDataset)) or (
-        hasattr(part, "__len__") and hasattr(part, "__getitem__")
-        and not isinstance(part, (str, bytes, Mapping, torch.Tensor)))  # a column of a batch is no data set
+        hasattr(part, "__len__")
+        and hasattr(part, "__getitem__")
+        and not isinstance(part, (str, bytes, Mapping, torch.Tensor))
+    )  # a column of a batch is no data set
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader, loss_fn, metrics_fn: Optional[MetricsFn], accelerator: Accelerator,
-             dp: Any, autocast: Callable[[], ContextManager], tokens: Callable[[Any], Optional[torch.Tensor]],
-             lockstep: bool = False) -> dict[str, float]:  # fmt: skip
+def evaluate(
+    model: torch.nn.Module,
+    loader,
+    loss_fn,
+    metrics_fn: Optional[MetricsFn],
+    accelerator: Accelerator,
+    dp: Any,
+    autocast: Callable[[], ContextManager],
+    tokens: Callable[[Any], Optional[torch.Tensor]],
+    lockstep: bool = False,
+) -> dict[str, float]:
     """``eval_loss``, ``eval_examples`` and ``eval_<name>`` for each metric: means over the whole set.
 
     ``eval_loss`` weighs what the training loss weighs (trainer.weighing): every counted token once for the
@@ -158,8 +209,10 @@ def evaluate(model: torch.nn.Module, loader, loss_fn, metrics_fn: Optional[Metri
         for name, value in values.items():
             value = torch.as_tensor(value, device=device).reshape(-1)  # numpy, a CPU tensor: on the device
             if value.numel() != size:
-                raise EvaluationError(f"metrics_fn's {name!r} has {value.numel()} values for a batch of {size} "
-                                      "examples: return one number per example (shape [batch])")  # fmt: skip
+                raise EvaluationError(
+                    f"metrics_fn's {name!r} has {value.numel()} values for a batch of {size} "
+                    "examples: return one number per example (shape [batch])"
+                )
             metric_sums[name] = metric_sums.get(name, 0) + value.double().sum()
         count += size
     names = sorted(metric_sums)
@@ -187,15 +240,25 @@ def perplexity(loss: float) -> float:
 def model_logits(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     """The default prediction: ``model(**batch).logits``, as transformers models return them."""
     if not isinstance(batch, Mapping):
-        raise EvaluationError(f"the default prediction calls model(**batch).logits, but the batch is a "
-                        f"{type(batch).__name__}; pass predict_fn=lambda model, batch: ... to predict()")  # fmt: skip
+        raise EvaluationError(
+            f"the default prediction calls model(**batch).logits, but the batch is a "
+            f"{type(batch).__name__}; pass predict_fn=lambda model, batch: ... to predict()"
+        )
     return model(**batch).logits
 
 
 @torch.no_grad()
-def predict(model: torch.nn.Module, loader, predict_fn: PredictFn, accelerator: Accelerator, dp: Any,
-            autocast: Callable[[], ContextManager], num_examples: int, lockstep: bool = False,
-            host: Any = None) -> torch.Tensor:  # fmt: skip
+def predict(
+    model: torch.nn.Module,
+    loader,
+    predict_fn: PredictFn,
+    accelerator: Accelerator,
+    dp: Any,
+    autocast: Callable[[], ContextManager],
+    num_examples: int,
+    lockstep: bool = False,
+    host: Any = None,
+) -> torch.Tensor:
     """Every example's prediction, in dataset order, on every process, on the CPU (fp32 for predictions computed in
     bf16 or fp16 under mixed precision, which numpy cannot read).
 
@@ -256,8 +319,11 @@ def in_lockstep(loader, device: torch.device) -> Iterator[tuple[Any, bool]]:
         if have == 0:
             return
         if never:
-            raise DataError("the evaluation data gives some process no example: with a sharded model (FSDP2) every "
-                            "process evaluates, so give it at least as many examples as processes", job_wide=True)
+            raise DataError(
+                "the evaluation data gives some process no example: with a sharded model (FSDP2) every "
+                "process evaluates, so give it at least as many examples as processes",
+                job_wide=True,
+            )
         if batch is None:
             yield last, False
         else:

@@ -43,8 +43,10 @@ from trainer.model_state import (
 __all__ = ["export", "read_sharded_weights", "replacing", "write_model", "write_streamed"]
 MAX_FILE_BYTES = 5 * 2**30  # an export's safetensors files: at most this much each, the most held at once
 INDEX = "model.safetensors.index.json"  # the files of an export written as several, as transformers names them
-EXPORTED = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|config\.json|"
-                      r"generation_config\.json|adapter_model\.safetensors|adapter_config\.json")  # what an export
+EXPORTED = re.compile(
+    r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|config\.json|"
+    r"generation_config\.json|adapter_model\.safetensors|adapter_config\.json"
+)  # what an export
 # writes (and may replace): a PEFT model's is its adapter
 
 
@@ -61,9 +63,14 @@ def write_model(state_dict: dict[str, Any], directory: Path, model: Optional[tor
     return write_streamed(entries, lambda names: {name: tensors[name].cpu() for name in names}, directory, model)
 
 
-def write_streamed(entries: list[tuple[str, int]], fetch: Callable[[list[str]], dict[str, torch.Tensor]],
-                   directory: Path, model: Optional[torch.nn.Module] = None, main: bool = True,
-                   max_file_bytes: int = MAX_FILE_BYTES) -> Path:  # fmt: skip
+def write_streamed(
+    entries: list[tuple[str, int]],
+    fetch: Callable[[list[str]], dict[str, torch.Tensor]],
+    directory: Path,
+    model: Optional[torch.nn.Module] = None,
+    main: bool = True,
+    max_file_bytes: int = MAX_FILE_BYTES,
+) -> Path:
     """Write a model's weights into ``directory`` one safetensors file at a time, so that no process ever holds more
     than one file's tensors: ``entries`` names each tensor and its bytes, in order; ``fetch(names)`` returns one
     file's tensors whole on the CPU (on the main process; others may return {}: a sharded model's gather is
@@ -80,8 +87,11 @@ def write_streamed(entries: list[tuple[str, int]], fetch: Callable[[list[str]], 
             size = 0
         files[-1].append(name)
         size += nbytes
-    names = [MODEL_FILE] if len(files) == 1 else [f"model-{i:05d}-of-{len(files):05d}.safetensors"
-                                                   for i in range(1, len(files) + 1)]  # fmt: skip
+    names = (
+        [MODEL_FILE]
+        if len(files) == 1
+        else [f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)]
+    )
     if main:
         directory.mkdir(parents=True, exist_ok=True)
     for tensors_of, file in zip(files, names, strict=True):
@@ -137,24 +147,35 @@ def export(folder: Path, directory: Path, replace: bool = False, merged: bool = 
     return the weights file (or the index of several). A PEFT model's checkpoint: its adapter, or with ``merged``
     the base model with the adapter folded in (``trainer.adapter_export``)."""
     checkpoint.verify(folder)
-    architecture = (json.loads((folder / MODEL_CONFIG).read_text()).get("architectures") or [""])[0] \
-        if (folder / MODEL_CONFIG).is_file() else ""  # fmt: skip
+    architecture = (
+        (json.loads((folder / MODEL_CONFIG).read_text()).get("architectures") or [""])[0]
+        if (folder / MODEL_CONFIG).is_file()
+        else ""
+    )
     if str(architecture).startswith("Peft") and not holds_adapter(folder):
-        raise ExportError(f"checkpoint {folder} holds a PEFT model but not its adapter's config (it was written "
-                          f"before checkpoints carried {ADAPTER_CONFIG}): resume the run with this trainer for a "
-                          "step, and export that checkpoint")  # fmt: skip
+        raise ExportError(
+            f"checkpoint {folder} holds a PEFT model but not its adapter's config (it was written "
+            f"before checkpoints carried {ADAPTER_CONFIG}): resume the run with this trainer for a "
+            "step, and export that checkpoint"
+        )
     if merged and not holds_adapter(folder):
-        raise ExportError(f"--merged folds a PEFT adapter into its base model, and checkpoint {folder} holds no "
-                          f"adapter ({ADAPTER_CONFIG}): export it without --merged")  # fmt: skip
+        raise ExportError(
+            f"--merged folds a PEFT adapter into its base model, and checkpoint {folder} holds no "
+            f"adapter ({ADAPTER_CONFIG}): export it without --merged"
+        )
     inside = directory.resolve() == folder.resolve() or folder.resolve() in directory.resolve().parents
     if inside:
-        raise ExportError(f"{directory} is inside the checkpoint {folder}, which holds exactly what its manifest "
-                          "lists: export into a folder of its own")  # fmt: skip
+        raise ExportError(
+            f"{directory} is inside the checkpoint {folder}, which holds exactly what its manifest "
+            "lists: export into a folder of its own"
+        )
     if directory.is_file() or directory.is_dir() and any(directory.iterdir()) and not replace:
         held = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
         what = f"already holds {', '.join(held[:3])}{', ...' if len(held) > 3 else ''}" if held else "is a file"
-        raise ExportError(f"the export's folder {directory} {what}: export into a new or empty folder, or pass "
-                          "--replace to replace it whole")  # fmt: skip
+        raise ExportError(
+            f"the export's folder {directory} {what}: export into a new or empty folder, or pass "
+            "--replace to replace it whole"
+        )
     try:
         with replacing(directory, whole=True) as staging:  # new, empty, or --replace
             written = _write(folder, staging, merged)
@@ -206,11 +227,16 @@ def _tensors(folder: Path) -> tuple[list[str], Callable[[list[str]], dict[str, t
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", type=Path, help="a checkpoint folder, <output_dir>/checkpoints/step-N")
-    parser.add_argument("directory", type=Path, help="where to write model.safetensors (and config.json): a new "
-                        "or empty folder")  # fmt: skip
+    parser.add_argument(
+        "directory", type=Path, help="where to write model.safetensors (and config.json): a new or empty folder"
+    )
     parser.add_argument("--replace", action="store_true", help="replace what the folder holds, whole")
-    parser.add_argument("--merged", action="store_true", help="a PEFT model's checkpoint: the base model with the "
-                        "adapter folded in (merge_and_unload), not the adapter alone")  # fmt: skip
+    parser.add_argument(
+        "--merged",
+        action="store_true",
+        help="a PEFT model's checkpoint: the base model with the "
+        "adapter folded in (merge_and_unload), not the adapter alone",
+    )
     args = parser.parse_args(argv)
     written = export(args.checkpoint, args.directory, replace=args.replace, merged=args.merged)
     if written.name == ADAPTER_FILE:

@@ -50,11 +50,16 @@ from trainer.materialize import (
 from trainer.tensor_parallel import TensorParallel
 
 FULLY_SHARDED = "FSDP2"
-NO_OFFLOAD = ("the accelerate config sets fsdp_offload_params: CPU offload is not supported by this trainer yet; set "
-              "it to false (more processes hold less each)")  # fmt: skip
-NO_FP16 = ("mixed precision fp16 with FSDP2 is not supported (its loss scaler would have to see sharded gradients): "
-           "use bf16 (mixed_precision: bf16), or no mixed precision")  # fmt: skip
+NO_OFFLOAD = (
+    "the accelerate config sets fsdp_offload_params: CPU offload is not supported by this trainer yet; set "
+    "it to false (more processes hold less each)"
+)
+NO_FP16 = (
+    "mixed precision fp16 with FSDP2 is not supported (its loss scaler would have to see sharded gradients): "
+    "use bf16 (mixed_precision: bf16), or no mixed precision"
+)
 FROM_META, FROM_FIRST = "meta", "first process"  # where a sharded model's weights come from
+
 
 @dataclass
 class ShardedModel:
@@ -74,8 +79,10 @@ class ShardedModel:
         upcast += "; built on meta, each process initialised its shards" if self.built_on_meta else ""
         checkpointed = ", activation checkpointing" if self.activation_checkpointing else ""
         groups = "tensor-parallel modules split" if self.groups is None else f"{self.groups} sharded blocks + root"
-        return (f"{self.mesh}: {self.parameters:,} parameters, {self.held:,} "
-                f"held by this process ({groups}{checkpointed}){upcast}")  # fmt: skip
+        return (
+            f"{self.mesh}: {self.parameters:,} parameters, {self.held:,} "
+            f"held by this process ({groups}{checkpointed}){upcast}"
+        )
 
 
 def requested_plugin(config: Any) -> Optional[FullyShardedDataParallelPlugin]:
@@ -86,9 +93,11 @@ def requested_plugin(config: Any) -> Optional[FullyShardedDataParallelPlugin]:
         return None
     version = os.environ.get("FSDP_VERSION", "1")
     if version != "2":
-        raise ShardingError(f"the accelerate config asks for FSDP version {version}; this trainer shards with FSDP2. "
-                            "Convert the file with `accelerate to-fsdp2 --config_file <yours> --output_file <new>` "
-                            "(or set fsdp_version: 2 under fsdp_config)")  # fmt: skip
+        raise ShardingError(
+            f"the accelerate config asks for FSDP version {version}; this trainer shards with FSDP2. "
+            "Convert the file with `accelerate to-fsdp2 --config_file <yours> --output_file <new>` "
+            "(or set fsdp_version: 2 under fsdp_config)"
+        )
     if parse_flag_from_env("FSDP_OFFLOAD_PARAMS"):
         raise ShardingError(NO_OFFLOAD)
     if os.environ.get("ACCELERATE_MIXED_PRECISION", "no") == "fp16":
@@ -111,9 +120,17 @@ def accelerate_without_sharding() -> Iterator[None]:
         os.environ.update(saved)
 
 
-def shard(model: torch.nn.Module, plugin: FullyShardedDataParallelPlugin, mesh: Any, device: torch.device,
-          mixed_precision: str, recompute: bool = False, seed: int = 0, name: str = "",
-          tp: Optional[TensorParallel] = None) -> ShardedModel:  # fmt: skip
+def shard(
+    model: torch.nn.Module,
+    plugin: FullyShardedDataParallelPlugin,
+    mesh: Any,
+    device: torch.device,
+    mixed_precision: str,
+    recompute: bool = False,
+    seed: int = 0,
+    name: str = "",
+    tp: Optional[TensorParallel] = None,
+) -> ShardedModel:
     """Shard ``model`` in place over ``mesh`` (1-D: FSDP; replicate x shard: HSDP; None: tensor parallelism alone),
     one FSDP group at a time (its blocks, then the root with the rest): each group's tensors are made whole on
     ``device`` (from the first process's weights, or initialised for a model built on meta: ``trainer.materialize``),
@@ -168,8 +185,15 @@ def shard(model: torch.nn.Module, plugin: FullyShardedDataParallelPlugin, mesh: 
     )
 
 
-def _place(model: torch.nn.Module, modules: list[torch.nn.Module], device: torch.device, source: Any,
-           upcast: set[int], start: str, seed: int) -> None:  # fmt: skip
+def _place(
+    model: torch.nn.Module,
+    modules: list[torch.nn.Module],
+    device: torch.device,
+    source: Any,
+    upcast: set[int],
+    start: str,
+    seed: int,
+) -> None:
     """``modules``' tensors whole on ``device``: the first process's, or initialised (a model built on meta)."""
     fill(modules, device, source, upcast)
     if start == FROM_META:
@@ -191,8 +215,11 @@ def wrap_groups(model: torch.nn.Module, plugin: FullyShardedDataParallelPlugin) 
         raise ShardingError(f"fsdp_transformer_layer_cls_to_wrap: {err}") from None
     if policy is None:  # NO_WRAP
         return []
-    candidates = [module for module in region(model, set())
-                  if module is not model and policy(module) and type(module).forward is not torch.nn.Module.forward]
+    candidates = [
+        module
+        for module in region(model, set())
+        if module is not model and policy(module) and type(module).forward is not torch.nn.Module.forward
+    ]
     by_class = getattr(plugin.auto_wrap_policy, "func", plugin.auto_wrap_policy) is transformer_auto_wrap_policy
     if not candidates and by_class and not plugin.transformer_cls_names_to_wrap:
         candidates = repeated_blocks(model)
@@ -210,12 +237,18 @@ def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     lists = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
     how = "name its block class in fsdp_transformer_layer_cls_to_wrap to choose the groups"
     if not lists:
-        say(f"FSDP2: {type(model).__name__} names no block class (_no_split_modules) and has no ModuleList: the "
-            f"whole model is one group, gathered whole for every forward; {how}", once=True)  # fmt: skip
+        say(
+            f"FSDP2: {type(model).__name__} names no block class (_no_split_modules) and has no ModuleList: the "
+            f"whole model is one group, gathered whole for every forward; {how}",
+            once=True,
+        )
         return []
     name, blocks = max(lists, key=lambda item: sum(p.numel() for p in item[1].parameters()))
-    say(f"FSDP2: {type(model).__name__} names no block class (_no_split_modules): each of the {len(blocks)} "
-        f"modules of {name} ({type(blocks[0]).__name__}) is one group; {how}", once=True)  # fmt: skip
+    say(
+        f"FSDP2: {type(model).__name__} names no block class (_no_split_modules): each of the {len(blocks)} "
+        f"modules of {name} ({type(blocks[0]).__name__}) is one group; {how}",
+        once=True,
+    )
     return list(blocks)
 
 
@@ -231,9 +264,11 @@ def how_to_start(model: torch.nn.Module) -> str:
         return FROM_META
     missing = [name for name, p in model.named_parameters() if p.device == META]
     if missing:
-        return (f"{len(missing)} parameter(s) of the model are on the meta device on the first process "
-                f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}), which sends every process its "
-                "weights: build the model wholly on meta, or wholly on a device")  # fmt: skip
+        return (
+            f"{len(missing)} parameter(s) of the model are on the meta device on the first process "
+            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}), which sends every process its "
+            "weights: build the model wholly on meta, or wholly on a device"
+        )
     return FROM_FIRST
 
 

@@ -45,7 +45,9 @@ def _check_once(handle: list) -> Callable:
         raise ShardingError(
             f"{name}.forward returns a {type(output).__name__}, in which FSDP2 finds no tensor: no gradient would "
             "reach the sharded weights, and they would never change (without an error). Return "
-            f"{containers} or a transformers ModelOutput instead")
+            f"{containers} or a transformers ModelOutput instead"
+        )
+
     return check
 
 

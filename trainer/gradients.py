@@ -30,8 +30,9 @@ def copies(tensor: torch.Tensor, world: int) -> int:
     mesh = getattr(tensor, "device_mesh", None)
     if mesh is None:
         return world
-    replicated = math.prod(mesh.size(dim) for dim, placement in enumerate(tensor.placements)
-                           if placement.is_replicate())  # fmt: skip
+    replicated = math.prod(
+        mesh.size(dim) for dim, placement in enumerate(tensor.placements) if placement.is_replicate()
+    )
     return replicated * (world // mesh.size())
 
 

@@ -132,9 +132,11 @@ def build_accelerator(config: TrainConfig) -> Accelerator:
         console.say(words, once=True)
     if _needs_cpu_fallback():
         world = accelerator.num_processes
-        console.say(f"No GPU on this host is visible to the processes: running the {world} launched processes as "
-                    f"one job on CPU over gloo (accelerate would otherwise start {world} independent trainings)",
-                    once=True)  # fmt: skip
+        console.say(
+            f"No GPU on this host is visible to the processes: running the {world} launched processes as "
+            f"one job on CPU over gloo (accelerate would otherwise start {world} independent trainings)",
+            once=True,
+        )
     return accelerator
 
 
@@ -219,11 +221,13 @@ def check_launch_fits_host() -> None:
 
 
 def _too_many_processes(per_machine: int, gpus: int, shared: str = "") -> str:
-    return (f"this launch starts {per_machine} processes on this machine, but it has {gpus} GPU(s){shared}: one "
-            f"process per GPU. Run `accelerate launch --num_processes {gpus} ...` (or --config_file "
-            f"accelerate_configs/single_gpu.yaml), or `torchrun --nproc_per_node {gpus} ...`; to run {per_machine} "
-            f"processes on the CPU instead: `accelerate launch --config_file accelerate_configs/cpu.yaml "
-            f"--num_processes {per_machine} ...`.")  # fmt: skip
+    return (
+        f"this launch starts {per_machine} processes on this machine, but it has {gpus} GPU(s){shared}: one "
+        f"process per GPU. Run `accelerate launch --num_processes {gpus} ...` (or --config_file "
+        f"accelerate_configs/single_gpu.yaml), or `torchrun --nproc_per_node {gpus} ...`; to run {per_machine} "
+        f"processes on the CPU instead: `accelerate launch --config_file accelerate_configs/cpu.yaml "
+        f"--num_processes {per_machine} ...`."
+    )
 
 
 def _bound_per_process(gpus: int) -> str:
@@ -233,10 +237,12 @@ def _bound_per_process(gpus: int) -> str:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
         return ""
-    return (f" (CUDA_VISIBLE_DEVICES={visible!r} leaves this process {gpus}. If a launcher gives each process its "
-            "own GPU this way, as srun --gpus-per-task does, let every process see the machine's GPUs instead, "
-            "srun --gpu-bind=none: accelerate's barriers address GPU <local rank>, which a process that sees one "
-            "does not have, and accelerate gives process k GPU k.)")  # fmt: skip
+    return (
+        f" (CUDA_VISIBLE_DEVICES={visible!r} leaves this process {gpus}. If a launcher gives each process its "
+        "own GPU this way, as srun --gpus-per-task does, let every process see the machine's GPUs instead, "
+        "srun --gpu-bind=none: accelerate's barriers address GPU <local rank>, which a process that sees one "
+        "does not have, and accelerate gives process k GPU k.)"
+    )
 
 
 _GPUS_COMPARED: list[bool] = []  # once per process (every rank joins, through distributed_state, as often)

@@ -24,8 +24,21 @@ from trainer.nonfinite import NONE
 # loss_sum / loss_weight is the window's mean loss: weights are a micro-batch's counted tokens (or its loss_fn's
 # count), else 1 (trainer.weighing). stop: this rank's trainer.should_stop. lr: the log step's. first_bad: its first
 # non-finite step. grad_norm: the log step's gradient norm before clipping (NOT_MEASURED: none; NaN stays NaN).
-WINDOW_FIELDS = ("loss_sum", "micro_batches", "examples", "tokens", "steps", "seconds", "data_wait", "forward",
-                 "stop", "lr", "loss_weight", "first_bad", "grad_norm")  # fmt: skip
+WINDOW_FIELDS = (
+    "loss_sum",
+    "micro_batches",
+    "examples",
+    "tokens",
+    "steps",
+    "seconds",
+    "data_wait",
+    "forward",
+    "stop",
+    "lr",
+    "loss_weight",
+    "first_bad",
+    "grad_norm",
+)
 NOT_MEASURED = -1.0  # the row's grad_norm on a step that measured none (a norm is never negative)
 FOLD_EVERY = 1024  # losses kept before they are folded into one sum on the device (memory stays flat)
 
@@ -37,8 +50,9 @@ class LogWindow:
         self._device = device
         self.restart()
 
-    def add(self, loss: torch.Tensor, step: int, batch: Any, examples: int | torch.Tensor,
-            weight: int | torch.Tensor = 1) -> None:  # fmt: skip
+    def add(
+        self, loss: torch.Tensor, step: int, batch: Any, examples: int | torch.Tensor, weight: int | torch.Tensor = 1
+    ) -> None:
         """Count one micro-batch of optimizer step ``step``: its loss (weighed: ``weight`` x its mean), examples
         (``examples_in``: a number, or a device count), and tokens when it carries ``input_ids``."""
         self._losses.append(loss)
@@ -79,8 +93,16 @@ class LogWindow:
         from the device (the loss, the gradient norm, a tensor lr) rides the gather's one read."""
         self._fold()
         seconds = time.perf_counter() - self._since
-        host = [self.micro_batches, self.examples, self.tokens, self.steps, seconds, self.data_wait, self.forward,
-                float(stop)]  # fmt: skip
+        host = [
+            self.micro_batches,
+            self.examples,
+            self.tokens,
+            self.steps,
+            seconds,
+            self.data_wait,
+            self.forward,
+            float(stop),
+        ]
         lr_on_host = not torch.is_tensor(lr) or lr.device.type == "cpu"  # (a CPU tensor: no device to wait for)
         host_part = self._to_device(torch.tensor([*host, float(lr)] if lr_on_host else host, dtype=torch.float64))
         examples = host_part[1:2] + self._folded_examples  # the device's counts (flattened batches) added
@@ -91,8 +113,9 @@ class LogWindow:
             norm = torch.full((1,), NOT_MEASURED, dtype=torch.float64, device=self._device)
         else:  # a sharded model's norm is a DTensor: its whole value (a collective, no host read)
             norm = getattr(grad_norm, "full_tensor", lambda: grad_norm)().detach().reshape(1).double()
-        return torch.cat([self._folded.view(1), host_part, *device_lr, weight, self._first_bad.double().view(1),
-                          norm]).view(1, -1)  # fmt: skip
+        return torch.cat(
+            [self._folded.view(1), host_part, *device_lr, weight, self._first_bad.double().view(1), norm]
+        ).view(1, -1)
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         """A host tensor copied to the device without waiting for the device's queued work: a blocking copy to a
@@ -136,8 +159,12 @@ def examples_in(batch: Any) -> int | torch.Tensor:
     read back would be a host synchronisation at every step)."""
     if isinstance(batch, Mapping):
         ids, positions = batch.get("input_ids"), batch.get("position_ids")
-        if isinstance(ids, torch.Tensor) and isinstance(positions, torch.Tensor) and ids.dim() == 2 \
-                and ids.shape[0] == 1:  # fmt: skip
+        if (
+            isinstance(ids, torch.Tensor)
+            and isinstance(positions, torch.Tensor)
+            and ids.dim() == 2
+            and ids.shape[0] == 1
+        ):
             return (positions == 0).sum().clamp(min=1)  # (one row that does not start at 0 is one example)
     return find_batch_size(batch)
 
@@ -168,8 +195,11 @@ class LoggedFigures:
         """Each figure's mean since the last take, as numbers; then empty. The tensors of each device are read in
         one go: a round trip each otherwise."""
         totals = {name: total for name, total in self._sums.items() if not torch.is_tensor(total)}
-        tensors = {name: getattr(total, "full_tensor", lambda t=total: t)()  # a sharded model's DTensor: whole
-                   for name, total in self._sums.items() if torch.is_tensor(total)}  # fmt: skip
+        tensors = {
+            name: getattr(total, "full_tensor", lambda t=total: t)()  # a sharded model's DTensor: whole
+            for name, total in self._sums.items()
+            if torch.is_tensor(total)
+        }
         by_device: dict[torch.device, list[str]] = {}
         for name, total in tensors.items():
             by_device.setdefault(total.device, []).append(name)
@@ -180,8 +210,11 @@ class LoggedFigures:
         return means
 
 
-def summarize(rows: list[list[float]], rank: int, replicas: Optional[int] = None,
-              ) -> tuple[dict[str, float], dict[str, float]]:  # fmt: skip
+def summarize(
+    rows: list[list[float]],
+    rank: int,
+    replicas: Optional[int] = None,
+) -> tuple[dict[str, float], dict[str, float]]:
     """Every rank's window (``WINDOW_FIELDS`` rows) -> (this rank's own figures, the global view). The job's examples
     and tokens are the ``replicas``' (the data-parallel processes; all by default): processes that share a batch
     (a tensor-parallel group) each count it.

@@ -34,8 +34,10 @@ def model_loss(model: torch.nn.Module, batch: Any, **loss_kwargs: Any) -> torch.
     output = model(**batch, **loss_kwargs)
     loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
     if loss is None:
-        raise LossFnError("the default loss calls model(**batch).loss, but the model returned no loss (no labels in "
-                          "the batch?); pass loss_fn=lambda model, batch: ... to the Trainer")  # fmt: skip
+        raise LossFnError(
+            "the default loss calls model(**batch).loss, but the model returned no loss (no labels in "
+            "the batch?); pass loss_fn=lambda model, batch: ... to the Trainer"
+        )
     return loss
 
 
@@ -66,13 +68,16 @@ def checked(loss: Any, loss_fn: LossFn) -> tuple[torch.Tensor, Any]:
         if isinstance(count, int) or (isinstance(count, torch.Tensor) and count.ndim == 0):
             return loss
         got = f"a tensor of shape {tuple(count.shape)}" if isinstance(count, torch.Tensor) else repr(count)[:80]
-        raise LossFnError(f"{_describe(loss_fn)} returned (loss_sum, count) with count {got}: count must be an int "
-                          "or a scalar tensor (the number of items loss_sum adds up)")  # fmt: skip
+        raise LossFnError(
+            f"{_describe(loss_fn)} returned (loss_sum, count) with count {got}: count must be an int "
+            "or a scalar tensor (the number of items loss_sum adds up)"
+        )
     name = _describe(loss_fn)
     got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else repr(loss)[:80]
     hint = " (reduce it: .mean())" if isinstance(loss, torch.Tensor) else " (a float has no gradient)"
-    raise LossFnError(f"{name} must return a scalar tensor, got {got}{hint}; or a pair (loss_sum, count) to weigh "
-                      "by count")
+    raise LossFnError(
+        f"{name} must return a scalar tensor, got {got}{hint}; or a pair (loss_sum, count) to weigh by count"
+    )
 
 
 def _describe(loss_fn: LossFn) -> str:

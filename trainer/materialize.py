@@ -101,8 +101,7 @@ def from_first_process(rank: int, world_size: int) -> Source:
     return source
 
 
-def initialise(model: torch.nn.Module, modules: list[torch.nn.Module], seed: int,
-               device: torch.device) -> None:  # fmt: skip
+def initialise(model: torch.nn.Module, modules: list[torch.nn.Module], seed: int, device: torch.device) -> None:
     """The model's own initialisation of ``modules`` (just filled, children first), each under a seed of its own:
     the same numbers on every process, whatever their number."""
     own = getattr(model, "_init_weights", None)  # a transformers model's, per module
@@ -114,9 +113,11 @@ def initialise(model: torch.nn.Module, modules: list[torch.nn.Module], seed: int
         if own is None and not holds:
             continue
         if own is None and not hasattr(module, "reset_parameters"):
-            raise ShardingError(f"the model was built on the meta device, and its module {name or '(root)'} "
-                                f"({type(module).__name__}) holds tensors but has no reset_parameters() to "
-                                "initialise them: give it one, or build the model on the CPU")  # fmt: skip
+            raise ShardingError(
+                f"the model was built on the meta device, and its module {name or '(root)'} "
+                f"({type(module).__name__}) holds tensors but has no reset_parameters() to "
+                "initialise them: give it one, or build the model on the CPU"
+            )
         with torch.random.fork_rng(devices=forked, device_type=device.type):
             torch.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
             with torch.no_grad():

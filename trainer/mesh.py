@@ -68,8 +68,9 @@ class Layout:
         """The device mesh, its dimensions named REPLICATE, SHARD, TP (those of size 1 left out)."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        dims = [(name, size) for name, size in ((REPLICATE, self.replicate), (SHARD, self.shard), (TP, self.tp))
-                if size > 1] or [(SHARD, 1)]  # fmt: skip
+        dims = [
+            (name, size) for name, size in ((REPLICATE, self.replicate), (SHARD, self.shard), (TP, self.tp)) if size > 1
+        ] or [(SHARD, 1)]
         names, sizes = zip(*dims, strict=True)
         return init_device_mesh(device_type, tuple(sizes), mesh_dim_names=tuple(names))
 
@@ -88,25 +89,33 @@ def requested_layout(world: int, sharded: bool, sizes: Optional[dict[str, int]] 
         raise ShardingError(f"parallelism_config: {err}") from None
     for name, what in (("cp", "context parallelism"), ("sp", "sequence parallelism")):
         if getattr(asked, f"{name}_size") > 1:
-            raise ShardingError(f"parallelism_config: {name}_size {getattr(asked, f'{name}_size')} asks for {what}, "
-                                f"which this trainer does not do: set {name}_size to 1")  # fmt: skip
+            raise ShardingError(
+                f"parallelism_config: {name}_size {getattr(asked, f'{name}_size')} asks for {what}, "
+                f"which this trainer does not do: set {name}_size to 1"
+            )
     layout = Layout(asked.dp_replicate_size, asked.dp_shard_size, asked.tp_size, sharded)
     product = layout.data_parallel * layout.tp
     if product == 1:  # every size left at 1: the launch's own mesh
         return default
     if product != world:
-        raise ShardingError(f"parallelism_config: dp_replicate_size {layout.replicate} x dp_shard_size {layout.shard} "
-                            f"x tp_size {layout.tp} = {product} processes, but the launch has {world}: make the "
-                            "product the number of processes")  # fmt: skip
+        raise ShardingError(
+            f"parallelism_config: dp_replicate_size {layout.replicate} x dp_shard_size {layout.shard} "
+            f"x tp_size {layout.tp} = {product} processes, but the launch has {world}: make the "
+            "product the number of processes"
+        )
     if not sharded and (layout.shard > 1 or layout.tp > 1):
         asks = f"dp_shard_size {layout.shard} shards" if layout.shard > 1 else f"tp_size {layout.tp} splits"
-        raise ShardingError(f"parallelism_config: {asks} the model, which needs an FSDP config (distributed_type: "
-                            "FSDP, fsdp_version: 2; accelerate_configs/hsdp.yaml): launch with one, or set only "
-                            "dp_replicate_size for DDP")  # fmt: skip
+        raise ShardingError(
+            f"parallelism_config: {asks} the model, which needs an FSDP config (distributed_type: "
+            "FSDP, fsdp_version: 2; accelerate_configs/hsdp.yaml): launch with one, or set only "
+            "dp_replicate_size for DDP"
+        )
     if sharded and layout.shard == 1 and layout.tp == 1:
-        raise ShardingError(f"parallelism_config: dp_shard_size 1 leaves FSDP nothing to shard over "
-                            f"(dp_replicate_size {layout.replicate} alone is DDP): set dp_shard_size, or launch with "
-                            "a DDP config")  # fmt: skip
+        raise ShardingError(
+            f"parallelism_config: dp_shard_size 1 leaves FSDP nothing to shard over "
+            f"(dp_replicate_size {layout.replicate} alone is DDP): set dp_shard_size, or launch with "
+            "a DDP config"
+        )
     return layout
 
 

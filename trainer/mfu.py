@@ -19,9 +19,22 @@ from trainer.console import say
 
 # Dense bf16 peaks in FLOP/s, by a part of torch.cuda.get_device_name; a longer name wins over a part of it
 # ("H100 PCIe" over "H100", "L40S" over "L40" over "L4").
-PEAK_FLOPS = {"B200": 2250e12, "H200": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12,
-              "A100": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10": 125e12, "RTX 4090": 165e12,
-              "RTX 3090": 71e12, "V100": 125e12, "T4": 65e12}  # fmt: skip
+PEAK_FLOPS = {
+    "B200": 2250e12,
+    "H200": 989e12,
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "L40": 181e12,
+    "L4": 121e12,
+    "A10": 125e12,
+    "RTX 4090": 165e12,
+    "RTX 3090": 71e12,
+    "V100": 125e12,
+    "T4": 65e12,
+}
 
 
 def peak_flops_of(name: str) -> Optional[float]:
@@ -49,8 +62,11 @@ class Utilisation:
             return None
         if self.peak is None:
             if not self.said:
-                say(f"MFU: the peak FLOP/s of {self.device_name} is not known here: set peak_flops (per device) "
-                    "to see it on the step line", once=True)  # fmt: skip
+                say(
+                    f"MFU: the peak FLOP/s of {self.device_name} is not known here: set peak_flops (per device) "
+                    "to see it on the step line",
+                    once=True,
+                )
                 self.said = True
             return None
         sequence = tokens_per_s / examples_per_s if examples_per_s else 0.0

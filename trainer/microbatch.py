@@ -58,8 +58,9 @@ class MicroBatchSplit:
         self.armed = False  # inside a piece's forward and backward: FSDP2's collectives ask first
 
     @classmethod
-    def for_run(cls, config: Any, parallel: Any, host_group: Any,
-                model: torch.nn.Module) -> Optional["MicroBatchSplit"]:  # fmt: skip
+    def for_run(
+        cls, config: Any, parallel: Any, host_group: Any, model: torch.nn.Module
+    ) -> Optional["MicroBatchSplit"]:
         if not config.auto_microbatch:
             return None
         acc = parallel.accelerator
@@ -73,14 +74,18 @@ class MicroBatchSplit:
         from torch.distributed.fsdp import FSDPModule
 
         if layout.tp > 1 or layout.hybrid:
-            raise ShardingError(f"auto_microbatch is not supported with {layout.describe()} yet (its collectives "
-                                "run where one rank's out-of-memory would leave the others waiting): set "
-                                "auto_microbatch: false and choose batch_size, or shard without tp_size or "
-                                "dp_replicate_size")  # fmt: skip
+            raise ShardingError(
+                f"auto_microbatch is not supported with {layout.describe()} yet (its collectives "
+                "run where one rank's out-of-memory would leave the others waiting): set "
+                "auto_microbatch: false and choose batch_size, or shard without tp_size or "
+                "dp_replicate_size"
+            )
         if not hasattr(FSDPModule, "reset_iter_state"):
-            raise ShardingError(f"auto_microbatch with a sharded model needs FSDPModule.reset_iter_state, which "
-                                f"torch {torch.__version__} lacks: use torch 2.13 or later, or set auto_microbatch: "
-                                "false and choose batch_size")  # fmt: skip
+            raise ShardingError(
+                f"auto_microbatch with a sharded model needs FSDPModule.reset_iter_state, which "
+                f"torch {torch.__version__} lacks: use torch 2.13 or later, or set auto_microbatch: "
+                "false and choose batch_size"
+            )
         self.sharded = model
         for module in model.modules():
             if isinstance(module, FSDPModule):
@@ -148,14 +153,18 @@ class MicroBatchSplit:
                 parameters, shard = f"{parameters}, sharded", "shard it over more processes"
             else:
                 shard = "shard the model (accelerate_configs/fsdp.yaml)"
-            raise OutOfMemory(f"out of memory at step {step} ({ranks}) with micro-batches of one example: the model "
-                              f"({parameters}) and one example do not fit in {memory_words(self.device)}; {shard}, "
-                              "recompute activations (activation_checkpointing: true), or shorten the examples")
+            raise OutOfMemory(
+                f"out of memory at step {step} ({ranks}) with micro-batches of one example: the model "
+                f"({parameters}) and one example do not fit in {memory_words(self.device)}; {shard}, "
+                "recompute activations (activation_checkpointing: true), or shorten the examples"
+            )
         before = -(-size // self.pieces)
         self.pieces *= 2
-        say(f"out of memory at step {step} ({ranks}) with micro-batches of {before} example(s): every rank now cuts "
+        say(
+            f"out of memory at step {step} ({ranks}) with micro-batches of {before} example(s): every rank now cuts "
             f"each micro-batch into {self.pieces} pieces ({-(-size // self.pieces)} example(s) each) and reruns the "
-            "step; the global batch and its updates stay the same")  # fmt: skip
+            "step; the global batch and its updates stay the same"
+        )
         return True
 
     def random_state(self) -> tuple:
@@ -203,8 +212,9 @@ class AskFirstAllGather:
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
-                 async_op: bool = False) -> Any:  # fmt: skip
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False
+    ) -> Any:
         self.split.ask()
         return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
@@ -212,8 +222,9 @@ class AskFirstAllGather:
 class AskFirstReduceScatter(AskFirstAllGather):
     """FSDP2's reduce-scatter of gradients, asking first: the ``Comm`` of ``set_custom_reduce_scatter``."""
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
-                 async_op: bool = False) -> Any:  # fmt: skip
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
+    ) -> Any:
         self.split.ask()
         return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
@@ -228,8 +239,10 @@ def cut(batch: Any, pieces: int) -> list[tuple[Any, float]]:
         return [(batch, 1.0)]
     lengths = [len(chunk) for chunk in torch.tensor_split(torch.arange(size), parts)]
     starts = [sum(lengths[:i]) for i in range(parts)]
-    return [(recursively_apply(_rows, batch, slice(start, start + length)), length / size)
-            for start, length in zip(starts, lengths, strict=True)]  # fmt: skip
+    return [
+        (recursively_apply(_rows, batch, slice(start, start + length)), length / size)
+        for start, length in zip(starts, lengths, strict=True)
+    ]
 
 
 def _rows(tensor: torch.Tensor, rows: slice) -> torch.Tensor:

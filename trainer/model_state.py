@@ -41,23 +41,31 @@ MODEL_FILE, OPTIMIZER_FILE = "model.safetensors", "optimizer.bin"  # accelerate'
 
 # What DCP's index may hold: its metadata classes and the few values they carry (sizes, dtypes, a path).
 _METADATA = {
-    "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
-                                              "TensorStorageMetadata", "BytesStorageMetadata",
-                                              "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
     "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
     "collections": {"OrderedDict"},
     "builtins": {"set", "frozenset"},
-}  # fmt: skip
+}
 
 
 class ModelState:
     """This run's model and optimizer in its checkpoints (``model``: the plain or sharded module, not DDP's
     wrapper; ``optimizer``: the torch optimizer itself). Every method is collective: call it on every rank."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sharded: bool, device: torch.device,
-                 main: bool):  # fmt: skip
+    def __init__(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sharded: bool, device: torch.device, main: bool
+    ):
         self.model, self.optimizer, self.main = model, optimizer, main
         self.device = "cpu" if device.type == "cpu" else str(device)  # where loaded tensors go (not "cpu:0")
         self.format = FULLY_SHARDED if sharded else DDP
@@ -79,8 +87,12 @@ class ModelState:
         (``trainer.background_save``), the collectives on ``process_group``."""
         import torch.distributed.checkpoint as dcp
 
-        return dcp.async_save(self._dcp_state(folder), checkpoint_id=str(folder / SHARDS), process_group=process_group,
-                              async_stager=self._staging())  # fmt: skip
+        return dcp.async_save(
+            self._dcp_state(folder),
+            checkpoint_id=str(folder / SHARDS),
+            process_group=process_group,
+            async_stager=self._staging(),
+        )
 
     def _staging(self) -> Any:
         """On a GPU, one stager for every background save of the run, as torchtitan keeps one: its copies of this
@@ -91,8 +103,9 @@ class ModelState:
         if self._stager is None and self.device != "cpu" and torch.cuda.is_available():
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-            options = StagingOptions(use_pinned_memory=True, use_shared_memory=False, use_async_staging=False,
-                                     use_non_blocking_copy=True)  # fmt: skip
+            options = StagingOptions(
+                use_pinned_memory=True, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=True
+            )
             self._stager = DefaultStager(options)
         return self._stager
 
@@ -110,14 +123,20 @@ class ModelState:
         if written_as == FULLY_SHARDED:  # DCP reads each process's part now, whatever the processes that wrote it
             state = self._dcp_state()
             read_shards(state, folder)
-            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optimizer"])  # fmt: skip
+            set_state_dict(
+                self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+            )
         else:  # whole tensors into a sharded model: each process keeps its part
             from safetensors.torch import load_file
 
             optimizer = self._by_name(torch.load(folder / OPTIMIZER_FILE, map_location="cpu", weights_only=True))
-            set_state_dict(self.model, self.optimizer, model_state_dict=load_file(folder / MODEL_FILE),
-                           optim_state_dict=optimizer, options=StateDictOptions(full_state_dict=True))  # fmt: skip
+            set_state_dict(
+                self.model,
+                self.optimizer,
+                model_state_dict=load_file(folder / MODEL_FILE),
+                optim_state_dict=optimizer,
+                options=StateDictOptions(full_state_dict=True),
+            )
 
     def load_weights(self, folder: Path, written_as: str) -> None:
         """The weights alone of checkpoint ``folder`` (the best evaluation's, at the end of training)."""
@@ -135,8 +154,9 @@ class ModelState:
         else:
             from safetensors.torch import load_file
 
-            set_model_state_dict(self.model, load_file(folder / MODEL_FILE),
-                                 options=StateDictOptions(full_state_dict=True))  # fmt: skip
+            set_model_state_dict(
+                self.model, load_file(folder / MODEL_FILE), options=StateDictOptions(full_state_dict=True)
+            )
 
     def export(self, directory: Path, barrier: Callable[[], None], merged: bool = False) -> None:
         """The whole model, written into ``directory`` by the main process one file at a time
@@ -147,8 +167,10 @@ class ModelState:
         from trainer.export import replacing, write_model, write_streamed
 
         if merged and not peft_model(self.model):
-            raise ExportError(f"merged=True folds a PEFT adapter into its base model, and this model "
-                              f"({type(self.model).__name__}) has none: save it without merged")  # fmt: skip
+            raise ExportError(
+                f"merged=True folds a PEFT adapter into its base model, and this model "
+                f"({type(self.model).__name__}) has none: save it without merged"
+            )
         if peft_model(self.model):
             return self._export_adapter(directory, barrier, merged)
         if self.format == DDP:  # (no torch.distributed.checkpoint here: its import costs a DDP run a second)
@@ -186,8 +208,11 @@ class ModelState:
         if self.format != DDP or merged and self.main:  # sharded: every process gathers each tensor (collective)
             from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-            trainable = {name.replace("_checkpoint_wrapped_module.", "")  # the state dict's names
-                         for name, p in self.model.named_parameters() if p.requires_grad}  # fmt: skip
+            trainable = {
+                name.replace("_checkpoint_wrapped_module.", "")  # the state dict's names
+                for name, p in self.model.named_parameters()
+                if p.requires_grad
+            }
             state = {}
             for name, tensor in get_model_state_dict(self.model).items():
                 if merged or name in trainable:
@@ -218,15 +243,21 @@ class ModelState:
         lists its groups' parameters in the same order (the same config built both; a change is refused first)."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        names = [name for group in get_optimizer_state_dict(self.model, self.optimizer)["param_groups"]
-                 for name in group["params"]]  # fmt: skip
+        names = [
+            name
+            for group in get_optimizer_state_dict(self.model, self.optimizer)["param_groups"]
+            for name in group["params"]
+        ]
         indices = [index for group in saved["param_groups"] for index in group["params"]]
         if len(names) != len(indices):
             raise ValueError(f"the checkpoint's optimizer has {len(indices)} parameters, this run's {len(names)}")
         name_of = dict(zip(indices, names, strict=True))
-        return {"state": {name_of[index]: value for index, value in saved["state"].items()},
-                "param_groups": [{**group, "params": [name_of[i] for i in group["params"]]}
-                                 for group in saved["param_groups"]]}  # fmt: skip
+        return {
+            "state": {name_of[index]: value for index, value in saved["state"].items()},
+            "param_groups": [
+                {**group, "params": [name_of[i] for i in group["params"]]} for group in saved["param_groups"]
+            ],
+        }
 
 
 def save_model_config(model: torch.nn.Module, folder: Path) -> None:
@@ -287,15 +318,20 @@ def read_sharded_weights(folder: Path, part: str = "model") -> dict[str, torch.T
     return fetch([name for name, _ in entries])
 
 
-def sharded_weights(folder: Path, part: str = "model",
-                    ) -> tuple[list[tuple[str, int]], Callable[[list[str]], dict[str, torch.Tensor]]]:  # fmt: skip
+def sharded_weights(
+    folder: Path,
+    part: str = "model",
+) -> tuple[list[tuple[str, int]], Callable[[list[str]], dict[str, torch.Tensor]]]:
     """A sharded checkpoint's model tensors on this one process (no process group): each name and its bytes, and a
     function that reads the named ones whole (and nothing else)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     reader, prefix = safe_reader(folder), f"{part}."
-    shapes = {name.removeprefix(prefix): entry for name, entry in reader.read_metadata().state_dict_metadata.items()
-              if name.startswith(prefix) and isinstance(entry, TensorStorageMetadata)}  # fmt: skip
+    shapes = {
+        name.removeprefix(prefix): entry
+        for name, entry in reader.read_metadata().state_dict_metadata.items()
+        if name.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
+    }
 
     def fetch(names: list[str]) -> dict[str, torch.Tensor]:
         import warnings
@@ -330,8 +366,10 @@ class _IndexUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if name in _METADATA.get(module, ()) or module == "torch" and (name == "Size" or _is_dtype(name)):
             return super().find_class(module, name)
-        raise CheckpointError(f"{SHARDS}/.metadata names {module}.{name}, which is not part of a checkpoint's index: "
-                              "the checkpoint is refused, and nothing in it was run")  # fmt: skip
+        raise CheckpointError(
+            f"{SHARDS}/.metadata names {module}.{name}, which is not part of a checkpoint's index: "
+            "the checkpoint is refused, and nothing in it was run"
+        )
 
 
 def _is_dtype(name: str) -> bool:
@@ -365,8 +403,10 @@ def _safe_classes() -> tuple[type, type]:
             try:
                 torch.load(value, weights_only=True)
             except pickle.UnpicklingError as err:
-                raise CheckpointError(f"a value of {read_item.dest_index.fqn} in the checkpoint's shards is not plain "
-                                      f"data ({err}): the checkpoint is refused, and nothing in it was run") from None
+                raise CheckpointError(
+                    f"a value of {read_item.dest_index.fqn} in the checkpoint's shards is not plain "
+                    f"data ({err}): the checkpoint is refused, and nothing in it was run"
+                ) from None
             value.seek(0)
             super().load_bytes(read_item, value)
 

@@ -86,14 +86,18 @@ class NonFiniteGuard:
         raise NonFiniteLoss(
             f"non-finite loss (NaN or inf) at step {step} on rank {ranks}; nan_policy='raise' stopped training "
             "(a too-high lr, an inf in the data, or a window whose labels are all -100: no counted token, a mean of "
-            "0/0). " + (f"The last good checkpoint is {last_good}. " if last_good else "")
+            "0/0). "
+            + (f"The last good checkpoint is {last_good}. " if last_good else "")
             + "Set nan_policy='skip' to drop such steps instead."
         )
 
     def check_evaluation(self, metrics: dict[str, float], step: int, last_good: str = "") -> None:
         """Stop if an evaluation's loss is NaN or inf (the same reduced figure on every rank: all stop together)."""
-        bad = [(key, value) for key, value in metrics.items()
-               if key.startswith("eval_") and key.endswith("_loss") and not math.isfinite(value)]  # fmt: skip
+        bad = [
+            (key, value)
+            for key, value in metrics.items()
+            if key.startswith("eval_") and key.endswith("_loss") and not math.isfinite(value)
+        ]
         if not bad:
             return
         raise NonFiniteLoss(

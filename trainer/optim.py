@@ -27,8 +27,9 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.
         return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
     optimizer_class = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[config.optimizer]
     fused = bool(params) and all(p.device.type == "cuda" for p in params)
-    return optimizer_class(groups, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay,
-                           fused=fused or None)  # fmt: skip
+    return optimizer_class(
+        groups, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay, fused=fused or None
+    )
 
 
 def parameter_groups(model: torch.nn.Module, config: TrainConfig) -> list[dict]:
@@ -38,8 +39,10 @@ def parameter_groups(model: torch.nn.Module, config: TrainConfig) -> list[dict]:
     if config.weight_decay == 0 or config.decay_biases_and_norms:
         return [{"params": [p for _, p in named]}]
     decay = decayed(model)
-    groups = [{"params": [p for name, p in named if name in decay]},
-              {"params": [p for name, p in named if name not in decay], "weight_decay": 0.0}]  # fmt: skip
+    groups = [
+        {"params": [p for name, p in named if name in decay]},
+        {"params": [p for name, p in named if name not in decay], "weight_decay": 0.0},
+    ]
     return [group for group in groups if group["params"]]  # a model of biases alone: one group
 
 
@@ -59,8 +62,13 @@ def decayed(model: torch.nn.Module) -> set[str]:
     return names
 
 
-NORM_TYPES = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.modules.batchnorm._NormBase, torch.nn.RMSNorm,
-              torch.nn.LocalResponseNorm)  # fmt: skip
+NORM_TYPES = (
+    torch.nn.LayerNorm,
+    torch.nn.GroupNorm,
+    torch.nn.modules.batchnorm._NormBase,
+    torch.nn.RMSNorm,
+    torch.nn.LocalResponseNorm,
+)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, total_steps: int):
@@ -74,8 +82,9 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, total
         return LambdaLR(optimizer, schedules.no_schedule)
     name = "constant_with_warmup" if config.lr_scheduler == "constant" else config.lr_scheduler
     try:
-        factor = schedules.factor(name, optimizer.defaults["lr"], config.warmup_steps, total_steps,
-                                  schedule_settings(config, name))  # fmt: skip
+        factor = schedules.factor(
+            name, optimizer.defaults["lr"], config.warmup_steps, total_steps, schedule_settings(config, name)
+        )
     except ValueError as err:
         raise ConfigError(f"lr_scheduler {config.lr_scheduler}: {err}") from None
     return LambdaLR(optimizer, factor)
@@ -98,18 +107,23 @@ def schedule_settings(config: TrainConfig, name: str) -> dict[str, Any]:
     taken = set(schedules.SETTINGS[name])
     for key in settings:
         if key not in taken:
-            raise ConfigError(f"lr_scheduler_kwargs: {key!r} is not a setting of {config.lr_scheduler} (its "
-                              f"settings: {', '.join(sorted(taken)) or 'none'})")  # fmt: skip
+            raise ConfigError(
+                f"lr_scheduler_kwargs: {key!r} is not a setting of {config.lr_scheduler} (its "
+                f"settings: {', '.join(sorted(taken)) or 'none'})"
+            )
     if name == "cosine_with_min_lr" and not {"min_lr", "min_lr_rate"} & set(settings):
         raise ConfigError("lr_scheduler cosine_with_min_lr needs its floor: min_lr_ratio (say 0.1, nanoGPT's)")
     if name == "warmup_stable_decay" and "num_decay_steps" not in settings:
-        raise ConfigError("lr_scheduler warmup_stable_decay needs lr_scheduler_kwargs.num_decay_steps: the steps "
-                          "of its final decay (say a tenth or a fifth of the run)")  # fmt: skip
+        raise ConfigError(
+            "lr_scheduler warmup_stable_decay needs lr_scheduler_kwargs.num_decay_steps: the steps "
+            "of its final decay (say a tenth or a fifth of the run)"
+        )
     return settings
 
 
-def describe(optimizer: torch.optim.Optimizer, lr_scheduler, config: TrainConfig, built_optimizer: bool,
-             built_scheduler: bool) -> str:  # fmt: skip
+def describe(
+    optimizer: torch.optim.Optimizer, lr_scheduler, config: TrainConfig, built_optimizer: bool, built_scheduler: bool
+) -> str:
     """The start banner's words for the optimizer and the schedule: the config's, or the classes a user passed."""
     if built_optimizer:
         words = f"{config.optimizer} lr {config.lr:g}"
@@ -117,8 +131,11 @@ def describe(optimizer: torch.optim.Optimizer, lr_scheduler, config: TrainConfig
             groups = optimizer.param_groups
             tensors = sum(len(group["params"]) for group in groups)
             decays = sum(len(group["params"]) for group in groups if group["weight_decay"])
-            where = (f"{decays} of {tensors} tensors (not biases or norm weights)"
-                     if decays < tensors else f"all {tensors} tensors")  # fmt: skip
+            where = (
+                f"{decays} of {tensors} tensors (not biases or norm weights)"
+                if decays < tensors
+                else f"all {tensors} tensors"
+            )
             words += f", weight decay {config.weight_decay:g} on {where}"
     else:  # the lr before any schedule scaled it (a warm-up starts it near 0)
         group = optimizer.param_groups[0]
@@ -143,8 +160,13 @@ class Optimization:
     schedule_moves: bool
 
 
-def build(model: torch.nn.Module, config: TrainConfig, optimizer: Any, lr_scheduler: Any, total_steps: int,
-          ) -> tuple[torch.optim.Optimizer, Any, Optimization]:  # fmt: skip
+def build(
+    model: torch.nn.Module,
+    config: TrainConfig,
+    optimizer: Any,
+    lr_scheduler: Any,
+    total_steps: int,
+) -> tuple[torch.optim.Optimizer, Any, Optimization]:
     """The user's optimizer and schedule, or the config's in place of each one not given (over ``model``'s
     parameters as they are now: after sharding, on the device). Either may be a factory, called here:
     ``optimizer(parameter_groups)`` (the config's weight-decay groups) and ``lr_scheduler(optimizer, total_steps)``."""
@@ -154,8 +176,12 @@ def build(model: torch.nn.Module, config: TrainConfig, optimizer: Any, lr_schedu
     optimizer = optimizer or build_optimizer(model, config)
     if is_factory(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
         lr_scheduler = lr_scheduler(optimizer, total_steps)
-    moves = lr_scheduler is not None or config.lr_scheduler != "constant" or config.warmup_steps > 0 or bool(
-        config.lr_scheduler_kwargs)
+    moves = (
+        lr_scheduler is not None
+        or config.lr_scheduler != "constant"
+        or config.warmup_steps > 0
+        or bool(config.lr_scheduler_kwargs)
+    )
     lr_scheduler = lr_scheduler or build_scheduler(optimizer, config, total_steps)
     words = describe(optimizer, lr_scheduler, config, *built)
     return optimizer, lr_scheduler, Optimization(words, *built, schedule_moves=moves)
@@ -168,5 +194,9 @@ def is_factory(given: Any, built: type) -> bool:
 
 def prebuilt(optimizer: Any, lr_scheduler: Any) -> bool:
     """Whether the user passed an optimizer or schedule already built (over the parameters as they were then)."""
-    return (optimizer is not None and not is_factory(optimizer, torch.optim.Optimizer)
-            or lr_scheduler is not None and not is_factory(lr_scheduler, torch.optim.lr_scheduler.LRScheduler))
+    return (
+        optimizer is not None
+        and not is_factory(optimizer, torch.optim.Optimizer)
+        or lr_scheduler is not None
+        and not is_factory(lr_scheduler, torch.optim.lr_scheduler.LRScheduler)
+    )

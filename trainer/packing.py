@@ -28,12 +28,17 @@ DOCUMENT = 4  # tokens in each probe document
 def looks_packed(batch: Any) -> bool:
     """A batch as ``DataCollatorWithFlattening`` makes it: ``input_ids`` and ``position_ids``, no ``attention_mask``.
     Decided by the batch's keys, which the collate function sets alike on every rank."""
-    return isinstance(batch, Mapping) and "position_ids" in batch and "input_ids" in batch and \
-        "attention_mask" not in batch  # fmt: skip
+    return (
+        isinstance(batch, Mapping)
+        and "position_ids" in batch
+        and "input_ids" in batch
+        and "attention_mask" not in batch
+    )
 
 
-def refuse_attention_across_documents(model: torch.nn.Module, batch: Mapping, autocast: Callable[[], ContextManager],
-                                      extra: Optional[dict] = None) -> None:  # fmt: skip
+def refuse_attention_across_documents(
+    model: torch.nn.Module, batch: Mapping, autocast: Callable[[], ContextManager], extra: Optional[dict] = None
+) -> None:
     """Raise a ConfigError naming the model when its attention crosses the document boundaries of a packed row;
     ``model``: the module called under the default loss (unwrapped of DDP and torch.compile), ``extra``: keyword
     arguments the default loss adds (``use_cache=False``). Models without a vocabulary of at least 12 tokens or
@@ -60,12 +65,14 @@ def refuse_attention_across_documents(model: torch.nn.Module, batch: Mapping, au
             module.training = training
     if not torch.equal(after[0], after[1]):
         name = type(model).__name__
-        raise ConfigError(f"the batches are packed (position_ids restart inside a row and there is no attention_mask, "
-                          f"as DataCollatorWithFlattening makes them) but {name}'s attention crosses those restarts: a "
-                          f"document's logits changed with the document before it, so it would train on its "
-                          f"neighbours. Pad the documents instead (a collate_fn with an attention_mask), or use a "
-                          f"model whose attention reads packed position_ids (transformers' Llama, Mistral, GPT-2, "
-                          f"GPT-NeoX and most decoders)")  # fmt: skip
+        raise ConfigError(
+            f"the batches are packed (position_ids restart inside a row and there is no attention_mask, "
+            f"as DataCollatorWithFlattening makes them) but {name}'s attention crosses those restarts: a "
+            f"document's logits changed with the document before it, so it would train on its "
+            f"neighbours. Pad the documents instead (a collate_fn with an attention_mask), or use a "
+            f"model whose attention reads packed position_ids (transformers' Llama, Mistral, GPT-2, "
+            f"GPT-NeoX and most decoders)"
+        )
 
 
 def _vocabulary(model: torch.nn.Module) -> Optional[int]:

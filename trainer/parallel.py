@@ -60,8 +60,11 @@ class Parallelism:
         self.layout = requested_layout(acc.num_processes, self.plugin is not None)  # a refused mesh stops here
         self.mesh = self.layout.build(acc.device.type) if self.layout.sharded else None
         tp = self.layout.tp  # a tensor-parallel group (consecutive processes) reads one batch
-        self.dp = DataParallel(acc.process_index // tp, acc.num_processes // tp,
-                               data_parallel_group(self.layout, self.mesh) if self.mesh is not None else None)
+        self.dp = DataParallel(
+            acc.process_index // tp,
+            acc.num_processes // tp,
+            data_parallel_group(self.layout, self.mesh) if self.mesh is not None else None,
+        )
         self.recompute, self.seed = config.activation_checkpointing, config.seed
         self.reduce_every_micro_batch = config.reduce_every_micro_batch
         self.upcast: list[str] = []  # DDP's trainable tensors upcast to fp32 masters (a sharded model's say theirs)
@@ -76,8 +79,9 @@ class Parallelism:
         """Whether every process must run as many forwards in evaluation (a sharded model's each gather weights)."""
         return self.plugin is not None
 
-    def apply(self, model: torch.nn.Module, own_optimizer: bool,
-              parallelize_fn: Optional[ParallelizeFn] = None) -> torch.nn.Module:  # fmt: skip
+    def apply(
+        self, model: torch.nn.Module, own_optimizer: bool, parallelize_fn: Optional[ParallelizeFn] = None
+    ) -> torch.nn.Module:
         """Ready ``model`` before its optimizer is built: sharded over the processes (FSDP2), or left whole for
         ``prepare`` to wrap in DDP; with ``activation_checkpointing`` its blocks recompute their activations. On the
         device either way, so that the optimizer is built there (AdamW then fuses on a GPU).
@@ -88,9 +92,11 @@ class Parallelism:
         With ``tp_size`` the model is split by its own plan or by ``parallelize_fn`` (``trainer.tensor_parallel``)."""
         acc = self.accelerator
         if not any(parameter.requires_grad for parameter in model.parameters()):  # DDP and FSDP2 fail on it raw
-            raise ConfigError(f"the model ({type(model).__name__}) has no trainable parameter (requires_grad is False "
-                              "on every one): fit() would have nothing to update; unfreeze the part to train "
-                              "(parameter.requires_grad_(True), or a PEFT adapter)")  # fmt: skip
+            raise ConfigError(
+                f"the model ({type(model).__name__}) has no trainable parameter (requires_grad is False "
+                "on every one): fit() would have nothing to update; unfreeze the part to train "
+                "(parameter.requires_grad_(True), or a PEFT adapter)"
+            )
         if self.plugin is None:
             if parallelize_fn is not None:
                 say("parallelize_fn is not called: tensor parallelism needs an FSDP config", once=True)
@@ -99,15 +105,26 @@ class Parallelism:
                 checkpoint_activations(model, transformer_blocks(model))
             return model
         if own_optimizer:
-            raise ShardingError("with FSDP2 the optimizer must be built over the sharded parameters, after the Trainer "
-                                "shards the model: pass a factory the trainer calls then, optimizer=lambda groups: "
-                                "torch.optim.AdamW(groups, ...) (lr_scheduler=lambda optimizer, total_steps: ...), "
-                                "or choose them in the config (optimizer, lr, lr_scheduler, ...)")  # fmt: skip
+            raise ShardingError(
+                "with FSDP2 the optimizer must be built over the sharded parameters, after the Trainer "
+                "shards the model: pass a factory the trainer calls then, optimizer=lambda groups: "
+                "torch.optim.AdamW(groups, ...) (lr_scheduler=lambda optimizer, total_steps: ...), "
+                "or choose them in the config (optimizer, lr, lr_scheduler, ...)"
+            )
         if parallelize_fn is not None and self.layout.tp == 1:
             say("parallelize_fn is not called: the launch's parallelism_config has no tp_size", once=True)
         tp = tensor_parallel(model, self.mesh[TP], parallelize_fn) if self.layout.tp > 1 else None
-        self.sharded = shard(model, self.plugin, data_mesh(self.layout, self.mesh), acc.device, acc.mixed_precision,
-                             self.recompute, self.seed, self.layout.describe(), tp)  # fmt: skip
+        self.sharded = shard(
+            model,
+            self.plugin,
+            data_mesh(self.layout, self.mesh),
+            acc.device,
+            acc.mixed_precision,
+            self.recompute,
+            self.seed,
+            self.layout.describe(),
+            tp,
+        )
         return model
 
     def prepare(self, model: torch.nn.Module, optimizer: Any, loader: Any, scheduler: Any) -> tuple:
@@ -168,8 +185,10 @@ class Parallelism:
         if self.recompute and not self.sharded:  # a sharded model's line says it
             kind += ", activation checkpointing"
         threads = f", {torch.get_num_threads()} CPU threads per process" if device.type == "cpu" else ""
-        launch = (f"{acc.num_processes} process(es) on {num_machines(acc)} machine(s), device {device.type} ({kind})"
-                  f"{threads}, mixed precision {acc.mixed_precision}")  # fmt: skip
+        launch = (
+            f"{acc.num_processes} process(es) on {num_machines(acc)} machine(s), device {device.type} ({kind})"
+            f"{threads}, mixed precision {acc.mixed_precision}"
+        )
         reader = "process" if self.layout.tp == 1 else f"tensor-parallel group of {self.layout.tp}"
         return launch, self.sharded.describe() if self.sharded else upcast_words(self.upcast), self.dp.size, reader
 

@@ -63,8 +63,9 @@ def plot(output_dir: str | Path, out: str | Path | None = None) -> Path:
 
 def panels(ranks: dict[int, list[dict]]) -> list[tuple[str, str, str | None, tuple[str, ...]]]:
     """The built-in panels, the gradient norm's when it was logged, and one for each figure a user logged."""
-    keys = {key for rows in ranks.values() for row in rows for key, value in row.items()
-            if isinstance(value, (int, float))}  # fmt: skip  (numbers only: "MFU": "41.5%" is not drawn)
+    keys = {
+        key for rows in ranks.values() for row in rows for key, value in row.items() if isinstance(value, (int, float))
+    }  # numbers only: "MFU": "41.5%" is not drawn
     found = list(PANELS)
     if "global/grad_norm" in keys:
         found.append(("gradient norm", "norm before clipping", None, ("global/grad_norm",)))

@@ -25,10 +25,14 @@ def precision_words(device: torch.device, mixed_precision: str) -> Optional[str]
         return None
     name = torch.cuda.get_device_name(device)
     if mixed_precision == "bf16" and not torch.cuda.is_bf16_supported(including_emulation=False):
-        return (f"mixed precision bf16 on {name}, which has no bf16 tensor cores: torch emulates it, slower than "
-                "fp32; use accelerate_configs/fp16.yaml (fp16 with a loss scaler) on this GPU")  # fmt: skip
+        return (
+            f"mixed precision bf16 on {name}, which has no bf16 tensor cores: torch emulates it, slower than "
+            "fp32; use accelerate_configs/fp16.yaml (fp16 with a loss scaler) on this GPU"
+        )
     major, _ = torch.cuda.get_device_capability(device)
     if mixed_precision == "no" and major >= 8 and torch.get_float32_matmul_precision() == "highest":
-        return (f"fp32 matmuls on {name} leave its tensor cores idle: set tf32: true (TF32 matmuls, a 10-bit "
-                "mantissa) or train in bf16 (accelerate_configs/bf16.yaml)")  # fmt: skip
+        return (
+            f"fp32 matmuls on {name} leave its tensor cores idle: set tf32: true (TF32 matmuls, a 10-bit "
+            "mantissa) or train in bf16 (accelerate_configs/bf16.yaml)"
+        )
     return None

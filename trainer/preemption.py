@@ -91,8 +91,10 @@ class PreemptionWatch:
         deadline.start()
 
     def _out_of_time(self) -> None:
-        warn(f"still not done {self.grace_s:g} s after {signal.Signals(self.received).name} (preemption_grace_s): "
-             "exiting now")
+        warn(
+            f"still not done {self.grace_s:g} s after {signal.Signals(self.received).name} (preemption_grace_s): "
+            "exiting now"
+        )
         os._exit(PREEMPTED_EXIT)
 
     def pace(self, seconds_per_step: float) -> None:
@@ -134,8 +136,9 @@ class PreemptionWatch:
         return bool(self._agreed)
 
 
-def stop(signal_number: int, step: int, total_steps: int, checkpoint_now: Callable[[], Any], requeue: bool,
-         accelerator: Any) -> Preempted:  # fmt: skip
+def stop(
+    signal_number: int, step: int, total_steps: int, checkpoint_now: Callable[[], Any], requeue: bool, accelerator: Any
+) -> Preempted:
     """What every rank does once the ranks agreed on a signal: commit a checkpoint of the step reached
     (``checkpoint_now``, whatever save_every says), requeue the job under Slurm (``slurm_requeue``, the main process
     once the checkpoint is committed), and return the ``Preempted`` to leave ``fit()`` with (status 75)."""
@@ -147,9 +150,11 @@ def stop(signal_number: int, step: int, total_steps: int, checkpoint_now: Callab
             requeued = f"; {requeue_slurm_job()}"
         accelerator.wait_for_everyone()  # no rank leaves (and gets the others signalled) before the requeue
     name = signal.Signals(signal_number).name
-    return Preempted(f"trainer: preempted ({name}) at step {step} of {total_steps}: checkpoint {saved} committed in "
-                     f"{time.monotonic() - started:.1f} s{requeued}; exiting with status {PREEMPTED_EXIT}. Start the "
-                     "job again with resume='auto' to continue.")  # fmt: skip
+    return Preempted(
+        f"trainer: preempted ({name}) at step {step} of {total_steps}: checkpoint {saved} committed in "
+        f"{time.monotonic() - started:.1f} s{requeued}; exiting with status {PREEMPTED_EXIT}. Start the "
+        "job again with resume='auto' to continue."
+    )
 
 
 def requeue_slurm_job() -> str:

@@ -26,8 +26,10 @@ def steps_of(text: str) -> tuple[int, int]:
     match = RANGE.fullmatch(text)
     first, last = (int(match.group(1)), int(match.group(2) or match.group(1))) if match else (0, 0)
     if not match or first < 1 or last < first:
-        raise ConfigError(f"profile_steps must be an optimizer step or a range of them, say '10-12' (or null for "
-                          f"no trace); got {text!r}")  # fmt: skip
+        raise ConfigError(
+            f"profile_steps must be an optimizer step or a range of them, say '10-12' (or null for "
+            f"no trace); got {text!r}"
+        )
     return first, last
 
 
@@ -69,8 +71,11 @@ class StepProfiler:
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         steps = self.last - self.first + 1  # a schedule, so that each step is a ProfilerStep span of its own
-        self.profile = torch.profiler.profile(activities=activities, schedule=torch.profiler.schedule(
-            wait=0, warmup=0, active=steps, repeat=1), on_trace_ready=self._export)  # fmt: skip
+        self.profile = torch.profiler.profile(
+            activities=activities,
+            schedule=torch.profiler.schedule(wait=0, warmup=0, active=steps, repeat=1),
+            on_trace_ready=self._export,
+        )
         self.profile.start()
 
     def _export(self, profile: torch.profiler.profile) -> None:
@@ -81,5 +86,7 @@ class StepProfiler:
         profile, self.profile = self.profile, None
         profile.stop()  # the trace is written once its last step ends (stopped early: here)
         steps = f"step {self.first}" if step == self.first else f"steps {self.first}-{step}"
-        say(f"profile: {steps} traced on every rank, into {self.folder.parent}/rank<k>/trace.json (open one in "
-            "https://ui.perfetto.dev)")  # fmt: skip
+        say(
+            f"profile: {steps} traced on every rank, into {self.folder.parent}/rank<k>/trace.json (open one in "
+            "https://ui.perfetto.dev)"
+        )

@@ -51,41 +51,64 @@ def changed_settings(saved: dict[str, Any], now: dict[str, Any]) -> dict[str, tu
     """``{field: (saved value, this run's)}`` for every compared field that differs (a checkpoint written before a
     field existed leaves it out)."""
     plain = lambda value: list(value) if isinstance(value, tuple) else value  # noqa: E731  (JSON keeps lists)
-    return {key: (saved[key], value) for key, value in now.items()
-            if key in saved and key not in NOT_COMPARED and plain(saved[key]) != plain(value)}  # fmt: skip
+    return {
+        key: (saved[key], value)
+        for key, value in now.items()
+        if key in saved and key not in NOT_COMPARED and plain(saved[key]) != plain(value)
+    }
 
 
-def refusal(saved: dict[str, Any], now: dict[str, Any], path: Path, mid_epoch: bool, built_optimizer: bool,
-            saved_class: Optional[str], optimizer_class: str) -> Optional[CheckpointError]:  # fmt: skip
+def refusal(
+    saved: dict[str, Any],
+    now: dict[str, Any],
+    path: Path,
+    mid_epoch: bool,
+    built_optimizer: bool,
+    saved_class: Optional[str],
+    optimizer_class: str,
+) -> Optional[CheckpointError]:
     """Why this run (config ``now``) cannot train on from checkpoint ``path`` (config ``saved``), or None."""
     changes = changed_settings(saved, now)
 
     def refused(why: str, keep: str) -> CheckpointError:
-        return CheckpointError(f"checkpoint {path}: {why}. Resume with {keep}, or start a new run in another "
-                               "output_dir (python -m trainer.export takes its weights alone)")  # fmt: skip
+        return CheckpointError(
+            f"checkpoint {path}: {why}. Resume with {keep}, or start a new run in another "
+            "output_dir (python -m trainer.export takes its weights alone)"
+        )
 
     def listed(keys: list[str]) -> str:
         return ", ".join(f"{key} {changes[key][0]} -> {changes[key][1]}" for key in keys)
 
     if built_optimizer and "optimizer" in changes:
         old, new = changes["optimizer"]
-        return refused(f"it was written with optimizer {old}, and this run has {new}: the saved optimizer state "
-                       f"cannot go on as {new}'s", f"optimizer {old}")  # fmt: skip
+        return refused(
+            f"it was written with optimizer {old}, and this run has {new}: the saved optimizer state "
+            f"cannot go on as {new}'s",
+            f"optimizer {old}",
+        )
     if saved_class is not None and saved_class != optimizer_class:
-        return refused(f"its optimizer was {saved_class}, and this run's is {optimizer_class}: the saved optimizer "
-                       f"state cannot go on as {optimizer_class}'s", f"the optimizer class {saved_class}")  # fmt: skip
+        return refused(
+            f"its optimizer was {saved_class}, and this run's is {optimizer_class}: the saved optimizer "
+            f"state cannot go on as {optimizer_class}'s",
+            f"the optimizer class {saved_class}",
+        )
     grouping = [key for key in ("weight_decay", "decay_biases_and_norms") if key in changes]
     if built_optimizer and grouping and _one_group(saved) != _one_group(now):
-        return refused(f"{listed(grouping)} changes the optimizer's parameter groups (with weight decay, biases and "
-                       "norm weights are a group of their own), and the saved optimizer state is per group",
-                       " and ".join(f"{key} {changes[key][0]}" for key in grouping))  # fmt: skip
+        return refused(
+            f"{listed(grouping)} changes the optimizer's parameter groups (with weight decay, biases and "
+            "norm weights are a group of their own), and the saved optimizer state is per group",
+            " and ".join(f"{key} {changes[key][0]}" for key in grouping),
+        )
     order = [key for key in ORDER_OF_THE_EPOCH if key in changes]
     if order == ["seed"] and not now["shuffle"]:
         order = []  # an epoch read in order does not depend on the seed
     if mid_epoch and order:
-        return refused(f"{listed(order)} changes the order of examples in the epoch it stopped in: some examples "
-                       "would be read twice and others never", " and ".join(f"{key} {changes[key][0]}" for key in order)
-                       + " until the epoch ends (a checkpoint at an epoch's end takes any)")  # fmt: skip
+        return refused(
+            f"{listed(order)} changes the order of examples in the epoch it stopped in: some examples "
+            "would be read twice and others never",
+            " and ".join(f"{key} {changes[key][0]}" for key in order)
+            + " until the epoch ends (a checkpoint at an epoch's end takes any)",
+        )
     return None
 
 
@@ -99,8 +122,14 @@ def group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
 
 
-def apply_settings(optimizer: torch.optim.Optimizer, scheduler: Any, settings: list[dict[str, Any]], step: int,
-                   schedule_moved: bool, built_scheduler: bool) -> tuple[float, float]:  # fmt: skip
+def apply_settings(
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    settings: list[dict[str, Any]],
+    step: int,
+    schedule_moved: bool,
+    built_scheduler: bool,
+) -> tuple[float, float]:
     """After a checkpoint was loaded: this run's optimizer settings back in place of the saved ones and, for a
     schedule built from the config (a LambdaLR: trainer.optim), the lr recomputed at ``step`` from this run's base
     lr and schedule (a user's scheduler keeps its saved state). Returns the next step's lr under the checkpoint's
@@ -109,8 +138,7 @@ def apply_settings(optimizer: torch.optim.Optimizer, scheduler: Any, settings: l
     groups = optimizer.param_groups
     saved_lr = groups[0]["lr"]
     for group, own in zip(groups, settings, strict=True):
-        group.update({key: value for key, value in own.items()
-                      if key not in ("lr", "initial_lr") or built_scheduler})  # fmt: skip
+        group.update({key: value for key, value in own.items() if key not in ("lr", "initial_lr") or built_scheduler})
     if built_scheduler:
         at = scheduler.last_epoch if schedule_moved else step
         base_lrs = [group["initial_lr"] for group in groups]
@@ -163,8 +191,10 @@ class Split:
         return self.processes * self.batch_size * self.accumulation
 
     def __str__(self) -> str:
-        return (f"{self.processes} process(es) x batch {self.batch_size} x accumulation {self.accumulation} = "
-                f"{self.global_batch} global")  # fmt: skip
+        return (
+            f"{self.processes} process(es) x batch {self.batch_size} x accumulation {self.accumulation} = "
+            f"{self.global_batch} global"
+        )
 
 
 def resumed_position(run: dict[str, Any], batches: int, now: Split, path: Path, streaming: bool) -> tuple[int, str]:
@@ -174,14 +204,18 @@ def resumed_position(run: dict[str, Any], batches: int, now: Split, path: Path, 
     if saved == now:
         return batches, ""
     if streaming:
-        raise CheckpointError(f"checkpoint {path} was written with {saved}, this run has {now}: a stream's position "
-                              "is kept per process, so resume it with the same processes, batch_size and "
-                              "gradient_accumulation_steps")  # fmt: skip
+        raise CheckpointError(
+            f"checkpoint {path} was written with {saved}, this run has {now}: a stream's position "
+            "is kept per process, so resume it with the same processes, batch_size and "
+            "gradient_accumulation_steps"
+        )
     if saved.global_batch != now.global_batch:
-        raise CheckpointError(f"checkpoint {path} was written with {saved}; this run has {now}. Every later step "
-                              f"would differ from the run's: keep {saved.global_batch} global "
-                              f"({_keeping(saved.global_batch, now)}), or start a new run in another "
-                              "output_dir")  # fmt: skip
+        raise CheckpointError(
+            f"checkpoint {path} was written with {saved}; this run has {now}. Every later step "
+            f"would differ from the run's: keep {saved.global_batch} global "
+            f"({_keeping(saved.global_batch, now)}), or start a new run in another "
+            "output_dir"
+        )
     steps_into_epoch = batches // saved.accumulation
     return steps_into_epoch * now.accumulation, f"; split {saved} -> {now}: the same global batch, the same examples"
 
@@ -201,8 +235,10 @@ def random_states(saved_processes: int, processes: int) -> str:
     if processes <= saved_processes:
         return ""
     new = ", ".join(map(str, range(saved_processes, processes)))
-    return (f"; rank(s) {new} had no saved random state (the checkpoint has {saved_processes} processes'): "
-            "they start from seed + rank, as at a fresh start")
+    return (
+        f"; rank(s) {new} had no saved random state (the checkpoint has {saved_processes} processes'): "
+        "they start from seed + rank, as at a fresh start"
+    )
 
 
 @dataclass
@@ -223,9 +259,14 @@ class RunSetup:
         return Split(self.processes, self.config.batch_size, self.config.gradient_accumulation_steps)
 
     def record(self) -> dict[str, Any]:
-        return {"world_size": self.split.processes, "batch_size": self.split.batch_size,
-                "gradient_accumulation_steps": self.split.accumulation, "config": self.config.to_dict(),
-                "optimizer_class": type(self.optimizer).__name__, "mixed_precision": self.mixed_precision}  # fmt: skip
+        return {
+            "world_size": self.split.processes,
+            "batch_size": self.split.batch_size,
+            "gradient_accumulation_steps": self.split.accumulation,
+            "config": self.config.to_dict(),
+            "optimizer_class": type(self.optimizer).__name__,
+            "mixed_precision": self.mixed_precision,
+        }
 
     def judge(self, state: dict[str, Any], path: Path) -> tuple[int, str, Any, Any]:
         """(the micro-batch of the epoch to read next, what a change of split means, why ``fit()`` cannot go on
@@ -236,9 +277,15 @@ class RunSetup:
             batches, resplit = resumed_position(run, batches, self.split, path, self.streaming)
         except CheckpointError as err:  # the weights still serve evaluate() and predict(); fit() refuses
             misfit, resplit = err, ""
-        settings = refusal(run.get("config", {}), self.config.to_dict(), path, batches > 0,
-                           self.optimization.built_optimizer, run.get("optimizer_class"),
-                           type(self.optimizer).__name__)  # fmt: skip
+        settings = refusal(
+            run.get("config", {}),
+            self.config.to_dict(),
+            path,
+            batches > 0,
+            self.optimization.built_optimizer,
+            run.get("optimizer_class"),
+            type(self.optimizer).__name__,
+        )
         return batches, resplit, misfit, settings
 
     def apply_changes(self, run: dict[str, Any], step: int, own_settings: list[dict[str, Any]]) -> str:
@@ -246,12 +293,15 @@ class RunSetup:
         line that says so ('' when none)."""
         saved = run.get("config", {})
         moved = saved.get("lr_scheduler", "constant") != "constant" or saved.get("warmup_steps", 0) > 0
-        lrs = apply_settings(self.optimizer, self.scheduler, own_settings, step, moved,
-                             self.optimization.built_scheduler)  # fmt: skip
+        lrs = apply_settings(
+            self.optimizer, self.scheduler, own_settings, step, moved, self.optimization.built_scheduler
+        )
         lines = [said(changed_settings(saved, self.config.to_dict()), step, lrs)]
         written = run.get("mixed_precision", self.mixed_precision)  # older checkpoints did not record it
         if written != self.mixed_precision:  # the weights and the optimizer state are fp32 either way: it goes on
-            lines.append(f"mixed precision {written} -> {self.mixed_precision} (the launch's accelerate config) from "
-                         f"step {step + 1}: the weights and optimizer state go on, the figures after differ from "
-                         "what the first launch would have computed")  # fmt: skip
+            lines.append(
+                f"mixed precision {written} -> {self.mixed_precision} (the launch's accelerate config) from "
+                f"step {step + 1}: the weights and optimizer state go on, the figures after differ from "
+                "what the first launch would have computed"
+            )
         return "\n".join(line for line in lines if line)

@@ -22,11 +22,17 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "linear": {},
     "cosine": {"num_cycles": 0.5},
     "cosine_with_min_lr": {"num_cycles": 0.5, "min_lr": None, "min_lr_rate": None},
-    "warmup_stable_decay": {"num_decay_steps": None, "num_stable_steps": None, "warmup_type": "linear",
-                            "decay_type": "cosine", "min_lr_ratio": 0.0, "num_cycles": 0.5},
+    "warmup_stable_decay": {
+        "num_decay_steps": None,
+        "num_stable_steps": None,
+        "warmup_type": "linear",
+        "decay_type": "cosine",
+        "min_lr_ratio": 0.0,
+        "num_cycles": 0.5,
+    },
     "polynomial": {"lr_end": 1e-7, "power": 1.0},
     "inverse_sqrt": {"timescale": None},
-}  # fmt: skip
+}
 SHAPES = ("linear", "cosine", "1-sqrt")  # warmup_stable_decay's warmup_type and decay_type
 
 
@@ -39,14 +45,16 @@ def factor(name: str, lr: float, warmup: int, total: int, settings: dict[str, An
     if name == "linear":
         return functools.partial(_linear, num_warmup_steps=warmup, num_training_steps=total)
     if name == "cosine":
-        return functools.partial(_cosine, num_warmup_steps=warmup, num_training_steps=total,
-                                 num_cycles=given["num_cycles"])  # fmt: skip
+        return functools.partial(
+            _cosine, num_warmup_steps=warmup, num_training_steps=total, num_cycles=given["num_cycles"]
+        )
     if name == "cosine_with_min_lr":
         if given["min_lr"] is not None and given["min_lr_rate"] is not None:
             raise ValueError("set one of min_lr and min_lr_rate, not both")
         rate = given["min_lr"] / lr if given["min_lr"] is not None else given["min_lr_rate"]
-        return functools.partial(_cosine, num_warmup_steps=warmup, num_training_steps=total,
-                                 num_cycles=given["num_cycles"], min_lr_rate=rate)  # fmt: skip
+        return functools.partial(
+            _cosine, num_warmup_steps=warmup, num_training_steps=total, num_cycles=given["num_cycles"], min_lr_rate=rate
+        )
     if name == "warmup_stable_decay":
         for key in ("warmup_type", "decay_type"):
             if given[key] not in SHAPES:
@@ -54,15 +62,27 @@ def factor(name: str, lr: float, warmup: int, total: int, settings: dict[str, An
         stable = given["num_stable_steps"]
         if stable is None:
             stable = total - warmup - given["num_decay_steps"]
-        return functools.partial(_warmup_stable_decay, num_warmup_steps=warmup, num_stable_steps=stable,
-                                 num_decay_steps=given["num_decay_steps"], warmup_type=given["warmup_type"],
-                                 decay_type=given["decay_type"], min_lr_ratio=given["min_lr_ratio"],
-                                 num_cycles=given["num_cycles"])  # fmt: skip
+        return functools.partial(
+            _warmup_stable_decay,
+            num_warmup_steps=warmup,
+            num_stable_steps=stable,
+            num_decay_steps=given["num_decay_steps"],
+            warmup_type=given["warmup_type"],
+            decay_type=given["decay_type"],
+            min_lr_ratio=given["min_lr_ratio"],
+            num_cycles=given["num_cycles"],
+        )
     if name == "polynomial":
         if not lr > given["lr_end"]:
             raise ValueError(f"lr_end ({given['lr_end']}) must be smaller than the lr ({lr})")
-        return functools.partial(_polynomial, num_warmup_steps=warmup, num_training_steps=total,
-                                 lr_end=given["lr_end"], power=given["power"], lr_init=lr)  # fmt: skip
+        return functools.partial(
+            _polynomial,
+            num_warmup_steps=warmup,
+            num_training_steps=total,
+            lr_end=given["lr_end"],
+            power=given["power"],
+            lr_init=lr,
+        )
     timescale = given["timescale"] if given["timescale"] is not None else warmup or 10_000
     return functools.partial(_inverse_sqrt, num_warmup_steps=warmup, timescale=timescale)
 
@@ -88,8 +108,9 @@ def _linear(step: int, *, num_warmup_steps: int, num_training_steps: int) -> flo
     return max(0.0, float(num_training_steps - step) / float(max(1, num_training_steps - num_warmup_steps)))
 
 
-def _cosine(step: int, *, num_warmup_steps: int, num_training_steps: int, num_cycles: float,
-            min_lr_rate: float = 0.0) -> float:  # fmt: skip
+def _cosine(
+    step: int, *, num_warmup_steps: int, num_training_steps: int, num_cycles: float, min_lr_rate: float = 0.0
+) -> float:
     if step < num_warmup_steps:
         return _warming(step, num_warmup_steps)
     progress = float(step - num_warmup_steps) / float(max(1, num_training_steps - num_warmup_steps))
@@ -97,8 +118,9 @@ def _cosine(step: int, *, num_warmup_steps: int, num_training_steps: int, num_cy
     return max(0, value * (1 - min_lr_rate) + min_lr_rate)
 
 
-def _polynomial(step: int, *, num_warmup_steps: int, num_training_steps: int, lr_end: float, power: float,
-                lr_init: float) -> float:  # fmt: skip
+def _polynomial(
+    step: int, *, num_warmup_steps: int, num_training_steps: int, lr_end: float, power: float, lr_init: float
+) -> float:
     if step < num_warmup_steps:
         return _warming(step, num_warmup_steps)
     if step > num_training_steps:
@@ -114,9 +136,17 @@ def _inverse_sqrt(step: int, *, num_warmup_steps: int, timescale: int) -> float:
     return 1.0 / math.sqrt((step + shift) / timescale)
 
 
-def _warmup_stable_decay(step: int, *, num_warmup_steps: int, num_stable_steps: int, num_decay_steps: int,
-                         warmup_type: str, decay_type: str, min_lr_ratio: float,
-                         num_cycles: float) -> float:  # fmt: skip
+def _warmup_stable_decay(
+    step: int,
+    *,
+    num_warmup_steps: int,
+    num_stable_steps: int,
+    num_decay_steps: int,
+    warmup_type: str,
+    decay_type: str,
+    min_lr_ratio: float,
+    num_cycles: float,
+) -> float:
     if step < num_warmup_steps:
         progress = _warming(step, num_warmup_steps)
         if warmup_type == "linear":

@@ -59,8 +59,10 @@ class MetricsFile:
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
         except OSError as err:  # a full disk, a read-only or vanished output_dir: said in one line, not a traceback
-            raise MetricsError(f"cannot write the metrics of rank {self.rank} to {self.path}: "
-                               f"{type(err).__name__}: {err.strerror or err}") from None  # fmt: skip
+            raise MetricsError(
+                f"cannot write the metrics of rank {self.rank} to {self.path}: "
+                f"{type(err).__name__}: {err.strerror or err}"
+            ) from None
 
 
 class TensorBoardRun:
@@ -72,14 +74,18 @@ class TensorBoardRun:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise ConfigError('tensorboard: true needs the tensorboard package: pip install tensorboard (or '
-                              '"accelerate-ddp-trainer[tensorboard]")') from None  # fmt: skip
+            raise ConfigError(
+                "tensorboard: true needs the tensorboard package: pip install tensorboard (or "
+                '"accelerate-ddp-trainer[tensorboard]")'
+            ) from None
         folder = Path(output_dir) / "tensorboard" / f"rank{rank}"
         try:
             self.writer = SummaryWriter(log_dir=str(folder), purge_step=resumed_at + 1 if resumed_at else None)
         except OSError as err:  # <output_dir>/tensorboard is a file, a read-only folder, a full disk
-            raise MetricsError(f"tensorboard: true, but rank {rank} cannot write its events to {folder}: "
-                               f"{type(err).__name__}: {err.strerror or err}") from None  # fmt: skip
+            raise MetricsError(
+                f"tensorboard: true, but rank {rank} cannot write its events to {folder}: "
+                f"{type(err).__name__}: {err.strerror or err}"
+            ) from None
 
     def log(self, values: dict[str, Any], step: int) -> None:
         if self.writer is None:  # closed by a fit() before
@@ -105,16 +111,27 @@ class WandbRun:
 
         rank, world = accelerator.process_index, accelerator.num_processes
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        where = {"rank": rank, "local_rank": accelerator.local_process_index,
-                 "node_rank": int(os.environ.get("GROUP_RANK", rank // max(local_world, 1))),
-                 "host": socket.gethostname(), "world_size": world}  # fmt: skip
+        where = {
+            "rank": rank,
+            "local_rank": accelerator.local_process_index,
+            "node_rank": int(os.environ.get("GROUP_RANK", rank // max(local_world, 1))),
+            "host": socket.gethostname(),
+            "world_size": world,
+        }
         settings = {"silent": not accelerator.is_main_process}  # wandb's banners once per job, not once per rank
         if "WANDB_INIT_TIMEOUT" not in os.environ:
             settings["init_timeout"] = 30  # wandb's 90 s is long for a job that will log offline anyway
-        init = dict(project=project, group=config.experiment_name, job_type="train",
-                    name=f"{config.experiment_name}-rank{rank}", id=f"{run_id}-rank{rank}", resume="allow",
-                    dir=config.output_dir, config={**config.to_dict(), **where},
-                    settings=wandb.Settings(**settings))  # fmt: skip
+        init = dict(
+            project=project,
+            group=config.experiment_name,
+            job_type="train",
+            name=f"{config.experiment_name}-rank{rank}",
+            id=f"{run_id}-rank{rank}",
+            resume="allow",
+            dir=config.output_dir,
+            config={**config.to_dict(), **where},
+            settings=wandb.Settings(**settings),
+        )
         self.rank, self.run = rank, None
         try:
             self.run = wandb.init(**init)
@@ -122,8 +139,10 @@ class WandbRun:
         except Exception as err:  # wandb.Error for a missing key or a timeout; anything else must not stop us either
             if accelerator.is_main_process:
                 first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
-                warn(f"wandb is unreachable ({first_line}); every rank logs offline under {config.output_dir}/wandb "
-                     "(`wandb sync` uploads it later)")  # fmt: skip
+                warn(
+                    f"wandb is unreachable ({first_line}); every rank logs offline under {config.output_dir}/wandb "
+                    "(`wandb sync` uploads it later)"
+                )
         wandb.teardown()  # the failed attempt's service still holds the run id
         try:
             self.run = wandb.init(**init, mode="offline")

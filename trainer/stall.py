@@ -97,8 +97,13 @@ class StallReporter:
                 continue
             if self._store is None:
                 continue
-            note = {"step": step, "phase": phase, "blocks": blocks, "host": self._host,
-                    "since": time.time() - stalled_s}  # fmt: skip
+            note = {
+                "step": step,
+                "phase": phase,
+                "blocks": blocks,
+                "host": self._host,
+                "since": time.time() - stalled_s,
+            }
             try:
                 self._store.set(str(self.rank), json.dumps(note))
                 if self._stop.is_set():
@@ -115,9 +120,11 @@ class StallReporter:
         if stalled_s < (max(self.warning_s, self.grace_s) if phase in LONG_PHASES else self.warning_s):
             return
         inside = f" (sharded block {self.blocks})" if self.blocks else ""
-        warn(f"the launcher (pid {self._launcher}) is gone and rank {self.rank} has made no progress for "
-             f"{stalled_s:.0f} s ({phase} at step {step}{inside}): the job is stalled and nothing else will end it, so "
-             "this process ends now, without a checkpoint; rerun to resume from the last one")  # fmt: skip
+        warn(
+            f"the launcher (pid {self._launcher}) is gone and rank {self.rank} has made no progress for "
+            f"{stalled_s:.0f} s ({phase} at step {step}{inside}): the job is stalled and nothing else will end it, so "
+            "this process ends now, without a checkpoint; rerun to resume from the last one"
+        )
         os._exit(PREEMPTED_EXIT)
 
     def _report(self, stalled_s: float) -> None:
@@ -134,6 +141,7 @@ class StallReporter:
 
 def report(notes: dict[int, dict], world: int, now: float, stalled_s: float) -> str:
     """The stall in words: where every rank is, and which one(s) the others wait for."""
+
     def position(note: dict) -> tuple[int, int, int]:
         return note["step"], PHASES.index(note["phase"]), note.get("blocks", 0)
 
@@ -143,8 +151,9 @@ def report(notes: dict[int, dict], world: int, now: float, stalled_s: float) -> 
         return f"{note['phase']} at step {note['step']}{inside}"
 
     silent = [r for r in range(world) if r not in notes]
-    ranks = ", ".join(f"rank {r} ({n['host']}) {doing(n)} since {now - n['since']:.0f} s"
-                      for r, n in sorted(notes.items()))  # fmt: skip
+    ranks = ", ".join(
+        f"rank {r} ({n['host']}) {doing(n)} since {now - n['since']:.0f} s" for r, n in sorted(notes.items())
+    )
     line = f"stalled for {stalled_s:.0f} s: {ranks}."
     if silent:
         return line + f" Never heard from rank(s) {', '.join(map(str, silent))}: waiting for them."
@@ -152,8 +161,10 @@ def report(notes: dict[int, dict], world: int, now: float, stalled_s: float) -> 
     laggards = [r for r, n in notes.items() if position(n) == behind]
     if len(laggards) == len(notes):
         where = doing(next(iter(notes.values())))
-        return line + f" Every rank is at the same place ({where}): a long {where.split()[0]} or a slow collective " \
-                      "(network?), rather than one rank."  # fmt: skip
+        return (
+            line + f" Every rank is at the same place ({where}): a long {where.split()[0]} or a slow collective "
+            "(network?), rather than one rank."
+        )
     return line + f" Waiting for rank(s) {', '.join(map(str, laggards))} ({doing(notes[laggards[0]])})."
 
 
@@ -173,8 +184,9 @@ class _NoStalls:
         pass
 
 
-def watch_stalls(accelerator: Accelerator, warning_s: float | None,
-                 grace_s: float = 180.0) -> StallReporter | _NoStalls:
+def watch_stalls(
+    accelerator: Accelerator, warning_s: float | None, grace_s: float = 180.0
+) -> StallReporter | _NoStalls:
     """A StallReporter when there are other ranks to wait for and ``warning_s`` is set; as a context, its thread
     lives until the context ends. ``grace_s``: how long a long evaluation or save may go on once the launcher is
     gone."""

@@ -40,9 +40,14 @@ from trainer.weighing import StepBatches, Weighing, accumulation_windows
 # Distributed types whose backward and optimizer step are plain torch ones (DDP or none); FSDP, DeepSpeed, Megatron
 # and XLA keep accelerate's.
 PLAIN_TYPES = {
-    DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.MULTI_XPU,
-    DistributedType.MULTI_NPU, DistributedType.MULTI_MLU, DistributedType.MULTI_MUSA,
-}  # fmt: skip
+    DistributedType.NO,
+    DistributedType.MULTI_CPU,
+    DistributedType.MULTI_GPU,
+    DistributedType.MULTI_XPU,
+    DistributedType.MULTI_NPU,
+    DistributedType.MULTI_MLU,
+    DistributedType.MULTI_MUSA,
+}
 
 
 class Phases:
@@ -123,11 +128,25 @@ class StepRunner:
     """Runs the optimizer steps of ``fit()``: see the module docstring. ``lr`` is the last step's (the scheduler
     has moved on since), ``grad_norm`` the gradients' norm before clipping at a step that logs."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: Any, scheduler: Any, loss_fn: Any, parallel: Parallelism,
-                 window: LogWindow, config: TrainConfig, optimization: Optimization,
-                 stream_group: Any = None):  # fmt: skip
-        self.model, self.optimizer, self.scheduler, self.parallel, self.window = (model, optimizer, scheduler,
-                                                                                  parallel, window)  # fmt: skip
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: Any,
+        scheduler: Any,
+        loss_fn: Any,
+        parallel: Parallelism,
+        window: LogWindow,
+        config: TrainConfig,
+        optimization: Optimization,
+        stream_group: Any = None,
+    ):
+        self.model, self.optimizer, self.scheduler, self.parallel, self.window = (
+            model,
+            optimizer,
+            scheduler,
+            parallel,
+            window,
+        )
         # What each loss counts for (and, under fp16, what the loss scaler may multiply).
         self.weighing = Weighing(parallel.dp, parallel.unwrap(model), loss_fn, parallel.accelerator)
         self.nonfinite = NonFiniteGuard(parallel.accelerator, config.nan_policy)

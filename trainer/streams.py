@@ -46,8 +46,15 @@ class StreamShard(IterableDataset):
         split: False when ``stream`` already is this process's part (from a user's DataLoader).
     """
 
-    def __init__(self, stream: IterableDataset, rank: int, world_size: int, batch_size: int, read_ahead: int = 2,
-                 split: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        stream: IterableDataset,
+        rank: int,
+        world_size: int,
+        batch_size: int,
+        read_ahead: int = 2,
+        split: bool = True,
+    ):
         self.keep_every, self.offset = 1, 0
         if split and world_size > 1:
             if is_stream(stream):
@@ -117,8 +124,10 @@ class StreamShard(IterableDataset):
 
     def _why_unknown(self) -> str:
         if not self.resumable:
-            return ("it has no state_dict() / load_state_dict() (a datasets streaming IterableDataset has them; "
-                    "give a torch IterableDataset the two methods to resume mid-stream)")  # fmt: skip
+            return (
+                "it has no state_dict() / load_state_dict() (a datasets streaming IterableDataset has them; "
+                "give a torch IterableDataset the two methods to resume mid-stream)"
+            )
         return "it was read by DataLoader workers (num_workers > 0), whose state does not reach the checkpoint"
 
 
@@ -135,8 +144,10 @@ class StreamPositions:
         try:
             json.dumps(positions)
         except (TypeError, ValueError) as err:
-            raise CheckpointError(f"train_data ({self.stream.name})'s state_dict() cannot be saved as JSON ({err}): "
-                                  "return plain numbers, strings, lists and dicts from it") from None  # fmt: skip
+            raise CheckpointError(
+                f"train_data ({self.stream.name})'s state_dict() cannot be saved as JSON ({err}): "
+                "return plain numbers, strings, lists and dicts from it"
+            ) from None
         return {"streams": positions}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

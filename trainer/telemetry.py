@@ -44,17 +44,27 @@ class Telemetry:
         self.window.restart()
         return [dict(zip(WINDOW_FIELDS, row, strict=True)) for row in rows]
 
-    def log(self, rows: list[dict[str, float]], state: TrainState, total_steps: int,
-            on_log: Callable[[dict[str, Any]], None], progress: Any) -> dict[str, float]:  # fmt: skip
+    def log(
+        self,
+        rows: list[dict[str, float]],
+        state: TrainState,
+        total_steps: int,
+        on_log: Callable[[dict[str, Any]], None],
+        progress: Any,
+    ) -> dict[str, float]:
         """The step's figures from the gathered ``rows``: each rank logs its own, the main process adds the global
         view and the stragglers. Returns the global view."""
         acc = self.accelerator
         table = [[row[key] for key in WINDOW_FIELDS] for row in rows]
         own, global_view = summarize(table, acc.process_index, self.replicas)
         mine = rows[acc.process_index]
-        metrics = {"step": state.step, "epoch": round(state.epoch_progress, 4),
-                   "train_loss": global_view["global/train_loss"], "lr": mine["lr"],
-                   "examples_per_s": global_view["global/examples_per_s"]}  # fmt: skip
+        metrics = {
+            "step": state.step,
+            "epoch": round(state.epoch_progress, 4),
+            "train_loss": global_view["global/train_loss"],
+            "lr": mine["lr"],
+            "examples_per_s": global_view["global/examples_per_s"],
+        }
         if "global/tokens_per_s" in global_view:
             metrics["tokens_per_s"] = global_view["global/tokens_per_s"]
         if self.utilisation is not None:
@@ -67,8 +77,12 @@ class Telemetry:
         self.log_history.append(metrics)
         own.update({"rank/lr": metrics["lr"], "rank/epoch": metrics["epoch"], "rank/memory_gb": memory_gb(acc.device)})
         if acc.is_main_process:
-            progress.set_postfix(loss=f"{metrics['train_loss']:.4g}", lr=f"{metrics['lr']:.3g}",
-                                 ex_s=f"{metrics['examples_per_s']:.4g}", refresh=False)  # fmt: skip
+            progress.set_postfix(
+                loss=f"{metrics['train_loss']:.4g}",
+                lr=f"{metrics['lr']:.3g}",
+                ex_s=f"{metrics['examples_per_s']:.4g}",
+                refresh=False,
+            )
         on_log(metrics)  # before the line: figures a callback adds go on it (gpt2.py: MFU)
         added = {key: value for key, value in metrics.items() if key not in self.figures.reserved}
         shown = global_view if acc.is_main_process else {}

@@ -35,9 +35,15 @@ def _styles() -> dict[str, Callable[[], Any]]:
 
     gathered = lambda: ColwiseParallel(output_layouts=Replicate())  # noqa: E731 - the output whole on every process
     whole_input = lambda: RowwiseParallel(input_layouts=Replicate())  # noqa: E731
-    return {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "colwise_rep": gathered,
-            "colwise_gather_output": gathered, "rowwise_rep": whole_input, "rowwise_split_input": whole_input,
-            "embedding_rowwise": whole_input}  # fmt: skip
+    return {
+        "colwise": ColwiseParallel,
+        "rowwise": RowwiseParallel,
+        "colwise_rep": gathered,
+        "colwise_gather_output": gathered,
+        "rowwise_rep": whole_input,
+        "rowwise_split_input": whole_input,
+        "embedding_rowwise": whole_input,
+    }
 
 
 @dataclass
@@ -68,21 +74,27 @@ def tensor_parallel(model: torch.nn.Module, mesh: Any, function: Optional[Parall
     plan = model_plan(model)
     size, kind = mesh.size(), type(model).__name__
     if not plan:
-        raise ShardingError(f"parallelism_config: tp_size {size}, but {kind} has no tensor-parallel plan (a "
-                            "transformers model's base_model_tp_plan): pass parallelize_fn=<function of (model, "
-                            "tp_mesh)> to the Trainer, or set tp_size 1")  # fmt: skip
+        raise ShardingError(
+            f"parallelism_config: tp_size {size}, but {kind} has no tensor-parallel plan (a "
+            "transformers model's base_model_tp_plan): pass parallelize_fn=<function of (model, "
+            "tp_mesh)> to the Trainer, or set tp_size 1"
+        )
     config = getattr(model, "config", None)
     for heads in ("num_attention_heads", "num_key_value_heads"):
         count = getattr(config, heads, None)
         if isinstance(count, int) and count % size:
-            raise ShardingError(f"parallelism_config: tp_size {size} does not divide {kind}'s {heads} ({count}): "
-                                "each process of a tensor-parallel group takes whole heads")  # fmt: skip
+            raise ShardingError(
+                f"parallelism_config: tp_size {size} does not divide {kind}'s {heads} ({count}): "
+                "each process of a tensor-parallel group takes whole heads"
+            )
     styles, known, modules = {}, _styles(), dict(model.named_modules())
     for pattern, style in plan.items():
         if style not in known:
-            raise ShardingError(f"{kind}'s tensor-parallel plan splits {pattern} as {style!r}, which this trainer "
-                                f"does not apply (it applies {', '.join(sorted(known))}): pass parallelize_fn= to "
-                                "the Trainer, or set tp_size 1")  # fmt: skip
+            raise ShardingError(
+                f"{kind}'s tensor-parallel plan splits {pattern} as {style!r}, which this trainer "
+                f"does not apply (it applies {', '.join(sorted(known))}): pass parallelize_fn= to "
+                "the Trainer, or set tp_size 1"
+            )
         matcher = re.compile(re.escape(pattern).replace(r"\*", r"\d+"))
         for name in [n for n in modules if matcher.fullmatch(n)]:
             styles[id(modules[name])] = known[style]()

@@ -83,56 +83,104 @@ class Trainer:
             splits a model that has no tensor-parallel plan of its own (``trainer.tensor_parallel``).
     """
 
-    def __init__(self, model: torch.nn.Module, config: TrainConfig, train_data: Optional[Dataset | DataLoader],
-                 eval_data: Optional[Dataset | DataLoader] = None, loss_fn: Optional[LossFn] = None,
-                 metrics_fn: Optional[MetricsFn] = None, optimizer: Optional[torch.optim.Optimizer] = None,
-                 lr_scheduler: Optional[Any] = None, collate_fn: Optional[Callable] = None,
-                 callbacks: Iterable[Any] = (), parallelize_fn: Optional[Callable] = None):  # fmt: skip
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: TrainConfig,
+        train_data: Optional[Dataset | DataLoader],
+        eval_data: Optional[Dataset | DataLoader] = None,
+        loss_fn: Optional[LossFn] = None,
+        metrics_fn: Optional[MetricsFn] = None,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        lr_scheduler: Optional[Any] = None,
+        collate_fn: Optional[Callable] = None,
+        callbacks: Iterable[Any] = (),
+        parallelize_fn: Optional[Callable] = None,
+    ):
         self.config, self.collate_fn, self.callbacks = config, collate_fn, list(callbacks)
         self.parallel = Parallelism(config)  # a refused FSDP config stops before anything starts
         acc = self.accelerator = self.parallel.accelerator
         check_writable(config.output_dir)
         set_seed(config.seed, device_specific=True)  # dropout etc.: reproducible, different on each rank
         self.loss_fn = loss_fn or model_loss
-        loader = functools.partial(data_loader, config=config, accelerator=acc, dp=self.parallel.dp,
-                                   collate_fn=collate_fn)  # fmt: skip
+        loader = functools.partial(
+            data_loader, config=config, accelerator=acc, dp=self.parallel.dp, collate_fn=collate_fn
+        )
         train_loader = None if train_data is None else loader(train_data, model, "train_data")  # None: no fit()
-        eval_loaders = {name: loader(part, model, f"eval_data[{name!r}]" if name else "eval_data", evaluation=True)
-                        for name, part in named_sets(eval_data).items()}  # fmt: skip
+        eval_loaders = {
+            name: loader(part, model, f"eval_data[{name!r}]" if name else "eval_data", evaluation=True)
+            for name, part in named_sets(eval_data).items()
+        }
         per_epoch = None if train_loader is None else batches_per_epoch(train_loader)  # (a stream has no len())
         self.state = TrainState(per_epoch, config.gradient_accumulation_steps)
         self.total_steps = config.max_steps or config.epochs * (self.state.steps_per_epoch or 0)
         model = self.parallel.apply(model, optim.prebuilt(optimizer, lr_scheduler), parallelize_fn)
-        optimizer, lr_scheduler, self.optimization = optim.build(model, config, optimizer, lr_scheduler,
-                                                                 self.total_steps)  # fmt: skip
+        optimizer, lr_scheduler, self.optimization = optim.build(
+            model, config, optimizer, lr_scheduler, self.total_steps
+        )
         self.model, self.optimizer, self.train_loader, self.lr_scheduler = self.parallel.prepare(
-            model, optimizer, train_loader, lr_scheduler)  # fmt: skip
+            model, optimizer, train_loader, lr_scheduler
+        )
         self.eval_loaders = {name: acc.prepare(part) for name, part in eval_loaders.items()}  # '': the one set
         self.ema = WeightAverage.for_config(config, self.unwrapped_model)  # None without ema_decay
         self.host = host_group(acc.num_processes, config.collective_timeout_s)  # agreements off the device
         self.stream = getattr(self.train_loader, "dataset", None)
         self.stream = self.stream if isinstance(self.stream, StreamShard) else None
         self.telemetry = Telemetry(acc, self.parallel.dp.size)
-        self.steps = StepRunner(self.model, self.optimizer, self.lr_scheduler, self.loss_fn, self.parallel,
-                                self.telemetry.window, config, self.optimization, self.host if self.stream else None)
+        self.steps = StepRunner(
+            self.model,
+            self.optimizer,
+            self.lr_scheduler,
+            self.loss_fn,
+            self.parallel,
+            self.telemetry.window,
+            config,
+            self.optimization,
+            self.host if self.stream else None,
+        )
         self.weighing, self.nonfinite, self.autocast = self.steps.weighing, self.steps.nonfinite, self.steps.autocast
         self.steps.average = self.ema
         self.steps.split = MicroBatchSplit.for_run(config, self.parallel, self.host, self.model)  # (auto_microbatch)
         if (profiler := StepProfiler.for_run(config, acc)) is not None:  # profile_steps
             self.callbacks.append(profiler)
         self.telemetry.utilisation = Utilisation(self.unwrapped_model, config, acc.device, acc.num_processes)
-        self.evaluator = Evaluator(self.unwrapped_model, self.loss_fn, metrics_fn, acc, self.parallel.dp, self.autocast,
-                                   self.weighing.count, self.parallel.lockstep, self.host,
-                                   functools.partial(loader, model=self.unwrapped_model, evaluation=True))  # fmt: skip
+        self.evaluator = Evaluator(
+            self.unwrapped_model,
+            self.loss_fn,
+            metrics_fn,
+            acc,
+            self.parallel.dp,
+            self.autocast,
+            self.weighing.count,
+            self.parallel.lockstep,
+            self.host,
+            functools.partial(loader, model=self.unwrapped_model, evaluation=True),
+        )
         self.keep_best = hooks.KeepBest(config.keep_best, config.keep_best_mode, config.load_best_at_end is not False)
         self.should_stop, self.stop_reason, self.stopped = False, None, None  # stop_reason: said with the stop
         self.preemption: Optional[PreemptionWatch] = None  # while fit() runs: the signals it watches
         self.last_eval: Optional[tuple[int, dict[str, float]]] = None  # eval_data's latest evaluate(): (step, metrics)
-        setup = RunSetup(config, self.parallel.dp.size, optimizer, lr_scheduler, self.optimization, bool(self.stream),
-                         acc.mixed_precision)  # fmt: skip
-        self.checkpoints = Checkpointer.for_run(config, acc, setup, self.parallel.model_state(self.model, optimizer),
-                                                self.lr_scheduler, self.state, self.keep_best, self.callbacks,
-                                                self.stream, self.host)  # fmt: skip
+        setup = RunSetup(
+            config,
+            self.parallel.dp.size,
+            optimizer,
+            lr_scheduler,
+            self.optimization,
+            bool(self.stream),
+            acc.mixed_precision,
+        )
+        self.checkpoints = Checkpointer.for_run(
+            config,
+            acc,
+            setup,
+            self.parallel.model_state(self.model, optimizer),
+            self.lr_scheduler,
+            self.state,
+            self.keep_best,
+            self.callbacks,
+            self.stream,
+            self.host,
+        )
         for name, part in (("ema", self.ema), ("microbatch", self.steps.split)):
             if part is not None:
                 self.checkpoints.register(name, part)
@@ -233,20 +281,28 @@ class Trainer:
         A preemption signal on any rank stops every rank after the same step, with a checkpoint, raising
         ``trainer.Preempted`` (exit status 75): run it again with ``resume="auto"`` to continue."""
         if self.train_loader is None:
-            raise ConfigError("fit(): this Trainer was built with train_data=None, for evaluate() and predict() "
-                              "alone: pass train_data to train")  # fmt: skip
+            raise ConfigError(
+                "fit(): this Trainer was built with train_data=None, for evaluate() and predict() "
+                "alone: pass train_data to train"
+            )
         if self.cannot_train_on is not None:
             raise self.cannot_train_on  # the checkpoint's global batch or settings differ (trainer.resume_policy)
         say(self.describe())
         self.should_stop, self.stop_reason, self.stopped = False, None, None  # a second fit() trains on
         if self.state.step >= self.total_steps:  # resumed from a checkpoint of a run that already ended
-            say(f"already finished at step {self.state.step} of {self.total_steps}: nothing to train; raise "
-                "max_steps (or epochs) to train on")  # fmt: skip
+            say(
+                f"already finished at step {self.state.step} of {self.total_steps}: nothing to train; raise "
+                "max_steps (or epochs) to train on"
+            )
         hooks.call(self.callbacks, "on_train_begin", self)
         cfg, acc, started = self.config, self.accelerator, time.perf_counter()
         self.preemption = PreemptionWatch(cfg.signal_names, cfg.preemption_grace_s, self.host)
-        with peer_loss_in_a_line(), self.telemetry.closing(), self.checkpoints.cleaned_up_on_error(), \
-                watch_stalls(acc, cfg.stall_warning_s, cfg.preemption_grace_s) as self.steps.phases.reporter:
+        with (
+            peer_loss_in_a_line(),
+            self.telemetry.closing(),
+            self.checkpoints.cleaned_up_on_error(),
+            watch_stalls(acc, cfg.stall_warning_s, cfg.preemption_grace_s) as self.steps.phases.reporter,
+        ):
             self.steps.begin()
             with progress_bar(self.total_steps, self.state.step, show=acc.is_main_process) as bar, self.preemption:
                 self._train(bar)
@@ -269,14 +325,18 @@ class Trainer:
                     if self.telemetry.window.steps:
                         self._log(bar)
                     now = functools.partial(self.checkpoints.of_step, state.step, self.save_checkpoint)
-                    raise stop(signal_number, state.step, self.total_steps, now, self.config.slurm_requeue,
-                               self.accelerator)  # fmt: skip
+                    raise stop(
+                        signal_number, state.step, self.total_steps, now, self.config.slurm_requeue, self.accelerator
+                    )
                 if state.step >= self.total_steps or self.stopped is not None:
                     break
             else:
                 if fresh and not stepped:  # a stream that ended before its first batch on some process
-                    raise DataError(f"train_data gave some process no batch in epoch {state.epoch}: the stream is "
-                                    "empty, or too short for every process to get a batch", job_wide=True)  # fmt: skip
+                    raise DataError(
+                        f"train_data gave some process no batch in epoch {state.epoch}: the stream is "
+                        "empty, or too short for every process to get a batch",
+                        job_wide=True,
+                    )
                 state.next_epoch()
 
     def _after_step(self, bar: Any) -> None:
@@ -300,8 +360,9 @@ class Trainer:
     def _log(self, bar: Any) -> None:
         """The log of this step: every rank's window gathered once (loss, counts, timings, the stop flag and the
         first non-finite loss: the step's one agreement), then each rank's figures to its sinks."""
-        rows = self.telemetry.gather(stop=bool(self.should_stop), lr=self.steps.current_lr,
-                                     grad_norm=self.steps.take_grad_norm())  # fmt: skip
+        rows = self.telemetry.gather(
+            stop=bool(self.should_stop), lr=self.steps.current_lr, grad_norm=self.steps.take_grad_norm()
+        )
         self.nonfinite.raise_if_bad([row["first_bad"] for row in rows], str(self.last_checkpoint or ""))
         on_log = lambda metrics: hooks.call(self.callbacks, "on_log", self, metrics=metrics)  # noqa: E731
         global_view = self.telemetry.log(rows, self.state, self.total_steps, on_log, bar)
@@ -314,10 +375,14 @@ class Trainer:
 
     def _finish(self, started: float) -> dict[str, Any]:
         self.nonfinite.check(self.telemetry.window.first_bad_step(), str(self.last_checkpoint or ""))
-        result = {"global_step": self.state.step, "epoch": self.state.epoch_progress,
-                  "train_loss": self.log_history[-1]["train_loss"] if self.log_history else float("nan"),
-                  "train_runtime_s": time.perf_counter() - started, "skipped_steps": self.nonfinite.skipped_steps,
-                  "stopped": self.stopped}  # fmt: skip  (stopped: None when it ran to the end, else why it stopped)
+        result = {
+            "global_step": self.state.step,
+            "epoch": self.state.epoch_progress,
+            "train_loss": self.log_history[-1]["train_loss"] if self.log_history else float("nan"),
+            "train_runtime_s": time.perf_counter() - started,
+            "skipped_steps": self.nonfinite.skipped_steps,
+            "stopped": self.stopped,
+        }  # stopped: None when it ran to the end, else why it stopped
         if self.eval_loaders:
             evaluated_now = self.last_eval is not None and self.last_eval[0] == self.state.step
             result.update(self.last_eval[1] if evaluated_now else self.evaluate())
@@ -339,5 +404,12 @@ class Trainer:
 
     def describe(self) -> str:
         """What ``fit()`` is about to do, as it says at its start: the launch, the global batch, steps, optimizer."""
-        return banner(self.parallel.describe(self.accelerator.device), self.config, self.state, self.total_steps,
-                      examples_per_process(self.train_loader), self.weighing.counts_tokens, self.optimization.words)
+        return banner(
+            self.parallel.describe(self.accelerator.device),
+            self.config,
+            self.state,
+            self.total_steps,
+            examples_per_process(self.train_loader),
+            self.weighing.counts_tokens,
+            self.optimization.words,
+        )

@@ -9,14 +9,20 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-DEEPSPEED = ("the accelerate config asks for DeepSpeed (distributed_type: DEEPSPEED), which this trainer does not "
-             "run: shard the model with FSDP2 instead (accelerate_configs/fsdp.yaml: DeepSpeed ZeRO-3's full "
-             "sharding), or train with DDP (accelerate_configs/multi_gpu.yaml)")  # fmt: skip
-MEGATRON = ("the accelerate config asks for Megatron-LM (distributed_type: MEGATRON_LM), which this trainer does not "
-            "run: for tensor parallelism set tp_size in a parallelism_config under FSDP2 (accelerate_configs/"
-            "hsdp.yaml shows the section)")  # fmt: skip
-FP8 = ("the accelerate config asks for mixed_precision: fp8, which this trainer does not run yet: use bf16 "
-       "(accelerate_configs/bf16.yaml; no loss scaler, any GPU since Ampere)")  # fmt: skip
+DEEPSPEED = (
+    "the accelerate config asks for DeepSpeed (distributed_type: DEEPSPEED), which this trainer does not "
+    "run: shard the model with FSDP2 instead (accelerate_configs/fsdp.yaml: DeepSpeed ZeRO-3's full "
+    "sharding), or train with DDP (accelerate_configs/multi_gpu.yaml)"
+)
+MEGATRON = (
+    "the accelerate config asks for Megatron-LM (distributed_type: MEGATRON_LM), which this trainer does not "
+    "run: for tensor parallelism set tp_size in a parallelism_config under FSDP2 (accelerate_configs/"
+    "hsdp.yaml shows the section)"
+)
+FP8 = (
+    "the accelerate config asks for mixed_precision: fp8, which this trainer does not run yet: use bf16 "
+    "(accelerate_configs/bf16.yaml; no loss scaler, any GPU since Ampere)"
+)
 XLA = "the accelerate config asks for XLA (TPU), which this trainer does not run: it runs on CUDA GPUs and CPUs"
 
 # What the launcher writes into each process's environment for each answer (accelerate.utils.launch).
@@ -34,8 +40,9 @@ def refusal_of_the_launch() -> Optional[str]:
     return refusal_of_dynamo(os.environ.get("ACCELERATE_DYNAMO_BACKEND"), sharded)
 
 
-def refusal_of_the_file(distributed_type: str, mixed_precision: str,
-                        dynamo_backend: Optional[str] = None) -> Optional[str]:  # fmt: skip
+def refusal_of_the_file(
+    distributed_type: str, mixed_precision: str, dynamo_backend: Optional[str] = None
+) -> Optional[str]:
     """The same, from an accelerate config file's ``distributed_type``, ``mixed_precision`` and
     ``dynamo_config.dynamo_backend``."""
     by_type = {"DEEPSPEED": DEEPSPEED, "MEGATRON_LM": MEGATRON, "XLA": XLA}
@@ -54,15 +61,19 @@ def refusal_of_dynamo(backend: Optional[str], sharded: bool) -> Optional[str]:
     if backend is None or backend.upper() == "NO":
         return None
     if sharded:
-        return (f"the accelerate config asks for torch dynamo (dynamo_backend: {backend}), which this trainer does "
-                "not run with FSDP2 yet: answer no to torch dynamo (dynamo_backend: 'NO'), or train with DDP")
+        return (
+            f"the accelerate config asks for torch dynamo (dynamo_backend: {backend}), which this trainer does "
+            "not run with FSDP2 yet: answer no to torch dynamo (dynamo_backend: 'NO'), or train with DDP"
+        )
     import torch
     import torch._dynamo
 
     if backend.lower() in torch._dynamo.list_backends(exclude_tags=()):
         return None
-    return (f"the accelerate config asks for dynamo_backend: {backend}, which torch {torch.__version__} does not "
-            "have: choose inductor (it compiles; eager and aot_eager only trace), or answer no to torch dynamo")
+    return (
+        f"the accelerate config asks for dynamo_backend: {backend}, which torch {torch.__version__} does not "
+        "have: choose inductor (it compiles; eager and aot_eager only trace), or answer no to torch dynamo"
+    )
 
 
 def blank_block_class_unset() -> None:

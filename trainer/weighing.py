@@ -42,8 +42,11 @@ from trainer.losses import LossFn, checked, model_loss
 IGNORE_INDEX = -100  # the label of a token that is not counted (padding, a prompt), as in torch's cross-entropy
 
 
-def accumulation_windows(batches: Iterable, size: int, agree: Optional[Callable[[int], tuple[int, int]]] = None,
-                         ) -> Iterator[tuple[list, Optional[int]]]:  # fmt: skip
+def accumulation_windows(
+    batches: Iterable,
+    size: int,
+    agree: Optional[Callable[[int], tuple[int, int]]] = None,
+) -> Iterator[tuple[list, Optional[int]]]:
     """``(micro_batches, total)``: lists of up to ``size`` consecutive batches, one per optimizer step, and the number
     of micro-batches the window holds on all processes together. With ``agree`` (streams on several processes),
     ``agree(k)`` -> (fewest, total) over the processes; the windows end when any process has none left."""
@@ -135,8 +138,9 @@ class Weighing:
             window.tokens, window.counts = tokens, iter(counts)
         return window
 
-    def loss(self, window: StepBatches, model: torch.nn.Module, batch: Any,
-             share: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor, Any]:  # fmt: skip
+    def loss(
+        self, window: StepBatches, model: torch.nn.Module, batch: Any, share: Optional[float] = None
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """(objective to backward, loss to log, its weight) for one micro-batch of ``window``; or, with ``share``, for
         a piece of one holding that share of its examples (``auto_microbatch``)."""
         if window.tokens is not None:
@@ -157,8 +161,9 @@ class Weighing:
         objective = loss if window.divisor == 1 else loss / window.divisor
         return objective, loss.detach(), 1
 
-    def _token_loss(self, window: StepBatches, model: torch.nn.Module, batch: Any,
-                    piece: bool = False) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    def _token_loss(
+        self, window: StepBatches, model: torch.nn.Module, batch: Any, piece: bool = False
+    ) -> tuple[torch.Tensor, ...]:
         tokens, here = window.total_tokens(), self.count(batch) if piece else next(window.counts)
         if self.passes_count:
             self.probe.passed = False
