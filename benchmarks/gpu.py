@@ -258,7 +258,7 @@ def peak_flops() -> float | None:
 
     if not torch.cuda.is_available():
         return None
-    from trainer.mfu import peak_flops_of  # dense bf16 peaks of common GPUs
+    from trainer.telemetry.mfu import peak_flops_of  # dense bf16 peaks of common GPUs
 
     return peak_flops_of(torch.cuda.get_device_name(0))
 

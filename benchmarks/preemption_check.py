@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from trainer.agreement import host_group  # noqa: E402
-from trainer.preemption import PreemptionWatch  # noqa: E402
+from trainer.launch.agreement import host_group  # noqa: E402
+from trainer.launch.preemption import PreemptionWatch  # noqa: E402
 
 STEPS, ROUNDS = 1000, 5
 

@@ -84,7 +84,7 @@ def report(name: str, printed: str, got: object, main: bool, **figures) -> None:
 
 def next_lr(config_changes: dict, steps: int) -> float:
     """The lr a fresh run with these settings uses at optimizer step ``steps`` + 1 (the schedule alone)."""
-    from trainer.optim import build_scheduler
+    from trainer.optim.build import build_scheduler
 
     config = TrainConfig(**{**BASE, **config_changes})
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=config.lr)

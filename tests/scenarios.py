@@ -553,7 +553,7 @@ def too_small(args) -> None:
 def world_guard(args) -> None:
     from accelerate import Accelerator
 
-    from trainer.launch import check_world_size
+    from trainer.launch.run import check_world_size
 
     check_world_size(Accelerator())  # without cpu=True each process believes it is alone
 

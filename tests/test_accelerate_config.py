@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from trainer.unsupported import DEEPSPEED, FP8, MEGATRON, XLA
+from trainer.launch.accelerate_config import DEEPSPEED, FP8, MEGATRON, XLA
 
 from conftest import SCENARIOS, accelerate_config, free_port, run, run_together
 

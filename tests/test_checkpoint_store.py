@@ -1,4 +1,4 @@
-"""The checkpoint store (trainer/checkpoint.py), in-process: a commit is a rename and a pointer written last, the
+"""The checkpoint store (trainer/checkpoint/store.py), in-process: a commit is a rename and a pointer written last, the
 manifest catches a truncated or damaged file, pointers lead nowhere but a step folder beside them, damaged
 checkpoints are set aside, keep_last spares the best. tests/test_checkpoint.py runs the same through real processes,
 crashes and kills included."""
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from trainer import CheckpointError
-from trainer import checkpoint as store
+from trainer.checkpoint import store
 
 
 def commit(root: Path, step: int, keep_last: int = 2, best: int | None = None, payload: bytes = b"weights") -> Path:

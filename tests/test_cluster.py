@@ -197,7 +197,7 @@ def test_preflight_names_a_config_it_cannot_read_or_the_launch_would_refuse(tmp_
     """Read alone: an empty file, invalid YAML, an unknown distributed_type, no processes, and what the trainer
     refuses at once (CPU offload, fp16 with FSDP2, DeepSpeed, Megatron-LM, fp8) are PROBLEM lines, not tracebacks or
     'no problems found'."""
-    from trainer.check import describe_config
+    from trainer.tools.preflight import describe_config
 
     fsdp = (CONFIGS / "fsdp.yaml").read_text()
     files = {
@@ -229,7 +229,7 @@ def test_preflight_names_a_config_it_cannot_read_or_the_launch_would_refuse(tmp_
         "the accelerate config sets fsdp_offload_params",
         "mixed precision fp16 with FSDP2 is not supported (its loss scaler would have to see sharded gradients)",
     ]
-    from trainer.unsupported import DEEPSPEED, FP8, MEGATRON
+    from trainer.launch.accelerate_config import DEEPSPEED, FP8, MEGATRON
 
     assert (problems["deepspeed"], problems["megatron"], problems["fp8"]) == ([DEEPSPEED], [MEGATRON], [FP8])
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from datasets import Dataset
 
-from trainer.columns import ready_columns
-from trainer.data import DataError
+from trainer.data.columns import ready_columns
+from trainer.data.loaders import DataError
 
 from conftest import JOBS, ROOT, accelerate_launch, split_jobs
 

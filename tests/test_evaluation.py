@@ -58,7 +58,7 @@ def test_predictions_made_in_bf16_come_back_as_fp32_on_the_cpu():
 
     import torch
 
-    from trainer.evaluation import predict
+    from trainer.loop.evaluation import predict
 
     model = torch.nn.Linear(3, 2)
     loader = [torch.ones(2, 3), torch.ones(1, 3)]
@@ -86,7 +86,7 @@ def test_a_users_metrics_on_the_cpu_join_the_trainers_sums_on_any_device():
     import numpy as np
     import torch
 
-    from trainer.evaluation import evaluate
+    from trainer.loop.evaluation import evaluate
 
     meta = torch.device("meta")
     batches = [torch.ones(2, 3), torch.ones(1, 3)]
@@ -110,7 +110,7 @@ def test_a_users_metrics_on_the_cpu_join_the_trainers_sums_on_any_device():
 def test_eval_data_as_a_dict_must_name_data_sets():
     """A dict of named data sets is several eval sets; a dict of columns (a batch) is refused naming its entries."""
     from trainer.errors import DataError
-    from trainer.evaluation import named_sets
+    from trainer.loop.evaluation import named_sets
 
     assert list(named_sets({"val": [{"x": 1}], "test": [{"x": 2}]})) == ["val", "test"]
     assert named_sets([{"x": 1}]) == {"": [{"x": 1}]} and named_sets(None) == {}

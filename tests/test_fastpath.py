@@ -1,5 +1,5 @@
-"""trainer/step.py and trainer/parallel.py: the step without what accelerate's prepared objects cost per step, the
-same behaviour. (Speed itself is measured in benchmarks/step_overhead.py and benchmarks/gpu.py, not here.)"""
+"""trainer/loop/step.py and trainer/parallel/strategy.py: the step without what accelerate's prepared objects cost per
+step, the same behaviour. (Speed itself is measured in benchmarks/step_overhead.py and benchmarks/gpu.py, not here.)"""
 
 from __future__ import annotations
 

@@ -231,7 +231,7 @@ def test_model_name_and_train_file_take_local_paths(one_process):
 
 
 def test_mfu_reads_the_peak_of_the_card_named_not_of_one_whose_name_it_contains():
-    from trainer.mfu import peak_flops_of
+    from trainer.telemetry.mfu import peak_flops_of
 
     peaks = {
         name: peak_flops_of(name)
@@ -263,7 +263,7 @@ def test_mfu_counts_6n_and_causal_attention_per_token_against_the_peak_of_every_
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from trainer import TrainConfig
-    from trainer.mfu import Utilisation
+    from trainer.telemetry.mfu import Utilisation
 
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=128, n_embd=32, n_layer=2, n_head=2))
     parameters = sum(p.numel() for p in model.parameters())

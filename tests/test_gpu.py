@@ -132,7 +132,7 @@ def test_more_processes_than_gpus_stop_with_one_message(tmp_path, launcher):
 
 def test_the_gpt2_example_on_one_gpu_uses_tf32_a_gpu_batch_and_reports_mfu(tmp_path):
     example = load_example()
-    from trainer.mfu import peak_flops_of
+    from trainer.telemetry.mfu import peak_flops_of
 
     known = peak_flops_of(torch.cuda.get_device_name(0)) is not None  # else --peak-flops says
     tiny = [

@@ -55,7 +55,7 @@ import sys, types
 sys.path.insert(0, {root!r})
 import torch
 import torch.distributed as dist
-from trainer import launch
+from trainer.launch import run as launch
 
 dist.init_process_group("gloo")
 launch._destroy_process_group_at_exit()  # the teardown distributed_state registers

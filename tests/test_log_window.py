@@ -1,11 +1,11 @@
-"""Every rank's log window, gathered once, as each rank's figures and the job's (trainer/log_window.py's summarize),
-in-process; tests/test_tracking.py reads the same figures back from a real 2-process job's wandb runs."""
+"""Every rank's log window, gathered once, as each rank's figures and the job's (trainer/telemetry/window.py's
+summarize), in-process; tests/test_tracking.py reads the same figures back from a real 2-process job's wandb runs."""
 
 from __future__ import annotations
 
 import pytest
 
-from trainer.log_window import WINDOW_FIELDS, summarize
+from trainer.telemetry.window import WINDOW_FIELDS, summarize
 
 
 def row(**values: float) -> list[float]:

@@ -58,7 +58,7 @@ def test_a_checkpoint_exports_as_the_adapter_or_merged_and_loads_with_peft_and_t
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from trainer.export import main as export
+    from trainer.tools.export import main as export
 
     out = runs[job]["out"]
     last = f"{out}/checkpoints/step-00000006"
@@ -102,7 +102,7 @@ def test_a_peft_checkpoint_without_its_adapter_config_is_refused_by_name_not_exp
     import zlib
 
     from trainer.errors import ExportError
-    from trainer.export import export
+    from trainer.tools.export import export
 
     old = tmp_path / "step-00000006"
     shutil.copytree(f"{runs['ddp']['out']}/checkpoints/step-00000006", old)
@@ -130,7 +130,7 @@ def test_an_adapted_embedding_and_a_module_to_save_export_as_peft_saves_them(tmp
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from trainer import TrainConfig, Trainer
-    from trainer.export import main as export
+    from trainer.tools.export import main as export
 
     torch.manual_seed(0)
     base = LlamaForCausalLM(

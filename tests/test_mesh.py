@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from trainer.errors import ShardingError
-from trainer.mesh import Layout, requested_layout
-from trainer.tensor_parallel import tensor_parallel
+from trainer.launch.mesh import Layout, requested_layout
+from trainer.parallel.tensor_parallel import tensor_parallel
 
 from conftest import ROOT, accelerate_launch, clean_env, run
 
@@ -263,7 +263,7 @@ def test_a_launch_with_context_parallelism_stops_with_one_line(tmp_path):
 
 
 def test_the_preflight_prints_the_mesh_per_machine_and_refuses_one_that_does_not_fit(tmp_path):
-    from trainer.check import describe_config
+    from trainer.tools.preflight import describe_config
 
     hsdp = ROOT / "accelerate_configs" / "hsdp.yaml"
     fine = run([sys.executable, "-m", "trainer.check", "--config_file", str(hsdp)])  # as a user runs it

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trainer.log_window import FOLD_EVERY, WINDOW_FIELDS, LogWindow
-from trainer.nonfinite import NonFiniteGuard, NonFiniteLoss
+from trainer.loop.nonfinite import NonFiniteGuard, NonFiniteLoss
+from trainer.telemetry.window import FOLD_EVERY, WINDOW_FIELDS, LogWindow
 
 FIRST_BAD = WINDOW_FIELDS.index("first_bad")
 

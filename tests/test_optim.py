@@ -9,7 +9,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from transformers import Trainer as HFTrainer
 
 from trainer import TrainConfig
-from trainer.optim import build_optimizer, build_scheduler, decayed, describe
+from trainer.optim.build import build_optimizer, build_scheduler, decayed, describe
 
 
 class RMSNormLike(torch.nn.Module):  # a model's own norm class (LlamaRMSNorm, T5LayerNorm): known by its name
@@ -68,7 +68,7 @@ def test_every_schedule_gives_transformers_lr_at_every_step_bit_for_bit(name, wa
     installed): the lr of every step, and past the end, equals get_scheduler's exactly."""
     from transformers import get_scheduler
 
-    from trainer.optim import schedule_settings
+    from trainer.optim.build import schedule_settings
 
     config = TrainConfig(
         lr=3e-3, lr_scheduler=name, warmup_steps=warmup, min_lr_ratio=floor, lr_scheduler_kwargs=kwargs
@@ -114,7 +114,7 @@ def test_the_groups_and_the_banner():
 FP16_STEPS = """
 import torch
 from accelerate import Accelerator
-from trainer.step import Stepper
+from trainer.loop.step import Stepper
 accelerator = Accelerator(cpu=True)
 accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=16.0)  # what fp16 gets on a GPU; the CPU's own here
 model = torch.nn.Linear(4, 4)
@@ -144,8 +144,8 @@ def test_an_fp16_overflow_skipped_inside_a_fused_adamw_is_reported_as_skipped():
 FP16_SUM = """
 import torch
 from accelerate import Accelerator
-from trainer.step import Stepper
-from trainer.weighing import StepBatches, Weighing
+from trainer.loop.step import Stepper
+from trainer.loop.weighing import StepBatches, Weighing
 accelerator = Accelerator(cpu=True)
 accelerator.scaler = torch.amp.GradScaler("cpu")  # fp16's, at its initial scale of 65536 (the CPU's own here)
 torch.manual_seed(0)

@@ -140,8 +140,8 @@ def test_the_figures_a_user_logs_reach_every_tracker_from_every_rank(cases, case
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from wandb_records import offline_runs
 
-    from trainer.plot import panels
-    from trainer.sinks import read_metrics
+    from trainer.telemetry.sinks import read_metrics
+    from trainer.tools.plot import panels
 
     out = cases_dir / "figures"
     history = figure(cases["figures"], "log_history")

@@ -1,4 +1,4 @@
-"""What a resume may do (trainer/resume_policy.py), in-process: plain rules over a checkpoint's recorded run and
+"""What a resume may do (trainer/checkpoint/policy.py), in-process: plain rules over a checkpoint's recorded run and
 this run's settings. The same rules run through 2 real processes in tests/test_resume_changes.py and
 tests/test_fsdp.py; these tests say each rule on its own, in milliseconds."""
 
@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from trainer import CheckpointError, TrainConfig
-from trainer.optim import build_scheduler
-from trainer.resume_policy import (
+from trainer.checkpoint.policy import (
     Split,
     apply_settings,
     changed_settings,
@@ -22,6 +21,7 @@ from trainer.resume_policy import (
     resumed_position,
     said,
 )
+from trainer.optim.build import build_scheduler
 
 PATH = Path("runs/x/checkpoints/step-00000009")
 

@@ -1,9 +1,9 @@
-"""Naming the rank a stalled job waits for (trainer/stall.py's report), in-process; tests/test_cluster.py stalls a
-real rank of a 2-process job and reads the line the others print."""
+"""Naming the rank a stalled job waits for (trainer/telemetry/stall.py's report), in-process; tests/test_cluster.py
+stalls a real rank of a 2-process job and reads the line the others print."""
 
 from __future__ import annotations
 
-from trainer.stall import report
+from trainer.telemetry.stall import report
 
 
 def note(step: int, phase: str, since: float, host: str = "node-a", blocks: int = 0) -> dict:

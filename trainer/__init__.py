@@ -8,7 +8,6 @@ The same script runs on a CPU, one GPU, a node or a cluster; the accelerate conf
     trainer.fit()
 """
 
-from trainer.callbacks import EarlyStopping
 from trainer.config import TrainConfig
 from trainer.errors import (
     PREEMPTED_EXIT,
@@ -21,7 +20,8 @@ from trainer.errors import (
     WorldSizeMismatch,
     install_hook,
 )
-from trainer.launch import distributed_state
+from trainer.launch.run import distributed_state
+from trainer.loop.callbacks import EarlyStopping
 from trainer.trainer import Trainer
 
 install_hook()  # an uncaught Refusal ends the process with its one-line message, not a traceback

@@ -104,10 +104,10 @@ class TrainConfig:
     # None: true when keep_best is set.
     load_best_at_end: Optional[bool] = None
     # A micro-batch that runs out of device memory (on any rank) is cut in two, on every rank alike, and the step
-    # reruns: the same global batch and updates (trainer/microbatch.py). DDP, FSDP2 and one process; not with
+    # reruns: the same global batch and updates (trainer/loop/microbatch.py). DDP, FSDP2 and one process; not with
     # tp_size or HSDP yet.
     auto_microbatch: bool = False
-    # An exponential moving average of the trainable weights (trainer/ema.py): after each optimizer step taken,
+    # An exponential moving average of the trainable weights (trainer/optim/ema.py): after each optimizer step taken,
     # average <- average + (1 - ema_decay) * (weights - average); until step ema_start_step it follows the weights.
     # ema_eval: evaluations use the average; ema_final: final/ (and the model after fit()) holds it.
     ema_decay: Optional[float] = None
@@ -124,14 +124,14 @@ class TrainConfig:
     tensorboard: bool = False  # every process writes TensorBoard events to <output_dir>/tensorboard/rank<k>
     # "10-12": a torch.profiler trace of those optimizer steps on every rank, <output_dir>/profile/rank<k>/trace.json
     profile_steps: Optional[str] = None
-    # MFU on the step line (trainer/mfu.py): a model's forward + backward FLOPs per token (a transformers model's are
-    # computed), and a device's peak FLOP/s (a GPU in the table: its bf16 peak)
+    # MFU on the step line (trainer/telemetry/mfu.py): a model's forward + backward FLOPs per token (a transformers
+    # model's are computed), and a device's peak FLOP/s (a GPU in the table: its bf16 peak)
     flops_per_token: Optional[float] = None
     peak_flops: Optional[float] = None
-    # fp32 matmuls on a GPU's tensor cores (TF32, a 10-bit mantissa; trainer/precision.py). Off, as in torch.
+    # fp32 matmuls on a GPU's tensor cores (TF32, a 10-bit mantissa; trainer/launch/precision.py). Off, as in torch.
     tf32: bool = False
-    # Preemption (trainer/preemption.py): on any of these signals, every rank stops after the same step, commits a
-    # checkpoint there and exits with status 75; "" leaves the signals alone. A second signal, or
+    # Preemption (trainer/launch/preemption.py): on any of these signals, every rank stops after the same step, commits
+    # a checkpoint there and exits with status 75; "" leaves the signals alone. A second signal, or
     # preemption_grace_s after the first, exits at once. slurm_requeue: then `scontrol requeue` the job.
     # SIGHUP (the terminal or ssh session went away) and SIGQUIT (torchrun's agent treats it as SIGTERM) are ends of
     # a job as much as SIGTERM is.
@@ -253,7 +253,7 @@ class TrainConfig:
                 "keep_best: eval_loss"
             )
         if self.profile_steps is not None:
-            from trainer.profiling import steps_of
+            from trainer.telemetry.profiling import steps_of
 
             steps_of(self.profile_steps)
         if self.wandb_project == "":

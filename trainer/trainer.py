@@ -6,7 +6,7 @@ hardware is chosen at launch (``accelerate launch --config_file accelerate_confi
     result = trainer.fit()      # {"global_step": ..., "train_loss": ..., ...}
 
 The Trainer composes parts that each own their state, and holds the loop: ``Parallelism`` (DDP or FSDP2, and the
-data-parallel coordinates), the loaders (``trainer.data``), ``StepRunner`` (one optimizer step), ``TrainState``
+data-parallel coordinates), the loaders (``trainer.data.loaders``), ``StepRunner`` (one optimizer step), ``TrainState``
 (where training stands), ``Telemetry`` (logs and sinks), ``Evaluator``, ``Checkpointer`` (a registry of everything
 with state) and the callbacks.
 """
@@ -23,46 +23,46 @@ import torch
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, Dataset
 
-from trainer import callbacks as hooks
-from trainer import optim
-from trainer.agreement import host_group
-from trainer.checkpoint import best_checkpoint, check_writable, checkpoint_root
-from trainer.checkpointer import Checkpointer
+from trainer.checkpoint.manager import Checkpointer
+from trainer.checkpoint.policy import RunSetup, find_resume_point
+from trainer.checkpoint.store import best_checkpoint, check_writable, checkpoint_root
 from trainer.config import TrainConfig
-from trainer.console import banner, progress_bar, say
-from trainer.data import batches_per_epoch, data_loader, examples_per_process, start_epoch
-from trainer.ema import WeightAverage
+from trainer.data.loaders import batches_per_epoch, data_loader, examples_per_process, start_epoch
+from trainer.data.streams import StreamShard
 from trainer.errors import ConfigError, DataError, peer_loss_in_a_line
-from trainer.evaluation import Evaluator, MetricsFn, PredictFn, named_sets
-from trainer.losses import LossFn, model_loss
-from trainer.mfu import Utilisation
-from trainer.microbatch import MicroBatchSplit
-from trainer.parallel import Parallelism
-from trainer.preemption import PreemptionWatch, stop
-from trainer.profiling import StepProfiler
-from trainer.resume_policy import RunSetup, find_resume_point
-from trainer.sinks import new_run_id
-from trainer.stall import watch_stalls
-from trainer.state import TrainState
-from trainer.step import StepRunner
-from trainer.streams import StreamShard
-from trainer.telemetry import Telemetry
+from trainer.launch.agreement import host_group
+from trainer.launch.preemption import PreemptionWatch, stop
+from trainer.loop import callbacks as hooks
+from trainer.loop.evaluation import Evaluator, MetricsFn, PredictFn, named_sets
+from trainer.loop.losses import LossFn, model_loss
+from trainer.loop.microbatch import MicroBatchSplit
+from trainer.loop.state import TrainState
+from trainer.loop.step import StepRunner
+from trainer.optim import build as optim
+from trainer.optim.ema import WeightAverage
+from trainer.parallel.strategy import Parallelism
+from trainer.telemetry.console import banner, progress_bar, say
+from trainer.telemetry.mfu import Utilisation
+from trainer.telemetry.profiling import StepProfiler
+from trainer.telemetry.sinks import new_run_id
+from trainer.telemetry.stall import watch_stalls
+from trainer.telemetry.telemetry import Telemetry
 
 
 class Trainer:
     """Trains ``model`` on ``train_data`` across however many processes were launched: DDP, or the model sharded
-    over them (FSDP2, HSDP, tensor parallelism) as the launch's accelerate config asks (``trainer.parallel``).
+    over them (FSDP2, HSDP, tensor parallelism) as the launch's accelerate config asks (``trainer.parallel.strategy``).
 
     Args:
         model: a plain ``torch.nn.Module``, built the same way on every process.
         config: a ``TrainConfig``; ``batch_size`` is per process.
         train_data: a map-style Dataset (each process its share, as DistributedSampler deals it), a stream (an
-            IterableDataset, with ``max_steps``: ``trainer.streams``) or a DataLoader used as is (``trainer.data``).
-            None: a Trainer for ``evaluate`` and ``predict`` alone (of a checkpoint: ``resume``).
-        eval_data: optional Dataset, IterableDataset or DataLoader for ``evaluate``, each example counted once;
-            or a dict of them by name, each evaluated apart (``eval_<name>_loss``, ...).
+            IterableDataset, with ``max_steps``: ``trainer.data.streams``) or a DataLoader used as is
+            (``trainer.data.loaders``). None: a Trainer for ``evaluate`` and ``predict`` alone (of a checkpoint:
+        ``resume``). eval_data: optional Dataset, IterableDataset or DataLoader for ``evaluate``, each example counted
+            once; or a dict of them by name, each evaluated apart (``eval_<name>_loss``, ...).
         loss_fn: ``loss_fn(model, batch) -> scalar tensor`` (a mean), or ``-> (loss_sum, count)`` to weigh every
-            item it counts alike across the global batch (``trainer.weighing``); default ``model(**batch).loss``,
+            item it counts alike across the global batch (``trainer.loop.weighing``); default ``model(**batch).loss``,
             which for a transformers model weighs every counted token alike. It runs under the launch's autocast, on
             the prepared (DDP) model in training and the plain module in evaluation.
         metrics_fn: ``metrics_fn(model, batch) -> {name: tensor of shape [batch]}``, one number per example (say
@@ -74,13 +74,13 @@ class Trainer:
         lr_scheduler: built from ``config`` when not given; or a factory, ``lr_scheduler(optimizer, total_steps)``;
             stepped once a step.
         collate_fn: how the trainer's loaders batch examples (say ``DataCollatorWithPadding(tokenizer)``); an
-            unformatted ``datasets.Dataset`` is readied as transformers' Trainer does (``trainer.columns``).
-        callbacks: objects with some of the hooks of ``trainer.callbacks``; one with ``state_dict`` and
+            unformatted ``datasets.Dataset`` is readied as transformers' Trainer does (``trainer.data.columns``).
+        callbacks: objects with some of the hooks of ``trainer.loop.callbacks``; one with ``state_dict`` and
             ``load_state_dict`` gets its state back at a resume. To stop early, a callback on any rank sets
             ``trainer.should_stop = True`` (and ``trainer.stop_reason``): every rank stops after the next step that
             logs, checkpointed when ``save_every`` is set, and ``fit()`` says why (``EarlyStopping``).
         parallelize_fn: with ``tp_size`` in the launch's parallelism_config, ``parallelize_fn(model, tp_mesh)``
-            splits a model that has no tensor-parallel plan of its own (``trainer.tensor_parallel``).
+            splits a model that has no tensor-parallel plan of its own (``trainer.parallel.tensor_parallel``).
     """
 
     def __init__(
@@ -202,7 +202,7 @@ class Trainer:
     def evaluate(self, data: Optional[Any] = None) -> dict[str, float]:
         """``eval_loss``, ``eval_examples``, ``eval_<name>`` of each ``metrics_fn`` figure (and ``eval_perplexity``
         for a language model's own loss): means over the whole eval set, every example counted once whatever the
-        process count (``trainer.evaluation``); for named sets (``eval_data={"val": ..., "test": ...}``)
+        process count (``trainer.loop.evaluation``); for named sets (``eval_data={"val": ..., "test": ...}``)
         ``eval_val_loss``, ``eval_test_loss``, ... ``data``: other data than ``eval_data`` (a set or a dict), whose
         figures are logged and returned but not judged: ``keep_best`` and the callbacks' ``on_evaluate``
         (``EarlyStopping``) follow the evaluations of ``eval_data`` alone."""
@@ -219,11 +219,11 @@ class Trainer:
     def predict(self, data: Dataset, predict_fn: Optional[PredictFn] = None) -> torch.Tensor:
         """One row per example of ``data`` (a map-style Dataset), in dataset order, on every process (CPU, fp32);
         ``predict_fn(model, batch) -> tensor`` (default ``model(**batch).logits``) runs on the plain module in eval
-        mode, without gradients, under the launch's autocast (``trainer.evaluation``)."""
+        mode, without gradients, under the launch's autocast (``trainer.loop.evaluation``)."""
         return self.evaluator.predict(data, predict_fn)
 
     def save_checkpoint(self, wait: bool = True) -> Path:
-        """A full-state checkpoint (every registered part: ``trainer.checkpointer``) under
+        """A full-state checkpoint (every registered part: ``trainer.checkpoint.manager``) under
         ``<output_dir>/checkpoints/step-<N>``; call it on every rank. A non-finite loss stops it first. With
         ``save_async`` and ``wait=False`` it is committed later; the folder it will be is returned."""
         self.checkpoints.wait()  # one save in flight: the last good checkpoint is the one committed
@@ -245,7 +245,7 @@ class Trainer:
     def save_model(self, directory: str | Path | None = None, merged: bool = False) -> Path:
         """Export the weights once, from the global main process, to ``<output_dir>/final`` by default:
         ``model.safetensors`` (past 5 GB numbered files and an index) and a transformers model's config, written a
-        file at a time (``trainer.export``); a PEFT model's adapter, or with ``merged`` its base model with the
+        file at a time (``trainer.tools.export``); a PEFT model's adapter, or with ``merged`` its base model with the
         adapter folded in (the whole model gathered on the main process's CPU). Every process calls it."""
         directory = Path(directory or Path(self.config.output_dir) / "final")
         self.model_state.export(directory, self.accelerator.wait_for_everyone, merged)

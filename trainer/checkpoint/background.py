@@ -1,0 +1,138 @@
+"""Checkpoints written while training goes on (``save_async: true``, for a sharded model): the step waits only
+while the weights and optimizer state are copied to CPU memory; the shards are written in the background.
+
+The same guarantees as a checkpoint written in the step: it is written into ``.tmp-step-N`` and committed (manifest,
+rename, ``latest``) only once every process's shards are on disk, so a kill at any moment leaves the previous one
+latest. When the main process's write completes, every process's has (torch.distributed.checkpoint gathers every
+process's result before it writes its index, on the main process): the main process then commits from its own
+thread, without stopping the others. One save is in flight at a time: the next save, a preemption and the end of
+``fit()`` first wait for it, and every process learns there whether it failed. Its collectives run on a gloo group
+of their own, never the training group's (sharing it hung in our experiments, as in torchtitan's).
+"""
+
+from __future__ import annotations
+
+import errno
+import shutil
+import threading
+from concurrent.futures import Future
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from trainer.checkpoint.store import root_cause, write_failed
+from trainer.errors import CheckpointError
+from trainer.launch.agreement import gather_objects
+
+
+class BackgroundSave:
+    """The checkpoint being written: this process's write, and on the main process the thread that commits it."""
+
+    def __init__(self, future: Future, staging: Path, commit: Optional[Callable[[], Path]]):
+        self.future, self.staging = future, staging
+        self.error: Optional[BaseException] = None
+        self._thread = None
+        if commit is not None:
+            self._thread = threading.Thread(
+                target=self._commit_when_written, args=(commit,), daemon=True, name="trainer-checkpoint-commit"
+            )
+            self._thread.start()
+
+    def _commit_when_written(self, commit: Callable[[], Path]) -> None:
+        try:
+            self.future.result()
+            commit()
+        except BaseException as err:  # told to every process at the next wait
+            self.error = err
+
+    def wait(self, timeout_s: Optional[float] = None) -> Optional[BaseException]:
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        else:
+            try:
+                self.future.result(timeout_s)
+            except BaseException as err:
+                self.error = err
+        return self.error
+
+
+class BackgroundSaves:
+    """At most one checkpoint written in the background; ``wait()`` on every process before anything that needs it
+    committed.
+
+    Args:
+        main: this is the main process, which commits.
+        world_size: the processes writing.
+        errors_group: the host group every process learns the others' errors on (``trainer.launch.agreement``).
+    """
+
+    def __init__(self, main: bool, world_size: int, errors_group: Any, timeout_s: Optional[float] = None):
+        self.main, self.errors_group = main, errors_group
+        # The writes' own collectives, from their own thread: never a group the main thread uses too. A gloo group
+        # even for one process: DCP's background save refuses a group without a CPU backend (NCCL on one GPU).
+        self.group = writers_group(world_size, timeout_s)
+        self.in_flight: Optional[BackgroundSave] = None
+
+    def start(self, future: Future, staging: Path, commit: Callable[[], Path]) -> None:
+        self.in_flight = BackgroundSave(future, staging, commit if self.main else None)
+
+    def wait(self) -> Optional[Path]:
+        """Until the checkpoint in flight is committed; its folder (on every process), or None when there was none.
+        A failed write on any process is raised on every one, its unfinished folder removed."""
+        if self.in_flight is None:
+            return None
+        save, self.in_flight = self.in_flight, None
+        error, mine = save.wait(), None
+        if error is not None:  # the rank that failed, and its own error (torch's wraps it in every rank's traceback)
+            failing, cause = root_cause(error)
+            mine = (failing if failing is not None else torch.distributed.get_rank(), type(cause).__name__, str(cause))
+        failed = sorted(found for found in gather_objects(mine, self.errors_group) if found)
+        if failed:
+            rank, kind, text = failed[0]
+            if self.main:
+                cause = OSError(errno.ENOSPC, text) if "No space left" in text else RuntimeError(f"{kind}: {text}")
+                raise write_failed(save.staging, save.staging.parent, cause, rank)
+            raise CheckpointError(f"checkpoint {save.staging.name} could not be written (rank {rank}: {kind}: {text})")
+        return save.staging.parent / save.staging.name.removeprefix(".tmp-")
+
+    def abandon(self, timeout_s: float = 60.0) -> Optional[str]:
+        """After an error ends the run: this process's write in flight waited for (a while: the other processes
+        may be gone, so nothing collective), and on the main process its folder removed unless it was committed.
+        What became of it, said by the main process (None when nothing was in flight)."""
+        if self.in_flight is None:
+            return None
+        save, self.in_flight = self.in_flight, None
+        save.wait(timeout_s)
+        step = save.staging.name.removeprefix(".tmp-")
+        if not self.main or not save.staging.exists():
+            return None
+        shutil.rmtree(save.staging, ignore_errors=True)
+        return f"the checkpoint {step} being written in the background was not committed: its folder was removed"
+
+
+def writers_group(world_size: int, timeout_s: Optional[float] = None) -> Any:
+    """A gloo group of every process for the background writes (collective, once), or None without a process group
+    (one process, nothing to agree with). Its collectives give up after ``timeout_s`` (the config's
+    ``collective_timeout_s``), not torch's 30 minutes."""
+    if world_size == 1 and not torch.distributed.is_initialized():
+        return None
+    timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+    return torch.distributed.new_group(backend="gloo", **timeout)
+
+
+def background_saves(
+    save_async: bool, sharded: bool, main: bool, world_size: int, errors_group: Any, timeout_s: Optional[float] = None
+) -> Optional[BackgroundSaves]:
+    """The background saves of a run with ``save_async``; None without. Only a sharded model's checkpoint is written
+    by torch.distributed.checkpoint, which can write in the background: on a DDP run it is refused."""
+    if not save_async:
+        return None
+    if not sharded:
+        raise CheckpointError(
+            "save_async: true writes a sharded (FSDP2) model's checkpoints in the background, and "
+            "this run is DDP: launch with an FSDP config (accelerate_configs/fsdp.yaml) or set "
+            "save_async: false"
+        )
+    return BackgroundSaves(main, world_size, errors_group, timeout_s)

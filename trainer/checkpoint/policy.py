@@ -1,0 +1,313 @@
+"""What a resume may do: which checkpoint ``resume`` asks for, where in the data it continues when the global
+batch is split otherwise, and what it does with the settings that changed since its checkpoint was written. Plain
+rules over a checkpoint's state and this run's settings (no process group, no files beyond the one it reads), so
+they are tested in-process (tests/test_resume_policy.py).
+
+**Where it continues.** Any split of the same global batch reads the same examples at each optimizer step: a step's
+global batch is the next ``global batch`` examples of the epoch's order (DistributedSampler's sharding table,
+whatever the processes, batch size and accumulation), so the position carries over as optimizer steps, on any
+number of data-parallel processes. A different global batch would make every later step a different one: refused,
+naming both. A stream's position is each process's own (``trainer.data.streams``): its split cannot change.
+
+**Changed settings.**
+
+A checkpoint keeps the whole TrainConfig; a resume compares every field with this run's, and each change is one of:
+
+- **refused**, naming both values, when the saved state cannot go on under it: the optimizer (its saved state is
+  another algorithm's moments; the class is compared too, whoever built it), whether weight decay splits the
+  parameters into two groups (``weight_decay`` to or from 0, ``decay_biases_and_norms``), and in the middle of an
+  epoch the ``seed`` (of a shuffled epoch), ``shuffle`` and ``drop_last``: the epoch's order of examples, partly read,
+  would change under it, some examples read twice and others never. ``fit()`` refuses; the weights still load for
+  ``evaluate()`` and ``predict()``;
+- **applied from the next step and said in one line**, otherwise: the schedule is recomputed at the step reached from
+  this run's ``lr``, ``lr_scheduler`` (with ``min_lr_ratio`` and ``lr_scheduler_kwargs``), ``warmup_steps`` and
+  ``max_steps`` / ``epochs`` together (never the saved base lr under a new schedule), the optimizer's other settings
+  (``betas``, ``eps``, ``momentum``, ``weight_decay``) are this run's, and clipping, cadences (log, eval, save,
+  keep_last) and the rest are read as set.
+
+How the global batch is split (processes, ``batch_size``, ``gradient_accumulation_steps``) is the rule above;
+where the run writes (``output_dir``, ``resume``) is not compared.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from trainer.checkpoint.store import (
+    POINTER_FILE,
+    checkpoint_root,
+    complete_checkpoints,
+    newest_whole_checkpoint,
+    verify,
+)
+from trainer.config import TrainConfig
+from trainer.errors import CheckpointError
+from trainer.optim.build import Optimization
+
+NOT_COMPARED = ("output_dir", "resume", "batch_size", "gradient_accumulation_steps")
+ORDER_OF_THE_EPOCH = ("seed", "shuffle", "drop_last")
+
+
+def changed_settings(saved: dict[str, Any], now: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """``{field: (saved value, this run's)}`` for every compared field that differs (a checkpoint written before a
+    field existed leaves it out)."""
+    plain = lambda value: list(value) if isinstance(value, tuple) else value  # noqa: E731  (JSON keeps lists)
+    return {
+        key: (saved[key], value)
+        for key, value in now.items()
+        if key in saved and key not in NOT_COMPARED and plain(saved[key]) != plain(value)
+    }
+
+
+def refusal(
+    saved: dict[str, Any],
+    now: dict[str, Any],
+    path: Path,
+    mid_epoch: bool,
+    built_optimizer: bool,
+    saved_class: Optional[str],
+    optimizer_class: str,
+) -> Optional[CheckpointError]:
+    """Why this run (config ``now``) cannot train on from checkpoint ``path`` (config ``saved``), or None."""
+    changes = changed_settings(saved, now)
+
+    def refused(why: str, keep: str) -> CheckpointError:
+        return CheckpointError(
+            f"checkpoint {path}: {why}. Resume with {keep}, or start a new run in another "
+            "output_dir (python -m trainer.export takes its weights alone)"
+        )
+
+    def listed(keys: list[str]) -> str:
+        return ", ".join(f"{key} {changes[key][0]} -> {changes[key][1]}" for key in keys)
+
+    if built_optimizer and "optimizer" in changes:
+        old, new = changes["optimizer"]
+        return refused(
+            f"it was written with optimizer {old}, and this run has {new}: the saved optimizer state "
+            f"cannot go on as {new}'s",
+            f"optimizer {old}",
+        )
+    if saved_class is not None and saved_class != optimizer_class:
+        return refused(
+            f"its optimizer was {saved_class}, and this run's is {optimizer_class}: the saved optimizer "
+            f"state cannot go on as {optimizer_class}'s",
+            f"the optimizer class {saved_class}",
+        )
+    grouping = [key for key in ("weight_decay", "decay_biases_and_norms") if key in changes]
+    if built_optimizer and grouping and _one_group(saved) != _one_group(now):
+        return refused(
+            f"{listed(grouping)} changes the optimizer's parameter groups (with weight decay, biases and "
+            "norm weights are a group of their own), and the saved optimizer state is per group",
+            " and ".join(f"{key} {changes[key][0]}" for key in grouping),
+        )
+    order = [key for key in ORDER_OF_THE_EPOCH if key in changes]
+    if order == ["seed"] and not now["shuffle"]:
+        order = []  # an epoch read in order does not depend on the seed
+    if mid_epoch and order:
+        return refused(
+            f"{listed(order)} changes the order of examples in the epoch it stopped in: some examples "
+            "would be read twice and others never",
+            " and ".join(f"{key} {changes[key][0]}" for key in order)
+            + " until the epoch ends (a checkpoint at an epoch's end takes any)",
+        )
+    return None
+
+
+def _one_group(config: dict[str, Any]) -> bool:
+    """Whether a config's optimizer (trainer.optim) has a single parameter group."""
+    return config.get("weight_decay", 0) == 0 or bool(config.get("decay_biases_and_norms"))
+
+
+def group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """This run's optimizer settings per parameter group (lr, betas, eps, ...), before a checkpoint's replace them."""
+    return [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+
+
+def apply_settings(
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    settings: list[dict[str, Any]],
+    step: int,
+    schedule_moved: bool,
+    built_scheduler: bool,
+) -> tuple[float, float]:
+    """After a checkpoint was loaded: this run's optimizer settings back in place of the saved ones and, for a
+    schedule built from the config (a LambdaLR: trainer.optim), the lr recomputed at ``step`` from this run's base
+    lr and schedule (a user's scheduler keeps its saved state). Returns the next step's lr under the checkpoint's
+    settings and under this run's. ``schedule_moved``: whether the checkpoint's own schedule was stepped (a constant
+    lr without warm-up is not, so its position is the step reached)."""
+    groups = optimizer.param_groups
+    saved_lr = groups[0]["lr"]
+    for group, own in zip(groups, settings, strict=True):
+        group.update({key: value for key, value in own.items() if key not in ("lr", "initial_lr") or built_scheduler})
+    if built_scheduler:
+        at = scheduler.last_epoch if schedule_moved else step
+        base_lrs = [group["initial_lr"] for group in groups]
+        lrs = [base * schedule(at) for base, schedule in zip(base_lrs, scheduler.lr_lambdas, strict=True)]
+        for group, lr in zip(groups, lrs, strict=True):
+            group["lr"] = lr
+        scheduler.load_state_dict({**scheduler.state_dict(), "base_lrs": base_lrs, "last_epoch": at, "_last_lr": lrs})
+    return saved_lr, groups[0]["lr"]
+
+
+def said(changes: dict[str, tuple[Any, Any]], step: int, lrs: tuple[float, float]) -> str:
+    """The one line for the changes a resume applies ("" when none)."""
+    words = [f"{key} {old} -> {new}" for key, (old, new) in changes.items()]
+    if not math.isclose(lrs[0], lrs[1], rel_tol=1e-9):
+        words.append(f"so the next step's lr is {lrs[1]:.4g}, not {lrs[0]:.4g}")
+    if not words:
+        return ""
+    return f"changed since the checkpoint, applied from step {step + 1}: {', '.join(words)}"
+
+
+def find_resume_point(config) -> Optional[Path]:
+    """The checkpoint ``config.resume`` asks for, or None to start fresh.
+
+    None refuses an output_dir that already holds checkpoints (no silent overwrite of someone's run); "auto" takes
+    the latest complete one, or starts fresh when there is none; a path must be a whole checkpoint.
+    """
+    root = checkpoint_root(config.output_dir)
+    if config.resume is None:
+        if complete_checkpoints(root) or (root / POINTER_FILE).exists():
+            raise CheckpointError(
+                f"{root} already holds checkpoints of an earlier run. Set resume='auto' to continue it, "
+                "resume=<checkpoint path> to continue from one of them, or choose another output_dir."
+            )
+        return None
+    if config.resume == "auto":
+        return newest_whole_checkpoint(root)
+    return verify(Path(config.resume))
+
+
+@dataclass(frozen=True)
+class Split:
+    """How a run splits its global batch: data-parallel processes x batch_size x gradient_accumulation_steps."""
+
+    processes: int
+    batch_size: int
+    accumulation: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.processes * self.batch_size * self.accumulation
+
+    def __str__(self) -> str:
+        return (
+            f"{self.processes} process(es) x batch {self.batch_size} x accumulation {self.accumulation} = "
+            f"{self.global_batch} global"
+        )
+
+
+def resumed_position(run: dict[str, Any], batches: int, now: Split, path: Path, streaming: bool) -> tuple[int, str]:
+    """The micro-batch of the checkpoint's epoch this run reads next (the checkpoint read ``batches`` of it, split
+    as its ``run`` part says), and what a change of split means for it (the module docstring's rule)."""
+    saved = Split(run["world_size"], run["batch_size"], run["gradient_accumulation_steps"])
+    if saved == now:
+        return batches, ""
+    if streaming:
+        raise CheckpointError(
+            f"checkpoint {path} was written with {saved}, this run has {now}: a stream's position "
+            "is kept per process, so resume it with the same processes, batch_size and "
+            "gradient_accumulation_steps"
+        )
+    if saved.global_batch != now.global_batch:
+        raise CheckpointError(
+            f"checkpoint {path} was written with {saved}; this run has {now}. Every later step "
+            f"would differ from the run's: keep {saved.global_batch} global "
+            f"({_keeping(saved.global_batch, now)}), or start a new run in another "
+            "output_dir"
+        )
+    steps_into_epoch = batches // saved.accumulation
+    return steps_into_epoch * now.accumulation, f"; split {saved} -> {now}: the same global batch, the same examples"
+
+
+def _keeping(global_batch: int, now: Split) -> str:
+    """A split of ``global_batch`` over this run's processes, said as the settings to use."""
+    if global_batch % now.processes:
+        return f"{global_batch} does not split over {now.processes} processes: launch a divisor of it"
+    per_process = global_batch // now.processes
+    if per_process % now.accumulation == 0:
+        return f"batch_size {per_process // now.accumulation} with gradient_accumulation_steps {now.accumulation}"
+    return f"batch_size {per_process} with gradient_accumulation_steps 1"
+
+
+def random_states(saved_processes: int, processes: int) -> str:
+    """What a resume on more processes than wrote the checkpoint does for the new ranks' random state."""
+    if processes <= saved_processes:
+        return ""
+    new = ", ".join(map(str, range(saved_processes, processes)))
+    return (
+        f"; rank(s) {new} had no saved random state (the checkpoint has {saved_processes} processes'): "
+        "they start from seed + rank, as at a fresh start"
+    )
+
+
+@dataclass
+class RunSetup:
+    """How this run is set up, as far as its checkpoints go: what each records of it (``run``), what a resume
+    compares with it, and the optimizer and (torch) scheduler a resume applies this run's settings to."""
+
+    config: TrainConfig
+    processes: int  # data-parallel
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    optimization: Optimization
+    streaming: bool
+    mixed_precision: str = "no"  # the launch's (accelerate config): no, bf16, fp16
+
+    @property
+    def split(self) -> Split:
+        return Split(self.processes, self.config.batch_size, self.config.gradient_accumulation_steps)
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "world_size": self.split.processes,
+            "batch_size": self.split.batch_size,
+            "gradient_accumulation_steps": self.split.accumulation,
+            "config": self.config.to_dict(),
+            "optimizer_class": type(self.optimizer).__name__,
+            "mixed_precision": self.mixed_precision,
+        }
+
+    def judge(self, state: dict[str, Any], path: Path) -> tuple[int, str, Any, Any]:
+        """(the micro-batch of the epoch to read next, what a change of split means, why ``fit()`` cannot go on
+        from the checkpoint's position, why not under this run's settings)."""
+        run, batches = state["run"], state["train"]["batches_into_epoch"]
+        misfit = None
+        try:
+            batches, resplit = resumed_position(run, batches, self.split, path, self.streaming)
+        except CheckpointError as err:  # the weights still serve evaluate() and predict(); fit() refuses
+            misfit, resplit = err, ""
+        settings = refusal(
+            run.get("config", {}),
+            self.config.to_dict(),
+            path,
+            batches > 0,
+            self.optimization.built_optimizer,
+            run.get("optimizer_class"),
+            type(self.optimizer).__name__,
+        )
+        return batches, resplit, misfit, settings
+
+    def apply_changes(self, run: dict[str, Any], step: int, own_settings: list[dict[str, Any]]) -> str:
+        """This run's settings where they differ from the checkpoint's (its ``run``), from the next step on; the
+        line that says so ('' when none)."""
+        saved = run.get("config", {})
+        moved = saved.get("lr_scheduler", "constant") != "constant" or saved.get("warmup_steps", 0) > 0
+        lrs = apply_settings(
+            self.optimizer, self.scheduler, own_settings, step, moved, self.optimization.built_scheduler
+        )
+        lines = [said(changed_settings(saved, self.config.to_dict()), step, lrs)]
+        written = run.get("mixed_precision", self.mixed_precision)  # older checkpoints did not record it
+        if written != self.mixed_precision:  # the weights and the optimizer state are fp32 either way: it goes on
+            lines.append(
+                f"mixed precision {written} -> {self.mixed_precision} (the launch's accelerate config) from "
+                f"step {step + 1}: the weights and optimizer state go on, the figures after differ from "
+                "what the first launch would have computed"
+            )
+        return "\n".join(line for line in lines if line)

@@ -1,0 +1,354 @@
+"""The checkpoint store: full-state checkpoints that are never torn, found again by a pointer written last.
+
+Layout under ``<output_dir>/checkpoints/``::
+
+    step-00000040/        every part's files (trainer.checkpointer: accelerate's save_state, a sharded model's
+                          shards/, ...) + trainer_state.json, written last: every part's state and the manifest
+    step-00000080/
+    latest                the name of the newest complete checkpoint, replaced atomically
+    best                  with keep_best: the checkpoint of the best evaluation, spared by keep_last
+
+A checkpoint is written into ``.tmp-step-N/`` by every rank, and only after all ranks are done does the main
+process rename it and then move the ``latest`` pointer; a crash at any moment leaves the previous checkpoint as the
+latest. Older checkpoints beyond ``keep_last`` are deleted only after that. The manifest lists every file with its
+size and CRC-32, checked before a resume: a truncated or damaged file is named, and ``resume: auto`` then continues
+from the newest whole checkpoint, moving the damaged one aside (``damaged-step-N``, kept for inspection, out of
+keep_last's count). Re-saving a step that exists (a run resumed from an older checkpoint) moves the old folder aside
+first, so a kill at any moment still leaves a whole checkpoint named by ``latest``. One job at a time: the main
+process holds a lock on ``output_dir`` for the job's life. A failed write (a full disk) removes its unfinished
+folder and names the disk.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import re
+import shutil
+import socket
+import zlib
+from pathlib import Path
+from typing import Any, Optional
+
+from trainer.errors import CheckpointError
+from trainer.telemetry.console import warn
+
+STATE_FILE = "trainer_state.json"
+POINTER_FILE = "latest"
+BEST_FILE = "best"  # with keep_best: the checkpoint of the best evaluation, spared by keep_last
+PREFIX = "step-"
+LOCK_FILE = ".lock"
+DAMAGED = "damaged-"
+STEP_FOLDER = re.compile(rf"{PREFIX}[0-9]+")
+_HELD: dict[str, Any] = {}  # output_dir locks this process holds, by path
+
+
+def checkpoint_root(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def check_writable(output_dir: str | Path) -> None:
+    """Fail at start, on every rank, if ``output_dir`` cannot be written (rather than at the first checkpoint)."""
+    probe = Path(output_dir) / f".write-test-{os.getpid()}"
+    try:
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise CheckpointError(f"output_dir {output_dir} cannot be written: {err}") from None
+
+
+def newest_whole_checkpoint(root: Path) -> Optional[Path]:
+    """``latest``, checked whole; if it is not (truncated, damaged, half-replaced), the newest checkpoint that is,
+    with a warning, after moving each damaged one aside as ``damaged-step-N`` (kept, but no longer a candidate
+    nor counted by keep_last). None when there is no checkpoint at all."""
+    try:
+        return latest_checkpoint(root)
+    except CheckpointError as err:
+        problem = without_alternatives(err)
+    set_aside = []
+    for candidate in reversed(complete_checkpoints(root)):
+        try:
+            found = verify(candidate)
+        except CheckpointError:
+            aside = candidate.with_name(DAMAGED + candidate.name)
+            try:
+                os.replace(candidate, aside)  # out of the way of keep_last, which would otherwise prune good ones
+                set_aside.append(f"{aside.name} moved aside, kept")
+            except OSError as err:  # a read-only checkpoints folder: left where it is, and said
+                set_aside.append(f"{candidate.name} damaged, left in place: cannot move it ({err.strerror or err})")
+            continue
+        moved = f" ({'; '.join(set_aside)})" if set_aside else ""
+        warn(f"{problem}; continuing from the newest whole checkpoint, {found}{moved}")
+        return found
+    raise CheckpointError(f"{problem}, and no other checkpoint under {root} is whole")
+
+
+def without_alternatives(err: CheckpointError) -> str:
+    """A checkpoint error's message without its list of the other checkpoints there."""
+    return str(err).split(". Other checkpoints there")[0]
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Committed checkpoint folders, oldest first (``.tmp-*`` folders are unfinished writes)."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and STEP_FOLDER.fullmatch(p.name))
+
+
+def best_checkpoint(root: Path, record: Optional[dict[str, Any]]) -> Optional[Path]:
+    """The committed checkpoint of the best evaluation keep_best ``record``s in this run's history (None when there
+    is none, or it is not in ``root``). Never the ``best`` pointer's word alone: a pointer left by an abandoned
+    timeline (a run rolled back to an older checkpoint) or damaged names another model."""
+    if not record:
+        return None
+    folder = root / f"{PREFIX}{int(record['step']):08d}"
+    return folder if folder.is_dir() else None
+
+
+def pointed_at(pointer: Path) -> str:
+    """The folder a pointer (``latest``, ``best``) names: only ever a ``step-<digits>`` folder beside it, so a
+    pointer that was edited, damaged or left by another run can lead nowhere else (``../other-run/...``)."""
+    try:
+        raw = pointer.read_bytes()
+    except OSError as err:
+        raise CheckpointError(f"the {pointer.name} pointer {pointer} cannot be read: {err}") from None
+    name = raw.decode("utf-8", errors="replace").strip()
+    if not STEP_FOLDER.fullmatch(name):
+        shown = f"holds {ascii(raw[:60])}{'...' if len(raw) > 60 else ''}" if raw else "is empty"  # printable
+        raise CheckpointError(
+            f"the {pointer.name} pointer {pointer} is corrupt: it {shown}, not the name of a "
+            f"{PREFIX}<digits> folder beside it"
+        )
+    return name
+
+
+def latest_checkpoint(root: Path) -> Optional[Path]:
+    """The checkpoint the pointer names, checked to be whole; None when nothing was ever committed."""
+    pointer = root / POINTER_FILE
+    if not pointer.is_file():
+        found = complete_checkpoints(root)
+        if found:  # the pointer went missing: the newest committed folder is still a complete checkpoint
+            return verify(found[-1])
+        return None
+    named = root / pointed_at(pointer)
+    if not named.exists() and (root / f".old-{named.name}").is_dir():  # killed while re-saving this step
+        os.replace(root / f".old-{named.name}", named)
+    return verify(named)
+
+
+def verify(path: Path, contents: bool = True) -> Path:
+    """Check that ``path`` is a whole checkpoint: every file its manifest lists is there with its size, and (with
+    ``contents``) holds what was written (its CRC-32)."""
+    state_file = path / STATE_FILE
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist{_others(path)}")
+    if not state_file.is_file():
+        raise CheckpointError(f"checkpoint {path} is torn: it has no {STATE_FILE}{_others(path)}")
+    _no_links(path)
+    state = read_state(path)
+    _listed_inside(path, state["files"])
+    for name, size in state["files"].items():
+        file = path / name
+        if not file.is_file() or file.stat().st_size != size:
+            raise CheckpointError(f"checkpoint {path} is torn: {name} is missing or truncated{_others(path)}")
+    for name, crc in state.get("crc32", {}).items() if contents else ():  # older checkpoints have none
+        if _crc32(path / name) != crc:
+            raise CheckpointError(
+                f"checkpoint {path} is damaged: {name} does not hold what was written (its "
+                f"CRC-32 differs){_others(path)}"
+            )
+    return path
+
+
+def _listed_inside(path: Path, listed: dict[str, Any]) -> None:
+    """Nothing outside a checkpoint's folder is read: no name in its manifest leads out of it (absolute, ``..``)."""
+    for name in listed:
+        parts = Path(name).parts
+        if Path(name).is_absolute() or ".." in parts or not parts:
+            raise CheckpointError(
+                f"checkpoint {path} is not to be trusted: its manifest lists {name!r}, outside its "
+                f"folder; none of its files was read{_others(path)}"
+            )
+
+
+def _no_links(path: Path) -> None:
+    """Nothing in a checkpoint is a symbolic link: a checkpoint holds its own files (a link to ``/etc/passwd``
+    would be exported as the weights)."""
+    for folder, subfolders, files in os.walk(path):  # os.walk follows no link
+        for name in subfolders + files:
+            if os.path.islink(os.path.join(folder, name)):
+                link = Path(folder, name).relative_to(path)
+                raise CheckpointError(
+                    f"checkpoint {path} is not to be trusted: {link} is a symbolic link (to "
+                    f"{os.readlink(os.path.join(folder, name))}); a checkpoint holds its own "
+                    f"files, and none of them was read{_others(path)}"
+                )
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    """A checkpoint's ``trainer_state.json``: every part's state by name (``trainer.checkpoint.manager``) and the
+    manifest, checked to be a trainer state."""
+    try:
+        state = json.loads((path / STATE_FILE).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"checkpoint {path}: cannot read {STATE_FILE}: {err}{_others(path)}") from None
+    if isinstance(state, dict) and "train" not in state and "global_step" in state:
+        state = _from_before_the_registry(state)
+    position = state.get("train") if isinstance(state, dict) else None
+    wrong = [] if isinstance(state, dict) and isinstance(state.get("files"), dict) else ["files"]
+    wrong += [
+        f"train.{key}"
+        for key in ("global_step", "epoch", "batches_into_epoch")
+        if not isinstance(position, dict) or not isinstance(position.get(key), int)
+    ]
+    if wrong:
+        raise CheckpointError(
+            f"checkpoint {path}: {STATE_FILE} is not a trainer state (no valid {', '.join(wrong)}){_others(path)}"
+        )
+    return state
+
+
+def _from_before_the_registry(flat: dict[str, Any]) -> dict[str, Any]:
+    """A state written before its parts were kept by name (every key at the top), in today's layout."""
+    keys = {
+        "train": ("global_step", "epoch", "batches_into_epoch", "run_id"),
+        "run": ("world_size", "batch_size", "gradient_accumulation_steps", "optimizer_class", "config"),
+    }
+    state = {part: {key: flat[key] for key in names if key in flat} for part, names in keys.items()}
+    state.update(
+        data={"streams": flat.get("streams")},
+        best=flat.get("best"),
+        sharding=flat.get("sharding", "DDP"),
+        files=flat.get("files"),
+        crc32=flat.get("crc32", {}),
+    )
+    return state
+
+
+def final_folder(root: Path, step: int) -> Path:
+    return root / f"{PREFIX}{step:08d}"
+
+
+def staging_folder(root: Path, step: int) -> Path:
+    """Where every rank writes its part of step ``step``'s checkpoint before it is committed."""
+    return root / f".tmp-{final_folder(root, step).name}"
+
+
+def commit(staging: Path, trainer_state: dict[str, Any], keep_last: int) -> Path:
+    """The main process, once every rank's files are in ``staging``: the manifest (every file's size and CRC-32)
+    written last into it, the rename to ``step-N``, the pointers, the pruning. The ``best`` pointer names the
+    checkpoint of the keep_best record in ``trainer_state`` (spared by the pruning), whatever it named before.
+    Returns the committed folder."""
+    root, final = staging.parent, staging.parent / staging.name.removeprefix(".tmp-")
+    written = {p.relative_to(staging).as_posix(): p for p in sorted(staging.rglob("*")) if p.is_file()}
+    manifest = {
+        "files": {name: p.stat().st_size for name, p in written.items()},
+        "crc32": {name: _crc32(p) for name, p in written.items()},
+    }
+    try:
+        _write_atomically(staging / STATE_FILE, json.dumps({**trainer_state, **manifest}, indent=1))
+    except OSError as err:
+        raise write_failed(staging, root, err) from err
+    old = root / f".old-{final.name}"
+    if final.exists():  # the same step saved again (a run resumed from an older checkpoint): set the old aside
+        os.replace(final, old)  # atomic; `latest` finds it there if a kill comes before the new one is in place
+    os.replace(staging, final)
+    _write_atomically(root / POINTER_FILE, final.name)
+    shutil.rmtree(old, ignore_errors=True)
+    best_folder = best_checkpoint(root, trainer_state.get("best"))  # this run's record, whatever the pointer says
+    if best_folder is not None:
+        _write_atomically(root / BEST_FILE, best_folder.name)
+    elif (root / BEST_FILE).exists():  # a pointer into another timeline, or damaged: it names nothing of this run's
+        (root / BEST_FILE).unlink()
+    spared = {final, best_folder}  # a run resumed from an older checkpoint keeps what it just wrote
+    for old in complete_checkpoints(root)[:-keep_last]:
+        if old not in spared:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def lock_output_dir(output_dir: str | Path):
+    """Hold ``<output_dir>/.lock`` for this process's life (the main process's: one job per output_dir). A second
+    job is refused, naming the first; the lock goes with the process, however it ends (flock), so none is stale."""
+    path = (Path(output_dir) / LOCK_FILE).resolve()
+    if str(path) in _HELD:  # this process holds it already (a second Trainer on the same output_dir)
+        return _HELD[str(path)]
+    handle = open(path, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise CheckpointError(
+            f"output_dir {output_dir} is in use by another job ({holder}): two jobs would "
+            "overwrite each other's checkpoints. Wait for it, stop it, or choose another "
+            "output_dir."
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()}")
+    handle.flush()
+    _HELD[str(path)] = handle
+    return handle
+
+
+def _crc32(path: Path) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def write_failed(staging: Path, root: Path, err: BaseException, rank: Optional[int] = None) -> CheckpointError:
+    """A checkpoint that could not be written (on ``rank``, when another rank's failure is reported): its unfinished
+    folder removed (a full disk gets its space back), the disk named when it is full, the latest checkpoint said."""
+    shutil.rmtree(staging, ignore_errors=True)
+    failing, err = root_cause(err)
+    rank = rank if rank is not None else failing
+    free = shutil.disk_usage(root).free
+    full = isinstance(err, OSError) and err.errno == errno.ENOSPC or free < (1 << 20) or "iostream error" in str(err)
+    why = f"the disk is full ({free / 2**20:.1f} MB free at {root})" if full else f"{type(err).__name__}: {err}"
+    why += f" (rank {rank})" if rank is not None else ""
+    pointer = root / POINTER_FILE
+    kept = "none was written before"
+    if pointer.is_file():
+        try:
+            kept = f"{root / pointed_at(pointer)} is still the latest"
+        except CheckpointError as err:
+            kept = str(err)
+    return CheckpointError(
+        f"could not write checkpoint {staging.name.removeprefix('.tmp-')}: {why}. The unfinished "
+        f"folder was removed; {kept}."
+    )
+
+
+def root_cause(err: BaseException) -> tuple[Optional[int], BaseException]:
+    """The first failing rank and its own exception, for a torch.distributed.checkpoint failure (which wraps every
+    failed rank's exception with its traceback: ten lines no one needs); ``(None, err)`` for any other."""
+    failures = getattr(err, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return None, err
+    rank = min(failures)
+    cause = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
+    return rank, cause
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, path)
+
+
+def _others(path: Path) -> str:
+    found = [str(p) for p in complete_checkpoints(path.parent) if p != path]
+    if not found:
+        return ""
+    return f". Other checkpoints there: {', '.join(found)}; pass one as resume=<path> to continue from it"

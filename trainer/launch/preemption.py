@@ -1,0 +1,172 @@
+"""Preemption: a signal becomes a checkpoint at an optimizer step every rank agrees on, then a clean exit.
+
+Slurm (before it kills a preempted or timed-out job; ``#SBATCH --signal``), Kubernetes and torchrun (which
+forwards its own SIGTERM to every worker, then kills them 30 s later) send a signal first. Saving inside the
+handler is fragile (it can interrupt a collective or a half-written file), so the handler only notes the signal;
+copies of it within SAME_EVENT_S count once. The ranks compare notes at optimizer-step boundaries through one
+small all-reduce on the job's host group (``trainer.launch.agreement``), asynchronous: issued at one check and read at
+the next, so no step waits for it and no GPU sync is added. Checks come every step until the first log, then every
+CHECK_EVERY_S of training (a step count every rank derives from the same gathered step times). One rank's signal is
+enough; the others may not receive it. All ranks then stop after the same step, commit a full checkpoint there,
+flush metrics and wandb, and exit with ``PREEMPTED_EXIT`` (75, "try again"). A second signal, or
+``preemption_grace_s`` after the first, ends the process at once. Under Slurm with ``slurm_requeue`` the first
+process asks ``scontrol requeue`` once the checkpoint is committed, so the next allocation resumes by itself
+(``resume: auto``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from trainer.errors import PREEMPTED_EXIT, Preempted
+from trainer.telemetry.console import warn
+
+# Slurm signals every process of the job and the launcher forwards its own copy; a terminal's Ctrl-C reaches the
+# launcher and the workers alike. Copies this close to the first are the same event, not a second signal.
+SAME_EVENT_S = 2.0
+# How often the ranks compare notes, in seconds of training: each comparison costs a few hundred microseconds of
+# CPU (measured: benchmarks/preemption_check.py), nothing against a second, and a signal gives tens of seconds.
+CHECK_EVERY_S = 1.0
+
+
+class PreemptionWatch:
+    """Notes the configured signals while fit() runs; ``agreed()`` at each optimizer step says whether to stop."""
+
+    def __init__(self, signal_names: tuple[str, ...], grace_s: float, group: Any):
+        self.signals = [getattr(signal, name) for name in signal_names]
+        self.grace_s = grace_s
+        self.received = 0  # the first signal's number, 0 until one arrives
+        self._first_at = 0.0
+        self._previous: dict[int, object] = {}
+        self._group = group if self.signals else None  # the host group (None: one process)
+        self._flag = torch.zeros(1, dtype=torch.int32)
+        self._pending: Optional[dist.Work] = None
+        self.check_every = 1  # steps between checks
+        self._agreed = 0  # a signal the ranks agreed on out of turn (agree_now), for agreed() to return
+        self._next_every = 1  # from the next check on (a check issued at the old pace is read at it)
+
+    def __enter__(self) -> "PreemptionWatch":
+        if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
+            for number in self.signals:
+                self._previous[number] = signal.signal(number, self._on_signal)
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        launched = "TORCHELASTIC_RUN_ID" in os.environ
+        for number, handler in self._previous.items():
+            # Preempted under a launcher: the checkpoint is committed, and the launcher sends SIGTERM to the workers
+            # still winding down once a first one has exited. Ignored (Python resets its own handlers as it
+            # finalizes, not SIG_IGN), every worker ends with status 75 rather than some killed by it.
+            ignore = kind is Preempted and launched and number == signal.SIGTERM
+            signal.signal(number, signal.SIG_IGN if ignore else handler)
+        self._previous.clear()
+        pending, self._pending = self._pending, None
+        if pending is not None:  # every rank issued the same reductions; let the last one land before teardown
+            if kind is None:
+                pending.wait()
+            else:  # leaving on an error: a peer may be gone, so wait a little, and never raise over the error
+                try:
+                    pending.wait(timedelta(seconds=10))
+                except Exception:
+                    pass
+
+    def _on_signal(self, number: int, frame) -> None:
+        if self.received and time.monotonic() - self._first_at < SAME_EVENT_S:
+            return  # the same event's other copy
+        if self.received:  # a second signal: no more waiting
+            warn(f"second signal ({signal.Signals(number).name}): exiting now")
+            os._exit(PREEMPTED_EXIT)
+        self.received, self._first_at = number, time.monotonic()
+        deadline = threading.Timer(self.grace_s, self._out_of_time)
+        deadline.daemon = True
+        deadline.start()
+
+    def _out_of_time(self) -> None:
+        warn(
+            f"still not done {self.grace_s:g} s after {signal.Signals(self.received).name} (preemption_grace_s): "
+            "exiting now"
+        )
+        os._exit(PREEMPTED_EXIT)
+
+    def pace(self, seconds_per_step: float) -> None:
+        """Check every CHECK_EVERY_S after the next check; pass a figure every rank has alike (the log's gather)."""
+        self._next_every = max(1, int(CHECK_EVERY_S / max(seconds_per_step, 1e-9)))
+
+    def agreed(self, step: int) -> int:
+        """The signal any rank had received by the previous check (0: none); the same answer on every rank."""
+        if self._group is None or self._agreed:
+            return self._agreed or self.received
+        if step % self.check_every:
+            return 0
+        self.check_every = self._next_every
+        seen = 0
+        if self._pending is not None:
+            self._pending.wait()
+            seen = int(self._flag.item())
+        if not seen:
+            self._flag[0] = self.received
+            self._pending = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        else:
+            self._pending = None
+        return seen
+
+    def agree_now(self) -> bool:
+        """Compare notes now, waiting for the answer: before a periodic save, which may take longer than the
+        launcher's or Slurm's grace. Call it on every rank at the same step; True when some rank has had a signal
+        (``agreed()`` then returns it at once), so that the preemption's checkpoint is the next save."""
+        if self._group is None or self._agreed:
+            self._agreed = self._agreed or self.received
+            return bool(self._agreed)
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.wait()
+        if not self._flag.item():
+            self._flag[0] = self.received
+            dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group)
+        self._agreed = int(self._flag.item())
+        return bool(self._agreed)
+
+
+def stop(
+    signal_number: int, step: int, total_steps: int, checkpoint_now: Callable[[], Any], requeue: bool, accelerator: Any
+) -> Preempted:
+    """What every rank does once the ranks agreed on a signal: commit a checkpoint of the step reached
+    (``checkpoint_now``, whatever save_every says), requeue the job under Slurm (``slurm_requeue``, the main process
+    once the checkpoint is committed), and return the ``Preempted`` to leave ``fit()`` with (status 75)."""
+    started = time.monotonic()
+    saved = checkpoint_now()
+    requeued = ""
+    if requeue:
+        if accelerator.is_main_process:
+            requeued = f"; {requeue_slurm_job()}"
+        accelerator.wait_for_everyone()  # no rank leaves (and gets the others signalled) before the requeue
+    name = signal.Signals(signal_number).name
+    return Preempted(
+        f"trainer: preempted ({name}) at step {step} of {total_steps}: checkpoint {saved} committed in "
+        f"{time.monotonic() - started:.1f} s{requeued}; exiting with status {PREEMPTED_EXIT}. Start the "
+        "job again with resume='auto' to continue."
+    )
+
+
+def requeue_slurm_job() -> str:
+    """Ask Slurm to requeue this job (the first process, after the checkpoint is committed); what happened."""
+    job = os.environ.get("SLURM_JOB_ID")  # an array task's own id too: requeue takes it as is
+    if not job:
+        return "not under Slurm: no requeue"
+    started = time.monotonic()
+    try:
+        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"scontrol requeue {job} failed: {err}"
+    if done.returncode != 0:
+        return f"scontrol requeue {job} failed: {(done.stderr or done.stdout).strip()}"
+    return f"job {job} requeued ({time.monotonic() - started:.1f} s)"

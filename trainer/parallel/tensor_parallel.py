@@ -1,0 +1,115 @@
+"""Tensor parallelism: the processes of one tensor-parallel group each hold a slice of every large weight matrix
+(Megatron's column / row split) and run one forward together on the same batch.
+
+Where the split comes from:
+
+- **A transformers model's own plan** (``base_model_tp_plan`` in its config, ``_tp_plan`` on its head: Llama,
+  Mistral, Qwen, ... have one; GPT-2 has none): module name patterns and style names, ``"colwise"`` / ``"rowwise"``
+  and their variants, as transformers' own tensor-parallel training reads them. Each style becomes torch's
+  ``ColwiseParallel`` / ``RowwiseParallel`` and is applied module by module as the model is placed, so that no
+  process holds the whole model (``trainer.parallel.fsdp.shard``).
+- **Your own function** ``parallelize_fn(model, tp_mesh)``, passed to the Trainer, for any other model (torchtitan's
+  and Lightning's shape): it calls ``torch.distributed.tensor.parallel.parallelize_module`` on the modules it
+  splits. The model is whole on the device when it runs (a model built on meta is initialised first).
+
+FSDP then shards what each process holds over the data-parallel processes (2-D: ``TP 2 x FSDP 4``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from trainer.errors import ShardingError
+
+ParallelizeFn = Callable[[torch.nn.Module, Any], Any]  # (model, the tensor-parallel mesh) -> anything
+
+
+def _styles() -> dict[str, Callable[[], Any]]:
+    """transformers' plan names that are plain column / row splits, as torch's styles."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    gathered = lambda: ColwiseParallel(output_layouts=Replicate())  # noqa: E731 - the output whole on every process
+    whole_input = lambda: RowwiseParallel(input_layouts=Replicate())  # noqa: E731
+    return {
+        "colwise": ColwiseParallel,
+        "rowwise": RowwiseParallel,
+        "colwise_rep": gathered,
+        "colwise_gather_output": gathered,
+        "rowwise_rep": whole_input,
+        "rowwise_split_input": whole_input,
+        "embedding_rowwise": whole_input,
+    }
+
+
+@dataclass
+class TensorParallel:
+    """How a model is split over the tensor-parallel ``mesh``: a style per module (by id), or the user's function."""
+
+    mesh: Any
+    styles: dict[int, Any] = field(default_factory=dict)
+    function: Optional[ParallelizeFn] = None
+
+    @property
+    def size(self) -> int:
+        return self.mesh.size()
+
+    def split(self, modules: list[torch.nn.Module]) -> None:
+        """Split those of ``modules`` the plan names (just placed whole on the device)."""
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        for module in modules:
+            if id(module) in self.styles:
+                parallelize_module(module, self.mesh, self.styles[id(module)])
+
+
+def tensor_parallel(model: torch.nn.Module, mesh: Any, function: Optional[ParallelizeFn]) -> TensorParallel:
+    """The split of ``model`` over ``mesh``: ``function`` when given, else the model's own plan, checked first."""
+    if function is not None:
+        return TensorParallel(mesh, function=function)
+    plan = model_plan(model)
+    size, kind = mesh.size(), type(model).__name__
+    if not plan:
+        raise ShardingError(
+            f"parallelism_config: tp_size {size}, but {kind} has no tensor-parallel plan (a "
+            "transformers model's base_model_tp_plan): pass parallelize_fn=<function of (model, "
+            "tp_mesh)> to the Trainer, or set tp_size 1"
+        )
+    config = getattr(model, "config", None)
+    for heads in ("num_attention_heads", "num_key_value_heads"):
+        count = getattr(config, heads, None)
+        if isinstance(count, int) and count % size:
+            raise ShardingError(
+                f"parallelism_config: tp_size {size} does not divide {kind}'s {heads} ({count}): "
+                "each process of a tensor-parallel group takes whole heads"
+            )
+    styles, known, modules = {}, _styles(), dict(model.named_modules())
+    for pattern, style in plan.items():
+        if style not in known:
+            raise ShardingError(
+                f"{kind}'s tensor-parallel plan splits {pattern} as {style!r}, which this trainer "
+                f"does not apply (it applies {', '.join(sorted(known))}): pass parallelize_fn= to "
+                "the Trainer, or set tp_size 1"
+            )
+        matcher = re.compile(re.escape(pattern).replace(r"\*", r"\d+"))
+        for name in [n for n in modules if matcher.fullmatch(n)]:
+            styles[id(modules[name])] = known[style]()
+    return TensorParallel(mesh, styles)
+
+
+def model_plan(model: torch.nn.Module) -> dict[str, str]:
+    """A transformers model's tensor-parallel plan, module name patterns from the model's root ({} for none)."""
+    plan = getattr(model, "tp_plan", None)
+    if not isinstance(plan, dict):
+        plan = getattr(model, "_tp_plan", None)
+    if plan:
+        return dict(plan)
+    config, prefix = getattr(model, "config", None), getattr(model, "base_model_prefix", "")
+    base = dict(getattr(config, "base_model_tp_plan", None) or {})
+    if base and prefix and hasattr(model, prefix):  # a head model: its base model's plan, under its name
+        base = {f"{prefix}.{name}": style for name, style in base.items()}
+    return base

@@ -1,0 +1,205 @@
+"""What a job prints: one way to say a line (the main process, stdout) and one to warn (any rank, stderr), the
+start banner and the step line, each library warning once per job, and a progress bar no line breaks into.
+
+Every process of a job runs the same code, so a library warning (transformers' ``loss_type=None ...``) comes once
+per process, and one issued per save (accelerate's ``Removed shared tensor``) once per checkpoint. So: the
+libraries' log records below ERROR are left to the main process (errors still come from every rank), and each
+distinct record prints once per process.
+
+In a terminal the main process draws a progress bar on stderr; anything else written meanwhile (our step lines, a
+user's ``print``, a library's warning) would land in the middle of it. While the bar is up, stdout and stderr
+(and the logging handlers that hold them) go through a writer that collects whole lines, clears the bar, writes
+them, and redraws it. (tqdm's ``logging_redirect_tqdm`` moves logging handlers only, not prints.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import threading
+from typing import Any, Iterator, Optional, TextIO
+
+from tqdm.auto import tqdm
+
+LIBRARIES = ("transformers", "accelerate", "datasets", "torch")
+STEP_FIGURES = ("step", "epoch", "train_loss", "lr", "examples_per_s", "tokens_per_s", "mfu")  # the rest: a callback's
+_process = {"main": True, "quieted": False}  # this process's place in the job, set once it has joined
+_said_once: set[str] = set()  # lines said once per process
+
+
+def say(text: str, once: bool = False) -> None:
+    """A line from the main process, as one write (print() writes the newline apart, and other ranks' lines could
+    land between); while the progress bar is up it goes around it. ``once``: once per process, however many
+    Trainers it builds."""
+    if _process["main"] and not (once and text in _said_once):
+        _said_once.add(text)
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+
+
+def warn(text: str, main_only: bool = False) -> None:
+    """``trainer: <text>`` on stderr, from whichever rank calls it (``main_only``: the main process alone, for what
+    every rank meets alike)."""
+    if main_only and not _process["main"]:
+        return
+    sys.stderr.write(f"trainer: {text}\n")
+    sys.stderr.flush()
+
+
+class OncePerProcess(logging.Filter):
+    """Lets each distinct (logger, level, message) through once."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set[tuple[str, int, str]] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = (record.name, record.levelno, record.getMessage())
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
+
+
+def joined(process_index: int) -> None:
+    """This process joined the job as ``process_index``: ``say`` speaks from process 0 alone, and library
+    warnings come once per job (below ERROR from the main process only, each distinct one once)."""
+    _process["main"] = process_index == 0
+    if _process["quieted"]:
+        return
+    _process["quieted"] = True
+    once = OncePerProcess()
+    logging.lastResort.addFilter(once)  # where accelerate's records go when nobody configured logging
+    if process_index != 0:
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # read when transformers sets up its logger
+        for library in LIBRARIES:
+            logging.getLogger(library).setLevel(logging.ERROR)
+    if "transformers" in sys.modules:  # its handler exists already; importing it here would cost half a second
+        from transformers.utils import logging as hf_logging
+
+        if process_index != 0:
+            hf_logging.set_verbosity_error()
+        for handler in hf_logging.get_logger().handlers:  # the library's root logger and its own handler
+            handler.addFilter(once)
+
+
+def step_line(metrics: dict[str, Any], total_steps: int) -> str:
+    """``step 300/300 | loss 4.746 | lr 0.0002 | 53.4 examples/s | 6,834 tokens/s``, then any figure logged with
+    ``trainer.log`` or added to ``metrics`` in ``on_log``; ``| MFU 41.5%`` where it is known
+    (``trainer.telemetry.mfu``); ``grad_norm`` is in the logs only."""
+    line = (
+        f"step {metrics['step']}/{total_steps} | loss {metrics['train_loss']:.6g} | lr {metrics['lr']:.4g} | "
+        f"{metrics['examples_per_s']:.1f} examples/s"
+    )
+    if "tokens_per_s" in metrics:
+        line += f" | {metrics['tokens_per_s']:,.0f} tokens/s"
+    if "mfu" in metrics:  # model FLOPs utilisation (trainer.mfu), a fraction
+        line += f" | MFU {100 * metrics['mfu']:.1f}%"
+    for key, value in metrics.items():
+        if key not in STEP_FIGURES and key != "grad_norm":  # logged, not said: the line stays short
+            line += f" | {key} {value:.4g}" if isinstance(value, float) else f" | {key} {value}"
+    return line
+
+
+def banner(
+    launch: tuple[str, str, int, str],
+    config: Any,
+    state: Any,
+    total_steps: int,
+    share: Optional[int],
+    weighs_tokens: bool,
+    optimization: str,
+) -> str:
+    """What a run is about to do, said once at the start of ``fit()``: the launch and what sharding did
+    (``Parallelism.describe``), the global batch and how its loss is weighed (``share``: the examples a process
+    reads per epoch; fewer than a step takes, each step takes them all), the steps, the optimizer and schedule."""
+    batch, accumulation, processes, reader = config.batch_size, config.gradient_accumulation_steps, *launch[2:]
+    global_batch, short = batch * processes * accumulation, ""
+    if share is not None and share < batch * accumulation:
+        global_batch = share * processes
+        short = (
+            f"an epoch has {share} examples per process in {state.batches_per_epoch} batch(es), fewer than "
+            f"batch x accumulation: each step takes them all, {global_batch} global"
+        )
+    weighs = "; the loss weighs every counted token alike" if weighs_tokens else ""
+    until = f"max_steps={config.max_steps}" if config.max_steps else f"{config.epochs} epochs"
+    readers = "processes" if reader == "process" else f"{reader.split(' of ')[0]}s"
+    lines = (
+        launch[0],
+        launch[1],
+        f"batch {batch} per {reader} x {processes} {readers} x {accumulation} accumulation "
+        f"= {global_batch} global{weighs}",
+        short,
+        f"{state.steps_per_epoch or 'unknown'} optimizer steps per "
+        f"epoch, {total_steps} in all ({until}); {optimization}",
+    )
+    return "trainer | " + "\n        | ".join(line for line in lines if line)
+
+
+class AroundTheBar:
+    """A text stream that writes whole lines only, each time clearing the bar first and redrawing it after."""
+
+    def __init__(self, stream: TextIO, bar: tqdm):
+        self.stream, self.bar = stream, bar
+        self.pending = ""
+        self.lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        with self.lock:
+            self.pending += text
+            if "\n" in self.pending:
+                lines, _, self.pending = self.pending.rpartition("\n")
+                self._write_clear_of_the_bar(lines + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        with self.lock:
+            if self.pending:
+                self._write_clear_of_the_bar(self.pending)
+                self.pending = ""
+        self.stream.flush()
+
+    def _write_clear_of_the_bar(self, text: str) -> None:
+        with tqdm.get_lock():
+            self.bar.clear(nolock=True)
+            self.stream.write(text)
+            self.stream.flush()
+            self.bar.refresh(nolock=True)
+
+    def __getattr__(self, name: str):  # isatty, fileno, encoding...: the real stream's
+        return getattr(self.stream, name)
+
+
+@contextlib.contextmanager
+def progress_bar(total: int, initial: int, show: Optional[bool]) -> Iterator[tqdm]:
+    """A tqdm bar (``show=None``: only on a terminal); while it is drawn, every line written goes around it."""
+    bar = tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True, disable=None if show else True)
+    if bar.disable:
+        try:
+            yield bar
+        finally:
+            bar.close()
+        return
+    real = {"stdout": sys.stdout, "stderr": sys.stderr}
+    safe = {name: AroundTheBar(stream, bar) for name, stream in real.items()}
+    handlers = [h for h in _stream_handlers() if h.stream in real.values()]
+    held = [(h, h.stream) for h in handlers]
+    sys.stdout, sys.stderr = safe["stdout"], safe["stderr"]
+    for handler, stream in held:
+        handler.setStream(safe["stdout"] if stream is real["stdout"] else safe["stderr"])
+    try:
+        yield bar
+    finally:
+        for stream in safe.values():
+            stream.flush()
+        sys.stdout, sys.stderr = real["stdout"], real["stderr"]
+        for handler, stream in held:
+            handler.setStream(stream)
+        bar.close()
+
+
+def _stream_handlers() -> list[logging.StreamHandler]:
+    loggers = [logging.getLogger()] + [logging.getLogger(name) for name in LIBRARIES]
+    return [h for lg in loggers for h in lg.handlers if type(h) is logging.StreamHandler]

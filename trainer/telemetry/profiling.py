@@ -1,0 +1,92 @@
+"""``profile_steps: "10-12"``: where the time of those optimizer steps goes, as a ``torch.profiler`` trace on every
+rank, ``<output_dir>/profile/rank<k>/trace.json`` (open it in https://ui.perfetto.dev or ``chrome://tracing``).
+
+Every rank traces the same steps, so the traces line up: a rank that waits in the gradient all-reduce while another
+still computes shows it there. The host's operators always, and on a GPU its kernels and copies too; each optimizer
+step is one ``ProfilerStep#N`` span. The steps before the first run untraced (a warm step, not the start-up), and
+tracing costs time while it runs: leave the figures of those steps out of a comparison.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from trainer.errors import ConfigError
+from trainer.telemetry.console import say
+
+RANGE = re.compile(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?")
+
+
+def steps_of(text: str) -> tuple[int, int]:
+    """``"10-12"`` -> (10, 12), ``"10"`` -> (10, 10); a ConfigError naming ``profile_steps`` otherwise."""
+    match = RANGE.fullmatch(text)
+    first, last = (int(match.group(1)), int(match.group(2) or match.group(1))) if match else (0, 0)
+    if not match or first < 1 or last < first:
+        raise ConfigError(
+            f"profile_steps must be an optimizer step or a range of them, say '10-12' (or null for "
+            f"no trace); got {text!r}"
+        )
+    return first, last
+
+
+class StepProfiler:
+    """A callback: starts ``torch.profiler`` before step ``first``, marks each step, and writes the trace after
+    step ``last``."""
+
+    def __init__(self, steps: tuple[int, int], folder: Path, device: torch.device):
+        self.first, self.last = steps
+        self.folder, self.device = folder, device
+        self.profile: Optional[torch.profiler.profile] = None
+
+    @classmethod
+    def for_run(cls, config: Any, accelerator: Any) -> Optional["StepProfiler"]:
+        if config.profile_steps is None:
+            return None
+        folder = Path(config.output_dir) / "profile" / f"rank{accelerator.process_index}"
+        return cls(steps_of(config.profile_steps), folder, accelerator.device)
+
+    def on_train_begin(self, trainer: Any) -> None:
+        self._start_before(trainer.global_step + 1)
+
+    def on_step_end(self, trainer: Any) -> None:
+        step = trainer.global_step
+        if self.profile is not None:
+            self.profile.step()
+            if step >= self.last:
+                self._write(step)
+        self._start_before(step + 1)
+
+    def on_train_end(self, trainer: Any, result: Any = None) -> None:
+        if self.profile is not None:  # stopped early, inside the window: what was traced is written
+            self._write(trainer.global_step)
+
+    def _start_before(self, step: int) -> None:
+        if step != self.first or self.profile is not None:
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        steps = self.last - self.first + 1  # a schedule, so that each step is a ProfilerStep span of its own
+        self.profile = torch.profiler.profile(
+            activities=activities,
+            schedule=torch.profiler.schedule(wait=0, warmup=0, active=steps, repeat=1),
+            on_trace_ready=self._export,
+        )
+        self.profile.start()
+
+    def _export(self, profile: torch.profiler.profile) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        profile.export_chrome_trace(str(self.folder / "trace.json"))
+
+    def _write(self, step: int) -> None:
+        profile, self.profile = self.profile, None
+        profile.stop()  # the trace is written once its last step ends (stopped early: here)
+        steps = f"step {self.first}" if step == self.first else f"steps {self.first}-{step}"
+        say(
+            f"profile: {steps} traced on every rank, into {self.folder.parent}/rank<k>/trace.json (open one in "
+            "https://ui.perfetto.dev)"
+        )

@@ -1,0 +1,195 @@
+"""Naming the rank a stalled job is waiting for.
+
+When one rank stops arriving (a hung data loader, a deadlock, a frozen node), every other rank sits inside a
+collective until ``collective_timeout_s`` ends the job, and says nothing meanwhile. Here the training loop keeps a
+note of where this rank is: the step and what it is doing. A background thread publishes the note to the job's
+rendezvous store every few seconds and, once this rank has made no progress for ``stall_warning_s``, reads every
+rank's note and says which rank the others wait for, and at which step:
+
+    trainer: stalled for 30 s: rank 0 (node-a) backward at step 7 since 30 s, rank 1 (node-b) forward at step 7
+    since 31 s. Waiting for rank(s) 1 (forward at step 7).
+
+A sharded model (FSDP2) gathers each block's weights inside the forward pass, so a rank stuck in block 3 holds the
+others in block 4's all-gather, all "in forward": the note also counts the sharded blocks this rank has entered in
+the phase (``entered()``, a forward pre-hook on each), and the rank that entered fewest is the one waited for.
+
+If the launcher dies (kill -9, the OOM killer), each worker gets SIGTERM (``trainer.launch.run``) and a healthy job
+checkpoints and exits. A stalled one cannot reach the step where it would, and nobody is left to kill it: the thread
+notices the launcher is gone (this process was handed to another parent) and, once this rank has made no progress
+for ``warning_s`` (a long evaluation or save: for ``preemption_grace_s``), ends the process with one line. The
+store lived in the launcher, so the thread stops using it.
+
+On the hot path this costs an attribute assignment per phase (and per sharded block); the store traffic happens in
+the thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+
+import torch
+from accelerate import Accelerator
+
+from trainer.errors import PREEMPTED_EXIT
+from trainer.telemetry.console import warn
+
+# What a rank can be doing, in the order one optimizer step goes through them. The rank furthest behind in this
+# order is the one the others wait for: "backward" and later phases hold collectives, earlier ones do not.
+PHASES = ("data", "forward", "backward", "optimizer", "log", "evaluate", "checkpoint")
+# Phases that may rightly go long without a mark of progress (no block or step boundary inside them).
+LONG_PHASES = ("evaluate", "checkpoint")
+
+
+class StallReporter:
+    """Watches this rank's progress; reports a stall once, from the lowest-numbered rank that is waiting."""
+
+    def __init__(self, accelerator: Accelerator, warning_s: float, grace_s: float = 180.0):
+        self.rank, self.world = accelerator.process_index, accelerator.num_processes
+        self.warning_s, self.grace_s = warning_s, grace_s
+        # The process that started this one: torch's elastic agent (accelerate launch, torchrun) hosts the store.
+        self._launcher = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
+        self.where = (0, "data")
+        self.blocks = 0  # sharded blocks entered in this phase
+        self._changed = time.monotonic()
+        self._stop = threading.Event()
+        self._host = socket.gethostname()
+        # The store every rank already reached at rendezvous: no new port, no new connection to set up.
+        store = torch.distributed.distributed_c10d._get_default_store()
+        self._store = torch.distributed.PrefixStore("trainer-progress/", store)
+        interval = min(5.0, max(0.2, warning_s / 4))
+        self._thread = threading.Thread(target=self._watch, args=(interval,), name="trainer-stall", daemon=True)
+        self._thread.start()
+
+    def at(self, step: int, phase: str) -> None:
+        """The training loop is now in ``phase`` of optimizer step ``step`` (the step being computed)."""
+        self.where, self.blocks = (step, phase), 0
+        self._changed = time.monotonic()
+
+    def entered(self) -> None:
+        """The forward pass entered one more sharded block (FSDP2 gathers its weights there, with every rank):
+        progress, as a long evaluation under FSDP2 makes it."""
+        self.blocks += 1
+        self._changed = time.monotonic()
+
+    def stop(self) -> None:
+        """Stop and join the thread. Why join: a daemon thread still inside a store call when the interpreter
+        shuts down is killed in C++ code, which aborts the process (SIGABRT) and can leave the others waiting."""
+        self._stop.set()
+        self._thread.join()
+
+    def __enter__(self) -> "StallReporter":
+        return self
+
+    def __exit__(self, *error: object) -> None:
+        self.stop()
+
+    def _watch(self, interval: float) -> None:
+        reported = None
+        while not self._stop.wait(interval):
+            (step, phase), blocks, changed = self.where, self.blocks, self._changed
+            stalled_s = time.monotonic() - changed
+            if self._launcher is not None and os.getppid() != self._launcher:
+                self._end_if_stuck(stalled_s)  # and no more store calls: the store went with the launcher
+                continue
+            if self._store is None:
+                continue
+            note = {
+                "step": step,
+                "phase": phase,
+                "blocks": blocks,
+                "host": self._host,
+                "since": time.time() - stalled_s,
+            }
+            try:
+                self._store.set(str(self.rank), json.dumps(note))
+                if self._stop.is_set():
+                    return
+                if stalled_s >= self.warning_s and reported != changed:
+                    reported = changed
+                    self._report(stalled_s)
+            except Exception:  # the store went away (the job is ending, or the launcher died): nothing to publish
+                self._store = None
+
+    def _end_if_stuck(self, stalled_s: float) -> None:
+        """The launcher is gone: its SIGTERM's checkpoint needs a step boundary this rank has stopped reaching."""
+        step, phase = self.where
+        if stalled_s < (max(self.warning_s, self.grace_s) if phase in LONG_PHASES else self.warning_s):
+            return
+        inside = f" (sharded block {self.blocks})" if self.blocks else ""
+        warn(
+            f"the launcher (pid {self._launcher}) is gone and rank {self.rank} has made no progress for "
+            f"{stalled_s:.0f} s ({phase} at step {step}{inside}): the job is stalled and nothing else will end it, so "
+            "this process ends now, without a checkpoint; rerun to resume from the last one"
+        )
+        os._exit(PREEMPTED_EXIT)
+
+    def _report(self, stalled_s: float) -> None:
+        notes = {}
+        for rank in range(self.world):
+            if self._store.check([str(rank)]):  # get() would block on a rank that never published
+                notes[rank] = json.loads(self._store.get(str(rank)))
+        now = time.time()
+        waiting = [r for r, n in notes.items() if now - n["since"] >= self.warning_s]
+        if not waiting or self.rank != min(waiting):
+            return  # one report per stall
+        warn(report(notes, self.world, now, stalled_s))
+
+
+def report(notes: dict[int, dict], world: int, now: float, stalled_s: float) -> str:
+    """The stall in words: where every rank is, and which one(s) the others wait for."""
+
+    def position(note: dict) -> tuple[int, int, int]:
+        return note["step"], PHASES.index(note["phase"]), note.get("blocks", 0)
+
+    def doing(note: dict) -> str:
+        blocks = note.get("blocks", 0)
+        inside = f" (sharded block {blocks})" if blocks else ""
+        return f"{note['phase']} at step {note['step']}{inside}"
+
+    silent = [r for r in range(world) if r not in notes]
+    ranks = ", ".join(
+        f"rank {r} ({n['host']}) {doing(n)} since {now - n['since']:.0f} s" for r, n in sorted(notes.items())
+    )
+    line = f"stalled for {stalled_s:.0f} s: {ranks}."
+    if silent:
+        return line + f" Never heard from rank(s) {', '.join(map(str, silent))}: waiting for them."
+    behind = min(position(n) for n in notes.values())
+    laggards = [r for r, n in notes.items() if position(n) == behind]
+    if len(laggards) == len(notes):
+        where = doing(next(iter(notes.values())))
+        return (
+            line + f" Every rank is at the same place ({where}): a long {where.split()[0]} or a slow collective "
+            "(network?), rather than one rank."
+        )
+    return line + f" Waiting for rank(s) {', '.join(map(str, laggards))} ({doing(notes[laggards[0]])})."
+
+
+class _NoStalls:
+    """One process: nobody to wait for."""
+
+    def at(self, step: int, phase: str) -> None:
+        pass
+
+    def entered(self) -> None:
+        pass
+
+    def __enter__(self) -> "_NoStalls":
+        return self
+
+    def __exit__(self, *error: object) -> None:
+        pass
+
+
+def watch_stalls(
+    accelerator: Accelerator, warning_s: float | None, grace_s: float = 180.0
+) -> StallReporter | _NoStalls:
+    """A StallReporter when there are other ranks to wait for and ``warning_s`` is set; as a context, its thread
+    lives until the context ends. ``grace_s``: how long a long evaluation or save may go on once the launcher is
+    gone."""
+    if accelerator.num_processes == 1 or warning_s is None:
+        return _NoStalls()
+    return StallReporter(accelerator, warning_s, grace_s)

@@ -1,0 +1,351 @@
+"""Preflight: what a launch would do, and, inside a real launch, what breaks multi-node jobs before it costs a day.
+
+    python -m trainer.check --config_file accelerate_configs/multi_node.yaml              # read the config
+    accelerate launch --config_file my.yaml -m trainer.check --output_dir runs/x           # every rank, for real
+    accelerate launch --config_file my.yaml -m trainer.check --wandb_project my-project   # ... and wandb from each node
+
+Read alone, the config says machines, processes, backend, mixed precision, the mesh (what each process holds, which
+replicas each machine runs) and rendezvous, checked against this host.
+Launched, every rank joins the job and reports its host, local rank and device; the check then asks: did the world
+come out as configured, can every rank be reached (a collective with a short timeout), is ``output_dir`` one
+filesystem shared by all nodes (checkpoints are written by one process and read by all), and, for a job that logs to
+wandb (``--wandb_project``, or WANDB_PROJECT set), can each node reach it. It ends with one line per problem and
+exits 1, or says none were found and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import ipaddress
+import os
+import secrets
+import socket
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from trainer.errors import ShardingError
+from trainer.launch.accelerate_config import refusal_of_the_file
+from trainer.launch.mesh import Layout, requested_layout
+from trainer.parallel.fsdp import NO_FP16, NO_OFFLOAD
+
+Problems = list[str]
+
+
+def describe_config(
+    path: str,
+    launched: bool,
+    num_processes: Optional[int] = None,
+    num_machines: Optional[int] = None,
+    rdzv_backend: Optional[str] = None,
+) -> tuple[list[str], Problems, Optional[int]]:
+    """What ``accelerate launch --config_file path`` would start, checked against this host: the lines to print,
+    the problems, and the number of processes the config asks for. ``num_processes`` / ``num_machines`` override
+    the file as the same flags of ``accelerate launch`` do, and ``rdzv_backend`` is its ``--rdzv_backend`` (the
+    file's ``rdzv_backend`` is not read by accelerate launch: without the flag it is static). Inside a launch the
+    rendezvous evidently worked (and may have come from --main_process_ip), so its settings are not judged."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    if not Path(path).is_file():
+        return [], [f"config file not found: {path}"], None
+    if not Path(path).read_text().strip():
+        return [], [f"config file {path} is empty: write one with `accelerate config --config_file {path}`"], None
+    try:
+        config = load_config_from_file(path)
+    except Exception as err:  # invalid YAML, an unknown distributed_type, a key of the wrong kind: what accelerate says
+        said = " ".join(line.strip() for line in str(err).strip().splitlines()) or type(err).__name__
+        return [], [f"config file {path} cannot be read by accelerate: {said[:300]}"], None
+    machines = num_machines or config.num_machines
+    processes = num_processes or config.num_processes
+    if not isinstance(processes, int) or processes < 1 or not isinstance(machines, int) or machines < 1:
+        return [], [f"num_processes {processes!r} and num_machines {machines!r} must each be at least 1"], None
+    gpus = visible_gpus(getattr(config, "gpu_ids", None))
+    kind = config.distributed_type.value
+    # accelerate launches MULTI_GPU and FSDP files through torchrun, anything else through its one-process launcher
+    through_torchrun = kind.startswith("MULTI_") and kind != "MULTI_CPU" or kind == "FSDP"
+    on_cpu = gpus == 0 or (config.use_cpu and not through_torchrun)
+    per_machine = processes // max(machines, 1)
+    fsdp_version = int((config.fsdp_config or {}).get("fsdp_version", 1)) if kind == "FSDP" else None
+    how = "sharded (FSDP2)" if fsdp_version else "as DDP"
+    lines = [
+        f"config {path}: {machines} machine(s) x {per_machine} process(es) = {processes} processes",
+        f"  backend: {'gloo on CPU' if on_cpu else 'nccl on GPU'}"
+        + (f" (no GPU visible: the trainer runs the processes {how} on CPU)" if on_cpu and through_torchrun else ""),
+        f"  mixed precision: {config.mixed_precision}",
+    ]
+    dynamo = (getattr(config, "dynamo_config", None) or {}).get("dynamo_backend")
+    if (refused := refusal_of_the_file(kind, config.mixed_precision, dynamo)) is not None:
+        return lines, [refused], processes  # what the launch would say, and nothing it would not reach
+    problems: Problems = []
+    section = {k.removeprefix("parallelism_config_"): v for k, v in (config.parallelism_config or {}).items()}
+    sizes = {name: int(value) for name, value in section.items() if name.endswith("_size")}
+    if sizes and fsdp_version is None:
+        problems.append(
+            "accelerate launch takes a parallelism_config section only with distributed_type: FSDP "
+            "(fsdp_version: 2): remove it for DDP, or use an FSDP config (accelerate_configs/hsdp.yaml)"
+        )
+    elif fsdp_version is not None:
+        try:
+            lines += mesh_lines(requested_layout(processes, True, sizes), per_machine, processes)
+        except ShardingError as err:
+            problems.append(str(err))
+        fsdp = config.fsdp_config or {}
+        if str(fsdp.get("fsdp_offload_params", False)).lower() == "true":
+            problems.append(NO_OFFLOAD)
+        if config.mixed_precision == "fp16":
+            problems.append(NO_FP16)
+        if fsdp_version != 2:
+            problems.append(
+                f"fsdp_version {fsdp_version}: the trainer shards with FSDP2; convert the file with "
+                "`accelerate to-fsdp2 --config_file <yours> --output_file <new>`"
+            )
+    if processes % max(machines, 1):
+        problems.append(
+            f"num_processes {processes} is not a multiple of num_machines {machines}: every machine runs "
+            "num_processes / num_machines processes"
+        )
+    if not on_cpu and per_machine > gpus:
+        problems.append(f"{per_machine} processes per machine, but this machine has {gpus} GPU(s)")
+    mpirun = (config.mpirun_config or {}).get("mpirun_hostfile")
+    if not through_torchrun and machines > 1 and not mpirun:
+        problems.append(
+            f"accelerate launch starts each machine's process alone for this multi-CPU file of {machines} "
+            "machines: its CPU launcher joins machines only through mpirun (mpirun_hostfile). For "
+            "several machines over gloo use a multi-GPU file (accelerate_configs/multi_node.yaml): where "
+            "a machine has no GPU, the trainer runs its processes on the CPU"
+        )
+    elif not through_torchrun and per_machine > 1 and not mpirun:
+        problems.append(
+            f"accelerate launch starts 1 process for this file, not {per_machine}: its CPU launcher "
+            "starts several only through mpirun (mpirun_hostfile). For K processes on the CPU over gloo "
+            "use accelerate_configs/cpu.yaml with --num_processes K"
+        )
+    if config.mixed_precision == "bf16" and not on_cpu and not torch.cuda.is_bf16_supported():
+        problems.append("mixed_precision bf16, but this machine's GPU has no bf16: use fp16.yaml")
+    if machines > 1:
+        lines += _rendezvous_lines(config, rdzv_backend)
+        if (rdzv_backend or "static").startswith("etcd") and importlib.util.find_spec("etcd") is None:
+            problems.append(
+                f"--rdzv_backend {rdzv_backend}: torchrun's etcd rendezvous needs the python-etcd package "
+                "(pip install python-etcd) and an etcd server at main_process_ip:main_process_port; "
+                "c10d needs neither"
+            )
+        interface = os.environ.get("GLOO_SOCKET_IFNAME")
+        unset = (
+            "  network: GLOO_SOCKET_IFNAME is not set: gloo (the trainer's CPU agreements) uses the interface "
+            "this host's name resolves to; where that one does not reach the other nodes, export "
+            "GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME)"
+        )
+        lines.append(f"  network: gloo on {interface}" if interface else unset)
+        if not launched:
+            problems += _rendezvous_problems(config.main_process_ip, config.main_process_port)
+    return lines, problems, processes
+
+
+def mesh_lines(layout: Layout, per_machine: int, processes: int) -> list[str]:
+    """What each process holds, and which replicas and groups each machine runs (the first few machines)."""
+    if layout.data_parallel * layout.tp == processes and not layout.hybrid and layout.tp == 1:
+        return [
+            f"  model: sharded over the processes (FSDP2): each holds 1/{processes} of the weights, gradients "
+            "and optimizer state"
+        ]
+    lines = [
+        f"  model: {layout.describe()}: each process holds 1/{layout.shard * layout.tp} of the weights, "
+        "gradients and optimizer state"
+    ]
+    replica = layout.shard * layout.tp  # consecutive processes: one replica, sharded (and split) among them
+    for machine in range(min(processes // max(per_machine, 1), 4)):
+        first, last = machine * per_machine, (machine + 1) * per_machine - 1
+        replicas = sorted({rank // replica for rank in range(first, last + 1)})
+        groups = f", tensor-parallel groups of {layout.tp}" if layout.tp > 1 else ""
+        lines.append(f"  machine {machine}: ranks {first}-{last}: replica(s) {', '.join(map(str, replicas))}{groups}")
+    if replica > per_machine:
+        lines.append(
+            f"  note: one replica's {replica} processes span {-(-replica // per_machine)} machines: its "
+            "all-gathers and reduce-scatters cross the link between them (HSDP keeps a replica on one "
+            "machine: dp_shard_size x tp_size = processes per machine)"
+        )
+    return lines
+
+
+def visible_gpus(gpu_ids: Optional[str]) -> int:
+    """GPUs the launched processes will see: accelerate turns ``gpu_ids`` other than "all" into
+    CUDA_VISIBLE_DEVICES, and CUDA stops at the first index that is not a device (cpu.yaml's '-1,-1')."""
+    installed = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpu_ids in (None, "all"):
+        return installed
+    visible = 0
+    for item in str(gpu_ids).split(","):
+        if not item.strip().isdigit() or int(item) >= installed:
+            break
+        visible += 1
+    return visible
+
+
+def _rendezvous_lines(config: object, flag: Optional[str]) -> list[str]:
+    """Where the nodes meet. accelerate launch takes the rendezvous backend from its --rdzv_backend flag alone: the
+    file's ``rdzv_backend`` (which ``accelerate config`` asks for when the machines are not on one network) is
+    not read, and the launch meets with torchrun's static rendezvous."""
+    backend, written = flag or "static", getattr(config, "rdzv_backend", None) or "static"
+    where = f"{config.main_process_ip}:{config.main_process_port}"
+    ranks = "each node passes its own --machine_rank" if backend == "static" else "ranks given as nodes join"
+    lines = [f"  rendezvous: {backend} at {where}; {ranks}"]
+    if flag is None and written != "static":
+        lines.append(
+            f"  note: this file's rdzv_backend {written} is not used: accelerate launch reads the rendezvous "
+            f"backend from its command line alone (pass --rdzv_backend {written} on every node)"
+        )
+    return lines
+
+
+def _rendezvous_problems(address: Optional[str], port: Optional[int]) -> Problems:
+    if not address:
+        return ["main_process_ip is not set: every node must reach node 0 at it (or pass --main_process_ip)"]
+    problems = []
+    try:
+        if ipaddress.ip_address(socket.gethostbyname(address)).is_loopback:
+            problems.append(
+                f"main_process_ip {address} is a loopback address: other machines cannot reach it "
+                "(pass --main_process_ip <node 0's address> on every node)"
+            )
+    except (socket.gaierror, ValueError):
+        problems.append(f"main_process_ip {address} does not resolve on this host")
+    if not port or not 0 < int(port) < 65536:
+        problems.append(f"main_process_port {port} is not a port number")
+    return problems
+
+
+def check_launch(
+    output_dir: Optional[str], expected_processes: Optional[int], timeout_s: float, uses_wandb: bool = False
+) -> Problems:
+    """Run on every rank of a launched job; return the problems (the same list on every rank). wandb is asked
+    only of a job that uses it: one that does not should not fail its preflight over a missing API key."""
+    from accelerate.utils import broadcast_object_list, gather_object
+
+    from trainer.launch.run import distributed_state, launched_world_size
+
+    state = distributed_state(collective_timeout_s=timeout_s)
+    rank, world = state.process_index, state.num_processes
+    me = {
+        "rank": rank,
+        "local_rank": state.local_process_index,
+        "host": socket.gethostname(),
+        "device": str(state.device),
+    }
+    problems: Problems = []
+    if world != launched_world_size():
+        problems.append(
+            f"rank {rank} joined a world of {world}, but the launcher said WORLD_SIZE={launched_world_size()}"
+        )
+    if expected_processes is not None and world != expected_processes:
+        problems.append(f"the job has {world} processes, the config asks for {expected_processes}")
+    if output_dir:
+        token = [secrets.token_hex(4) if state.is_main_process else None]
+        if world > 1:
+            broadcast_object_list(token)
+        me["sees"], me["cannot_write"] = _probe_shared(Path(output_dir), token[0], rank, state)
+    me["wandb"] = _wandb_problem() if uses_wandb and state.local_process_index == 0 else None
+    everyone = gather_object([me]) if world > 1 else [me]  # every rank answering is the reachability check
+    if state.is_main_process:
+        for other in everyone:
+            print(f"rank {other['rank']:>3} | local rank {other['local_rank']} | {other['host']} | {other['device']}")
+    hosts = sorted({other["host"] for other in everyone})
+    if output_dir:
+        unwritable = [o for o in everyone if o["cannot_write"]]
+        for other in unwritable:
+            problems.append(
+                f"output_dir {output_dir} is not writable from rank {other['rank']} ({other['host']}): "
+                f"{other['cannot_write']}"
+            )
+        blind = [o for o in everyone if o["sees"] < world and not unwritable]
+        for other in blind:
+            problems.append(
+                f"output_dir {output_dir} is not one shared filesystem: rank {other['rank']} "
+                f"({other['host']}) sees {other['sees']} of the {world} ranks' files. Checkpoints are "
+                "written by one process and read by every rank: use a path all nodes share"
+            )
+        if not blind and not unwritable and state.is_main_process:
+            print(f"output_dir {output_dir}: one filesystem, shared by all {len(hosts)} host(s)")
+    problems += [f"{o['host']}: wandb: {o['wandb']}" for o in everyone if o["wandb"]]
+    if state.is_main_process:
+        print(f"job: {world} process(es) on {len(hosts)} host(s), every rank answered")
+    return problems
+
+
+def _probe_shared(output_dir: Path, token: str, rank: int, state) -> tuple[int, Optional[str]]:
+    """Each rank writes a file into ``output_dir``; how many ranks' files can this rank see, and why this rank
+    could not write its own (None when it could). Every rank meets every barrier, whatever failed."""
+    probe = output_dir / f".trainer-check-{token}"
+    try:
+        probe.mkdir(parents=True, exist_ok=True)
+        (probe / f"rank{rank}").write_text(socket.gethostname())
+        failed = None
+    except OSError as err:
+        failed = f"{type(err).__name__}: {err.strerror or err}"
+    state.wait_for_everyone()
+    seen = len(list(probe.glob("rank*"))) if probe.is_dir() else 0
+    state.wait_for_everyone()
+    if failed is None:
+        (probe / f"rank{rank}").unlink()
+    state.wait_for_everyone()
+    try:
+        probe.rmdir()  # one rank per filesystem succeeds
+    except OSError:
+        pass
+    return seen, failed
+
+
+def _wandb_problem() -> Optional[str]:
+    """None when wandb is reachable (or switched off on purpose), else what goes wrong."""
+    mode = os.environ.get("WANDB_MODE", "")
+    if mode in ("offline", "disabled", "dryrun"):
+        return None
+    try:
+        import wandb
+
+        wandb.Api(timeout=15).viewer  # noqa: B018 - asks the server who we are
+    except Exception as err:
+        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        return f"unreachable ({first_line}); runs would log offline (WANDB_MODE=offline to silence this)"
+    return None
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer.check", description=__doc__.splitlines()[0])
+    parser.add_argument("--config_file", "--config-file", help="an accelerate config YAML to describe and check")
+    parser.add_argument("--output_dir", "--output-dir", help="check that every node shares this directory")
+    parser.add_argument(
+        "--wandb_project",
+        "--wandb-project",
+        default=os.environ.get("WANDB_PROJECT"),
+        help="the job logs to wandb: check that every node reaches it (default: $WANDB_PROJECT)",
+    )
+    parser.add_argument("--num_processes", "--num-processes", type=int, help="as accelerate launch's, over the file")
+    parser.add_argument("--num_machines", "--num-machines", type=int, help="as accelerate launch's, over the file")
+    parser.add_argument("--rdzv_backend", "--rdzv-backend", help="as accelerate launch's (the file's is not read)")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds a rank may take to answer")
+    args = parser.parse_args(argv)
+
+    launched = "LOCAL_RANK" in os.environ or "WORLD_SIZE" in os.environ
+    lines, problems, expected = [], [], None
+    if args.config_file:
+        lines, problems, expected = describe_config(
+            args.config_file, launched, args.num_processes, args.num_machines, args.rdzv_backend
+        )
+    main_process = int(os.environ.get("RANK", "0")) == 0
+    if main_process and lines:
+        print("\n".join(lines))
+    if launched:
+        problems += check_launch(args.output_dir, expected, args.timeout, uses_wandb=bool(args.wandb_project))
+    elif not args.config_file:
+        parser.error("give --config_file, or run it inside a launch (accelerate launch ... -m trainer.check)")
+    if main_process:
+        print("\n".join(f"PROBLEM: {p}" for p in problems) if problems else "preflight: no problems found")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
