@@ -146,8 +146,8 @@ def worker(args) -> None:
             "MEASURED "
             + json.dumps(
                 {
-                    "parameters": trainer.parallel.sharded.parameters
-                    if trainer.parallel.sharded
+                    "parameters": trainer.strategy.sharded.parameters
+                    if getattr(trainer.strategy, "sharded", None)
                     else sum(p.numel() for p in model.parameters()),
                     "ranks": rows,
                 }

@@ -301,14 +301,15 @@ def slow_saves(root: Path, save_s: float, signal_name: str) -> None:
         return model(**batch).loss
 
     trainer = trainer_for(root, loss_fn=loss_fn, save_every=4, log_every=2, max_steps=200, epochs=100)
-    save_state = trainer.accelerator.save_state
+    written_last = trainer.checkpoints.parts["accelerate"]  # the schedule and random states, after the shards
+    save_state = written_last.save
 
     def slow_save_state(*args, **kwargs):
         save_state(*args, **kwargs)
         say(f"SAVED step {trainer.global_step} on rank {trainer.accelerator.process_index}, sleeping {save_s} s")
         time.sleep(save_s)
 
-    trainer.accelerator.save_state = slow_save_state
+    written_last.save = slow_save_state
 
     class SignalTheJob:
         def on_step_end(self, trainer) -> None:

@@ -83,8 +83,8 @@ def job(args) -> None:
     before = trainer.evaluate()
     result = trainer.fit()
     acc = trainer.accelerator
-    with trainer.autocast():  # the forward as a training step runs it
-        logits = trainer.model(**next(iter(trainer.train_loader))).logits
+    with trainer.steps.autocast():  # the forward as a training step runs it
+        logits = trainer.model(**next(iter(trainer.data.train))).logits
     if acc.is_main_process:
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         Path(args.output_dir, "result.json").write_text(
@@ -100,7 +100,7 @@ def job(args) -> None:
                     "fused_optimizer": bool(
                         getattr(trainer.optimizer, "optimizer", trainer.optimizer).defaults.get("fused")
                     ),
-                    "pin_memory": trainer.train_loader.base_dataloader.pin_memory,
+                    "pin_memory": trainer.data.train.base_dataloader.pin_memory,
                 }
             )
         )
@@ -199,8 +199,10 @@ def resume(args) -> None:
     trainer = Trainer(
         DropoutClassifier(args.hidden), config, train_data=Examples(48), loss_fn=loss_fn, callbacks=callbacks
     )
+    # The part that writes the schedule and the random states, after the model's shards.
+    written_last = trainer.checkpoints.parts["accelerate"]
     if args.kill_in_save_at:  # die after every rank wrote the step's files, before the checkpoint is committed
-        save_state = trainer.accelerator.save_state
+        save_state = written_last.save
 
         def save_then_die(*a, **kw):
             save_state(*a, **kw)
@@ -209,9 +211,9 @@ def resume(args) -> None:
                 say(f"KILLED during the save of step {trainer.global_step}")
                 os._exit(1)
 
-        trainer.accelerator.save_state = save_then_die
+        written_last.save = save_then_die
     if args.hang_in_preemption_save:  # a save that never ends: the deadline or a second signal must end it
-        save_state = trainer.accelerator.save_state
+        save_state = written_last.save
 
         def hang(*a, **kw):
             if trainer.global_step % 4:  # not a periodic save: the preemption's
@@ -219,7 +221,7 @@ def resume(args) -> None:
                 time.sleep(600)
             save_state(*a, **kw)
 
-        trainer.accelerator.save_state = hang
+        written_last.save = hang
     result = trainer.fit()
     if trainer.accelerator.is_main_process:
         say("RESULT " + json.dumps(result))

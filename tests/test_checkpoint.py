@@ -20,7 +20,7 @@ from scenarios import DropoutClassifier
 
 from trainer import PREEMPTED_EXIT
 
-from conftest import JOBS, SCENARIOS, accelerate_launch, clean_env, job_exits, python, split_jobs, torchrun
+from conftest import JOBS, ROOT, SCENARIOS, accelerate_launch, clean_env, job_exits, python, split_jobs, torchrun
 
 pytestmark = pytest.mark.xdist_group("checkpoint")  # its tests share a module-scoped launch: run it once
 
@@ -215,7 +215,9 @@ def test_existing_checkpoints_are_not_silently_overwritten_one_line_from_every_p
 def test_checkpoint_of_another_model_is_refused_by_name(refused_on_one):
     message = refusal(refused_on_one, "another model")
     assert "checkpoints/step-00000036 does not fit this run" in message
-    assert "size mismatch for net.0.weight" in message
+    assert (
+        "Size mismatch between saved torch.Size([32, 8]) and current: torch.Size([16, 8]) for model.net.0.weight" in message
+    )
 
 
 def test_missing_resume_path_is_named(refused_on_one):
@@ -234,18 +236,18 @@ def refused_on_one(one_process_run, tmp_path_factory) -> dict[str, tuple]:
     """The one-process run (or a copy of it, damaged) resumed in ways that are refused, every run in one process
     (tests/jobs.py, each ending as its own process would): name -> (its exit status, stdout, stderr, folder)."""
     torn, crafted = (copy_of(one_process_run, tmp_path_factory.mktemp(name)) for name in ("torn", "crafted"))
-    (torn / "checkpoints" / "step-00000036" / "optimizer.bin").unlink()
+    (torn / "checkpoints" / "step-00000036" / "shards" / "__0_0.distcp").unlink()
     ran = crafted.parent / "it-ran"
 
-    class Payload:  # optimizer.bin as a pickle that calls os.system, its size and CRC-32 made to match
+    class Payload:  # scheduler.bin as a pickle that calls os.system, its size and CRC-32 made to match
         def __reduce__(self):
             return os.system, (f"touch {ran}",)
 
     checkpoint = crafted / "checkpoints" / "step-00000036"
-    torch.save({"state": Payload()}, checkpoint / "optimizer.bin")
+    torch.save({"state": Payload()}, checkpoint / "scheduler.bin")
     state = json.loads((checkpoint / "trainer_state.json").read_text())
-    data = (checkpoint / "optimizer.bin").read_bytes()
-    state["files"]["optimizer.bin"], state["crc32"]["optimizer.bin"] = len(data), f"{zlib.crc32(data):08x}"
+    data = (checkpoint / "scheduler.bin").read_bytes()
+    state["files"]["scheduler.bin"], state["crc32"]["scheduler.bin"] = len(data), f"{zlib.crc32(data):08x}"
     (checkpoint / "trainer_state.json").write_text(json.dumps(state))
     missing = one_process_run / "checkpoints" / "step-00000099"
     runs = {
@@ -273,7 +275,7 @@ def refusal(refused_on_one, name: str) -> str:
 
 def test_a_torn_checkpoint_asked_for_by_path_is_named_with_the_others(refused_on_one):
     message = refusal(refused_on_one, "torn")
-    assert "step-00000036 is torn: optimizer.bin is missing or truncated" in message
+    assert "step-00000036 is torn: shards/__0_0.distcp is missing or truncated" in message
     assert "Other checkpoints there:" in message and "step-00000032" in message
     status, stdout, stderr, _ = refused_on_one["torn, the one before"]
     assert status == 0, stderr[-3000:]
@@ -281,8 +283,9 @@ def test_a_torn_checkpoint_asked_for_by_path_is_named_with_the_others(refused_on
 
 
 def test_a_file_torch_load_refuses_is_named_in_one_line_and_runs_nothing(refused_on_one):
-    """optimizer.bin replaced by a pickle that calls os.system, the manifest's size and CRC-32 made to match: the
-    resume refuses it in one line (torch.load with weights_only=True), and the command never runs."""
+    """scheduler.bin (accelerate's, read by torch.load) replaced by a pickle that calls os.system, the manifest's
+    size and CRC-32 made to match: the resume refuses it in one line (weights_only=True), and the command never
+    runs. (A crafted shard index: tests/test_fsdp.py.)"""
     message, crafted = refusal(refused_on_one, "crafted"), refused_on_one["crafted"][3]
     checkpoint = crafted / "checkpoints" / "step-00000036"
     assert (
@@ -313,16 +316,17 @@ DAMAGES = [
 
 
 def damage(latest: Path, how: str) -> None:
+    shard = latest / "shards" / "__0_0.distcp"  # the model's weights and the optimizer's state
     if how == "truncated":
-        (latest / "model.safetensors").write_bytes((latest / "model.safetensors").read_bytes()[:-100])
+        shard.write_bytes(shard.read_bytes()[:-100])
     elif how == "zeroed model":
-        zero_a_kilobyte(latest / "model.safetensors")
+        zero_a_kilobyte(shard)
     elif how == "zeroed rng":
         zero_a_kilobyte(next(latest.glob("random_states_*.pkl")))
     elif how == "0xff optimizer":
-        data = bytearray((latest / "optimizer.bin").read_bytes())
+        data = bytearray(shard.read_bytes())
         data[-64:] = b"\xff" * 64
-        (latest / "optimizer.bin").write_bytes(bytes(data))
+        shard.write_bytes(bytes(data))
     elif how == "deleted":
         shutil.rmtree(latest)
     else:
@@ -403,10 +407,10 @@ def test_two_jobs_on_one_output_dir_the_second_is_refused(tmp_path):
 def test_a_full_disk_during_a_checkpoint_is_named_and_loses_nothing(tmp_path):
     disk = tmp_path / "disk"
     disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=700k", "tmpfs", str(disk)]).returncode != 0:
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=900k", "tmpfs", str(disk)]).returncode != 0:
         pytest.skip("cannot mount a small tmpfs here (needs root)")
     try:
-        # ~270 KB a checkpoint (hidden 2048): step 4 and step 8 fit, step 12's write fills the disk
+        # ~390 KB a checkpoint (hidden 2048): step 4 and step 8 fit, step 12's write fills the disk
         failed = python(SCENARIOS, "resume", "--output_dir", disk / "run", "--hidden", 2048, expect_ok=False)
         checkpoints = disk / "run" / "checkpoints"
         assert "could not write checkpoint step-00000012: the disk is full" in failed.stderr, failed.stderr[-2000:]
@@ -448,3 +452,19 @@ def test_a_compiled_model_checkpoints_resumes_and_exports_plain_weights(tmp_path
     assert sorted(plain) == sorted(DropoutClassifier().state_dict())
     again = python(SCENARIOS, "resume", "--output_dir", tmp_path, "--compile", "--max_steps", "8", env=env)
     assert "resumed from" in again.stdout and result_line(again.stdout)["global_step"] == 8
+
+
+@pytest.mark.parametrize("config", ["multi_gpu.yaml", "fsdp.yaml"])
+def test_a_ddp_checkpoint_written_before_dcp_resumes_bit_identical_under_ddp_and_fsdp2(tmp_path, config):
+    """tests/data/ddp-checkpoint-v1: step 2 of tests/legacy_job.py (2 processes), written as DDP checkpoints were
+    before every strategy wrote DCP (model.safetensors, optimizer.bin); resumed on 2 processes it reaches that run's
+    own end, tests/data/ddp-checkpoint-v1-final.safetensors, bit for bit, as DDP and as FSDP2."""
+    checkpoint = tmp_path / "checkpoints" / "step-00000002"
+    shutil.copytree(ROOT / "tests" / "data" / "ddp-checkpoint-v1", checkpoint)
+    job = ROOT / "tests" / "legacy_job.py"
+    result = accelerate_launch(job, tmp_path, "--resume", checkpoint, config=config, num_processes=2)
+    assert f"resumed from {checkpoint}: step 2, epoch 0, batch 4" in result.stdout
+    assert (tmp_path / "checkpoints" / "step-00000004" / "shards" / ".metadata").is_file(), "written as DCP's"
+    expected = load_file(ROOT / "tests" / "data" / "ddp-checkpoint-v1-final.safetensors")
+    got = load_file(tmp_path / "final" / "model.safetensors")
+    assert sorted(got) == sorted(expected) and all(torch.equal(got[name], expected[name]) for name in expected)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from trainer import CheckpointError
-from trainer.checkpoint import store
+from trainer.checkpoint import integrity, store
 
 
 def commit(root: Path, step: int, keep_last: int = 2, best: int | None = None, payload: bytes = b"weights") -> Path:
@@ -32,7 +32,7 @@ def test_a_commit_renames_the_folder_then_moves_the_pointer_and_lists_every_file
     root = tmp_path / "checkpoints"
     folder = commit(root, 4)
     assert folder == root / "step-00000004" and (root / "latest").read_text() == "step-00000004"
-    state = store.read_state(folder)
+    state = integrity.read_state(folder)
     assert state["files"] == {"model.safetensors": 7} and set(state["crc32"]) == {"model.safetensors"}
     assert store.latest_checkpoint(root) == folder and not list(root.glob(".tmp-*"))
 
@@ -41,11 +41,11 @@ def test_the_manifest_names_a_truncated_or_damaged_file(tmp_path):
     folder = commit(tmp_path / "checkpoints", 4)
     (folder / "model.safetensors").write_bytes(b"weighs!")  # the same size: only the CRC tells
     with pytest.raises(CheckpointError, match="model.safetensors does not hold what was written"):
-        store.verify(folder)
-    store.verify(folder, contents=False)  # sizes alone: every rank checks those
+        integrity.verify(folder)
+    integrity.verify(folder, contents=False)  # sizes alone: every rank checks those
     (folder / "model.safetensors").write_bytes(b"w")
     with pytest.raises(CheckpointError, match="is torn: model.safetensors is missing or truncated"):
-        store.verify(folder, contents=False)
+        integrity.verify(folder, contents=False)
 
 
 def test_a_state_file_that_is_not_a_trainer_state_is_named(tmp_path):
@@ -54,7 +54,7 @@ def test_a_state_file_that_is_not_a_trainer_state_is_named(tmp_path):
     del state["train"]["epoch"]
     (folder / "trainer_state.json").write_text(json.dumps(state))
     with pytest.raises(CheckpointError, match=r"is not a trainer state \(no valid train.epoch\)"):
-        store.read_state(folder)
+        integrity.read_state(folder)
 
 
 @pytest.mark.parametrize("raw", [b"../other/checkpoints/step-00000003", b"\xff\xfe", b"", b"step-4; rm -rf /"])
@@ -116,7 +116,7 @@ def test_nothing_outside_a_checkpoint_is_read_and_no_link_followed(tmp_path, how
         match = "its manifest lists .* outside its folder"
     (folder / "trainer_state.json").write_text(json.dumps(state))
     with pytest.raises(CheckpointError, match=match):
-        store.verify(folder, contents=False)
+        integrity.verify(folder, contents=False)
 
 
 def test_keep_last_prunes_the_oldest_and_spares_the_best(tmp_path):
@@ -173,5 +173,5 @@ def test_a_checkpoint_written_before_the_registry_still_reads(tmp_path):
         "crc32": state["crc32"],
     }
     (folder / "trainer_state.json").write_text(json.dumps(flat))
-    read = store.read_state(folder)
+    read = integrity.read_state(folder)
     assert read["train"]["global_step"] == 4 and read["run"]["world_size"] == 2 and read["sharding"] == "FSDP2"

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from trainer.tools.export import read_sharded_weights
+from trainer.checkpoint.safe_dcp import read_sharded_weights
 
 from conftest import ROOT, accelerate_launch, clean_env, free_port, run
 
@@ -330,8 +330,8 @@ def test_a_large_export_is_written_a_file_at_a_time_with_an_index_from_pretraine
 
     from transformers import GPT2LMHeadModel
 
-    from trainer.checkpoint.model_part import sharded_weights
-    from trainer.tools.export import write_streamed
+    from trainer.checkpoint.hf_files import write_streamed
+    from trainer.checkpoint.safe_dcp import sharded_weights
 
     summary, out = fsdp[0]["fsdp, straight"]
     checkpoint = out / "checkpoints" / "step-00000012"
@@ -605,7 +605,7 @@ def test_a_model_output_fsdp2_cannot_look_into_is_refused_and_a_dict_or_a_datacl
     """FSDP2 finds a module's output tensors in dicts, tuples and (from torch 2.12) dataclasses only: from a
     SimpleNamespace, or a dataclass under torch 2.11, no gradient reached the shards and the weights never moved,
     without an error. Now one line at the first step."""
-    from trainer.parallel.fsdp_outputs import _walks_dataclasses
+    from trainer.parallel.sharding import _walks_dataclasses
 
     result = accelerate_launch(ROOT / "tests" / "scenarios.py", "outputs", "--output_dir", tmp_path, config="fsdp.yaml")
     moved = json.loads(result.stdout.split("RESULT ")[-1].splitlines()[0])
@@ -726,7 +726,7 @@ def test_a_plain_module_with_tied_weights_exports_loadable_with_load_state_dict(
     name, so that the plain module loads its export with load_state_dict (a transformers model ties its own)."""
     from safetensors.torch import load_file
 
-    from trainer.tools.export import export
+    from trainer.checkpoint.export import export
 
     run([sys.executable, "-c", TIED.format(out=str(tmp_path / "run"))])
     export(tmp_path / "run" / "checkpoints" / "step-00000002", tmp_path / "exported")
@@ -824,7 +824,7 @@ class PlainGPT(torch.nn.Module):
 def test_a_model_naming_no_block_class_is_sharded_by_the_children_of_its_largest_module_list(capsys):
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    from trainer.parallel.fsdp import wrap_groups
+    from trainer.parallel.blocks import wrap_groups
 
     model = PlainGPT()
     by_class = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
@@ -981,8 +981,9 @@ def test_a_sharded_model_out_of_memory_on_one_rank_stops_every_rank_before_its_n
 def test_an_export_goes_into_a_folder_of_its_own_and_replaces_one_whole_only_when_told(fsdp, tmp_path):
     """Into a folder that holds another export: refused, or with --replace replaced whole (a stale index and its
     shards would load another model); into the checkpoint itself or an unwritable place: one line, nothing written."""
+    from trainer.checkpoint.export import export
+    from trainer.checkpoint.hf_files import INDEX
     from trainer.errors import ExportError
-    from trainer.tools.export import INDEX, export
 
     checkpoint = fsdp[0]["fsdp, straight"][1] / "checkpoints" / "step-00000012"
     held = sorted(p.name for p in checkpoint.iterdir())

@@ -55,15 +55,15 @@ import sys, types
 sys.path.insert(0, {root!r})
 import torch
 import torch.distributed as dist
-from trainer.launch import run as launch
+from trainer.launch import host, run
 
 dist.init_process_group("gloo")
-launch._destroy_process_group_at_exit()  # the teardown distributed_state registers
+host.destroy_process_group_at_exit()  # the teardown distributed_state registers
 rank = dist.get_rank()
 uuid = "GPU-one" if sys.argv[1] == "shared" else f"GPU-{{rank}}"  # the GPU each process was given
 torch.cuda.get_device_properties = lambda device: types.SimpleNamespace(uuid=uuid)  # (no CUDA on this host)
 state = types.SimpleNamespace(num_processes=2, process_index=rank, device=torch.device("cuda", 0))
-launch._check_each_process_has_a_gpu(state, 60)
+run._compare_gpus(state, 60)
 print(f"rank {{rank}} has a GPU of its own")
 """
 

@@ -101,8 +101,8 @@ def test_a_peft_checkpoint_without_its_adapter_config_is_refused_by_name_not_exp
     import shutil
     import zlib
 
+    from trainer.checkpoint.export import export
     from trainer.errors import ExportError
-    from trainer.tools.export import export
 
     old = tmp_path / "step-00000006"
     shutil.copytree(f"{runs['ddp']['out']}/checkpoints/step-00000006", old)

@@ -14,11 +14,12 @@ from trainer.telemetry.window import FOLD_EVERY, WINDOW_FIELDS, LogWindow
 
 FIRST_BAD = WINDOW_FIELDS.index("first_bad")
 
-ONE_RANK = SimpleNamespace(device=torch.device("cpu"), gather=lambda tensor: tensor)  # gather of a 1-process job
+# The run of a 1-process job: its Accelerator's gather returns this rank's row.
+ONE_RANK = SimpleNamespace(accelerator=SimpleNamespace(device=torch.device("cpu"), gather=lambda tensor: tensor))
 
 
 def test_the_guard_keeps_a_bounded_list_and_still_names_the_first_bad_step():
-    guard, window = NonFiniteGuard(ONE_RANK, "raise"), LogWindow(torch.device("cpu"))
+    guard, window = NonFiniteGuard(ONE_RANK, policy="raise"), LogWindow(torch.device("cpu"))
     for step in range(1, 3 * FOLD_EVERY):
         loss = torch.tensor(float("nan") if step in (2500, 2600) else 1.0)
         window.add(guard.observe(loss), step, batch=None, examples=1)
@@ -28,7 +29,7 @@ def test_the_guard_keeps_a_bounded_list_and_still_names_the_first_bad_step():
 
 
 def test_the_guard_passes_finite_losses():
-    guard, window = NonFiniteGuard(ONE_RANK, "raise"), LogWindow(torch.device("cpu"))
+    guard, window = NonFiniteGuard(ONE_RANK, policy="raise"), LogWindow(torch.device("cpu"))
     for step in range(1, 2 * FOLD_EVERY):
         window.add(guard.observe(torch.tensor(0.5)), step, batch=None, examples=1)
     guard.check(window.first_bad_step())
@@ -47,7 +48,7 @@ def test_the_window_folds_and_its_loss_sum_is_exact():
 def test_the_first_non_finite_step_rides_the_logs_row_and_names_every_rank_that_saw_it():
     """The one gather of a log carries each rank's first bad step: the guard reads it from there, no gather of its
     own. Rank 1 saw NaN at step 7, rank 0 at step 9: step 7, rank 1."""
-    guard = NonFiniteGuard(ONE_RANK, "raise")
+    guard = NonFiniteGuard(ONE_RANK, policy="raise")
     rows = []
     for bad_step in (9, 7):
         window = LogWindow(torch.device("cpu"))

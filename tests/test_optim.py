@@ -101,31 +101,36 @@ def test_the_groups_and_the_banner():
 
     config = TrainConfig(weight_decay=0.1, lr_scheduler="cosine", warmup_steps=3)
     optimizer = build_optimizer(model, config)
-    words = describe(optimizer, build_scheduler(optimizer, config, 10), config, True, True)
+    words = describe(
+        optimizer, build_scheduler(optimizer, config, 10), config, built_optimizer=True, built_scheduler=True
+    )
     assert words == (
         "adamw lr 0.0003, weight decay 0.1 on 10 of 28 tensors (not biases or norm weights), cosine "
         "schedule after 3 warm-up steps"
     )
     yours = torch.optim.RMSprop(model.parameters(), lr=0.01)
     step = torch.optim.lr_scheduler.StepLR(yours, 5)
-    assert describe(yours, step, TrainConfig(), False, False) == "your RMSprop (lr 0.01), your StepLR"
+    assert describe(yours, step, TrainConfig(), built_optimizer=False, built_scheduler=False) == (
+        "your RMSprop (lr 0.01), your StepLR"
+    )
 
 
 FP16_STEPS = """
 import torch
-from accelerate import Accelerator
-from trainer.loop.step import Stepper
-accelerator = Accelerator(cpu=True)
-accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=16.0)  # what fp16 gets on a GPU; the CPU's own here
+from trainer import TrainConfig
+from trainer.launch.run import Run
+from trainer.parallel import for_run
+run = Run.join(TrainConfig())
+run.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=16.0)  # what fp16 gets on a GPU; the CPU's own here
+strategy = for_run(run)
 model = torch.nn.Linear(4, 4)
-model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.1, fused=True))
-stepper = Stepper(accelerator, optimizer)
+model = strategy.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.1, fused=True))
 for factor in (1.0, float("inf"), 1.0):
     before = model.weight.detach().clone()
-    stepper.backward((model(torch.ones(1, 4)) * factor).sum())
-    stepper.step()
-    print(stepper.step_was_skipped, torch.equal(model.weight, before))
-    stepper.zero_grad()
+    strategy.backward((model(torch.ones(1, 4)) * factor).sum())
+    taken = strategy.step()
+    print(not taken, torch.equal(model.weight, before))
+    strategy.zero_grad()
 """
 
 
@@ -143,31 +148,29 @@ def test_an_fp16_overflow_skipped_inside_a_fused_adamw_is_reported_as_skipped():
 
 FP16_SUM = """
 import torch
-from accelerate import Accelerator
-from trainer.loop.step import Stepper
+from trainer import TrainConfig
+from trainer.launch.run import Run
 from trainer.loop.weighing import StepBatches, Weighing
-accelerator = Accelerator(cpu=True)
-accelerator.scaler = torch.amp.GradScaler("cpu")  # fp16's, at its initial scale of 65536 (the CPU's own here)
+from trainer.parallel import for_run
+run = Run.join(TrainConfig())
+run.accelerator.scaler = torch.amp.GradScaler("cpu")  # fp16's, at its initial scale of 65536 (the CPU's own here)
 torch.manual_seed(0)
+strategy = for_run(run)
 model = torch.nn.Linear(8, 16)  # a language model's head: 16 tokens' logits
-model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.01))
-stepper = Stepper(accelerator, optimizer)
-class DataParallel:  # one process
-    size, group = 1, None
+model = strategy.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.01))
 def loss_fn(model, batch):  # cross-entropy summed over 64 tokens, and their count; fp16, as autocast on a GPU
     features, labels = batch
     with torch.autocast("cpu", dtype=torch.float16):
         logits = model(features)
     return torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum"), labels.numel()
-weighing = Weighing(DataParallel(), model, loss_fn, accelerator)
+weighing = Weighing(run, model, loss_fn=loss_fn)
 for step in range(4):
     window = StepBatches([(torch.randn(64, 8), torch.randint(0, 16, (64,)))], divisor=1)
     objective, _, _ = weighing.loss(window, model, window.micro_batches[0])
-    stepper.backward(objective)
+    strategy.backward(objective)
     weighing.finish(window, model.parameters())
-    stepper.step()
-    print(stepper.step_was_skipped)
-    stepper.zero_grad()
+    print(not strategy.step())
+    strategy.zero_grad()
 """
 
 

@@ -1,4 +1,4 @@
-"""What a GPU's matmuls run in (trainer/launch/precision.py), said on the GPUs where it costs: the CUDA queries answered
+"""What a GPU's matmuls run in (trainer/launch/host.py), said on the GPUs where it costs: the CUDA queries answered
 as a V100, an A100 and an H100 would answer them (this host has no GPU; tests/test_gpu.py runs on a real one)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.launch.precision import apply_tf32, precision_words
+from trainer.launch.host import apply_tf32, precision_words
 
 GPUS = {
     "Tesla V100-SXM2-32GB": (7, 0),

@@ -14,13 +14,13 @@ from trainer.checkpoint.policy import (
     Split,
     apply_settings,
     changed_settings,
-    find_resume_point,
     group_settings,
     random_states,
     refusal,
     resumed_position,
     said,
 )
+from trainer.checkpoint.store import resume_point
 from trainer.optim.build import build_scheduler
 
 PATH = Path("runs/x/checkpoints/step-00000009")
@@ -31,9 +31,9 @@ def run_of(processes: int, batch_size: int, accumulation: int) -> dict:
 
 
 def test_the_same_global_batch_on_another_split_continues_at_the_same_example():
-    assert resumed_position(run_of(2, 4, 1), 6, Split(2, 4, 1), PATH, streaming=False) == (6, "")
+    assert resumed_position(run_of(2, 4, 1), 6, Split(2, 4, 1), path=PATH, streaming=False) == (6, "")
     # 2 x 2 x accumulation 2, 8 micro-batches in (4 steps): 1 x 2 x 4 reads on from micro-batch 16 (4 steps of 4)
-    batches, words = resumed_position(run_of(2, 2, 2), 8, Split(1, 2, 4), PATH, streaming=False)
+    batches, words = resumed_position(run_of(2, 2, 2), 8, Split(1, 2, 4), path=PATH, streaming=False)
     assert batches == 16
     assert words == (
         "; split 2 process(es) x batch 2 x accumulation 2 = 8 global -> 1 process(es) x batch 2 x "
@@ -52,13 +52,13 @@ def test_the_same_global_batch_on_another_split_continues_at_the_same_example():
 )
 def test_another_global_batch_is_refused_naming_both_and_a_split_that_keeps_it(now, keep):
     with pytest.raises(CheckpointError, match="was written with 1 process") as refused:
-        resumed_position(run_of(1, 4, 1), 3, now, PATH, streaming=False)
+        resumed_position(run_of(1, 4, 1), 3, now, path=PATH, streaming=False)
     assert keep in str(refused.value)
 
 
 def test_a_streams_split_cannot_change():
     with pytest.raises(CheckpointError, match="a stream's position is kept per process"):
-        resumed_position(run_of(2, 2, 2), 8, Split(1, 2, 4), PATH, streaming=True)
+        resumed_position(run_of(2, 2, 2), 8, Split(1, 2, 4), path=PATH, streaming=True)
 
 
 BASE = TrainConfig(
@@ -67,7 +67,15 @@ BASE = TrainConfig(
 
 
 def refused(mid_epoch: bool = True, saved_class: str = "AdamW", now_class: str = "AdamW", **changes):
-    found = refusal(BASE, {**BASE, **changes}, PATH, mid_epoch, True, saved_class, now_class)
+    found = refusal(
+        BASE,
+        {**BASE, **changes},
+        PATH,
+        mid_epoch=mid_epoch,
+        built_optimizer=True,
+        saved_class=saved_class,
+        optimizer_class=now_class,
+    )
     return str(found) if found is not None else None
 
 
@@ -80,7 +88,15 @@ def test_what_the_saved_state_cannot_go_on_under_is_refused_by_name():
     assert refused(seed=1, mid_epoch=False) is None, "at an epoch's end any order goes"
     assert refused(seed=1, shuffle=False) is not None, "shuffle changed too: the order changes"
     assert (
-        refusal({**BASE, "shuffle": False}, {**BASE, "shuffle": False, "seed": 1}, PATH, True, True, "AdamW", "AdamW")
+        refusal(
+            {**BASE, "shuffle": False},
+            {**BASE, "shuffle": False, "seed": 1},
+            PATH,
+            mid_epoch=True,
+            built_optimizer=True,
+            saved_class="AdamW",
+            optimizer_class="AdamW",
+        )
         is None
     ), "an epoch read in order does not depend on the seed"
 
@@ -118,19 +134,19 @@ def test_a_changed_schedule_is_recomputed_at_the_step_reached_from_this_runs_set
     user = sgd()  # a user's own scheduler keeps its saved state: only the optimizer's settings are this run's
     own = group_settings(user)
     user.param_groups[0].update(lr=0.01, momentum=0.5)
-    assert apply_settings(user, None, own, 9, True, built_scheduler=False) == (0.01, 0.01)
+    assert apply_settings(user, None, own, step=9, schedule_moved=True, built_scheduler=False) == (0.01, 0.01)
     assert user.param_groups[0]["momentum"] == 0
 
 
 def test_what_resume_asks_for(tmp_path):
     root = tmp_path / "checkpoints"
-    assert find_resume_point(TrainConfig(output_dir=str(tmp_path))) is None
-    assert find_resume_point(TrainConfig(output_dir=str(tmp_path), resume="auto")) is None
+    assert resume_point(root, None) is None
+    assert resume_point(root, "auto") is None
     (root / "step-00000003").mkdir(parents=True)
     with pytest.raises(CheckpointError, match="already holds checkpoints of an earlier run. Set resume='auto'"):
-        find_resume_point(TrainConfig(output_dir=str(tmp_path)))
+        resume_point(root, None)
     with pytest.raises(CheckpointError, match="is torn: it has no trainer_state.json"):
-        find_resume_point(TrainConfig(output_dir=str(tmp_path), resume=str(root / "step-00000003")))
+        resume_point(root, str(root / "step-00000003"))
 
 
 def test_new_ranks_are_told_where_their_random_state_comes_from():

@@ -104,6 +104,10 @@ class MetricsError(Refusal, OSError):
     job_wide = False  # each rank writes its own file (on its own node's disk, maybe): each says so
 
 
+class OutOfMemory(Refusal, RuntimeError):
+    """A micro-batch of one example does not fit in the device's memory (``auto_microbatch``)."""
+
+
 class ShardingError(Refusal, ValueError):
     """An FSDP config this trainer cannot honour as asked; the message says what to change."""
 

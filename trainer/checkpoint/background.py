@@ -1,13 +1,11 @@
-"""Checkpoints written while training goes on (``save_async: true``, for a sharded model): the step waits only
-while the weights and optimizer state are copied to CPU memory; the shards are written in the background.
+"""Checkpoints written while training goes on (``save_async: true``): the step waits only while the weights and
+optimizer state are copied to CPU memory; DCP writes them in the background (docs/checkpoints.md).
 
-The same guarantees as a checkpoint written in the step: it is written into ``.tmp-step-N`` and committed (manifest,
-rename, ``latest``) only once every process's shards are on disk, so a kill at any moment leaves the previous one
-latest. When the main process's write completes, every process's has (torch.distributed.checkpoint gathers every
-process's result before it writes its index, on the main process): the main process then commits from its own
-thread, without stopping the others. One save is in flight at a time: the next save, a preemption and the end of
-``fit()`` first wait for it, and every process learns there whether it failed. Its collectives run on a gloo group
-of their own, never the training group's (sharing it hung in our experiments, as in torchtitan's).
+The same guarantees as a checkpoint written in the step: written into ``.tmp-step-N`` and committed (manifest,
+rename, ``latest``) only once every process's files are on disk (DCP gathers every process's result before it writes
+its index, on the main process, which then commits from its own thread). One save is in flight at a time: the next
+save, a preemption and the end of ``fit()`` first wait for it, and every process learns there whether it failed. Its
+collectives run on a gloo group of their own, never the training group's (sharing it hung, as in torchtitan's).
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ import torch
 
 from trainer.checkpoint.store import root_cause, write_failed
 from trainer.errors import CheckpointError
-from trainer.launch.agreement import gather_objects
 
 
 class BackgroundSave:
@@ -60,19 +57,13 @@ class BackgroundSave:
 
 class BackgroundSaves:
     """At most one checkpoint written in the background; ``wait()`` on every process before anything that needs it
-    committed.
+    committed. Every process learns the others' errors over ``run``'s host group."""
 
-    Args:
-        main: this is the main process, which commits.
-        world_size: the processes writing.
-        errors_group: the host group every process learns the others' errors on (``trainer.launch.agreement``).
-    """
-
-    def __init__(self, main: bool, world_size: int, errors_group: Any, timeout_s: Optional[float] = None):
-        self.main, self.errors_group = main, errors_group
+    def __init__(self, run: Any):
+        self.run, self.main = run, run.main
         # The writes' own collectives, from their own thread: never a group the main thread uses too. A gloo group
         # even for one process: DCP's background save refuses a group without a CPU backend (NCCL on one GPU).
-        self.group = writers_group(world_size, timeout_s)
+        self.group = writers_group(run.world, run.config.collective_timeout_s)
         self.in_flight: Optional[BackgroundSave] = None
 
     def start(self, future: Future, staging: Path, commit: Callable[[], Path]) -> None:
@@ -88,12 +79,12 @@ class BackgroundSaves:
         if error is not None:  # the rank that failed, and its own error (torch's wraps it in every rank's traceback)
             failing, cause = root_cause(error)
             mine = (failing if failing is not None else torch.distributed.get_rank(), type(cause).__name__, str(cause))
-        failed = sorted(found for found in gather_objects(mine, self.errors_group) if found)
+        failed = sorted(found for found in self.run.gather(mine) if found)
         if failed:
             rank, kind, text = failed[0]
             if self.main:
                 cause = OSError(errno.ENOSPC, text) if "No space left" in text else RuntimeError(f"{kind}: {text}")
-                raise write_failed(save.staging, save.staging.parent, cause, rank)
+                raise write_failed(save.staging, save.staging.parent, cause, rank=rank)
             raise CheckpointError(f"checkpoint {save.staging.name} could not be written (rank {rank}: {kind}: {text})")
         return save.staging.parent / save.staging.name.removeprefix(".tmp-")
 
@@ -120,19 +111,3 @@ def writers_group(world_size: int, timeout_s: Optional[float] = None) -> Any:
         return None
     timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     return torch.distributed.new_group(backend="gloo", **timeout)
-
-
-def background_saves(
-    save_async: bool, sharded: bool, main: bool, world_size: int, errors_group: Any, timeout_s: Optional[float] = None
-) -> Optional[BackgroundSaves]:
-    """The background saves of a run with ``save_async``; None without. Only a sharded model's checkpoint is written
-    by torch.distributed.checkpoint, which can write in the background: on a DDP run it is refused."""
-    if not save_async:
-        return None
-    if not sharded:
-        raise CheckpointError(
-            "save_async: true writes a sharded (FSDP2) model's checkpoints in the background, and "
-            "this run is DDP: launch with an FSDP config (accelerate_configs/fsdp.yaml) or set "
-            "save_async: false"
-        )
-    return BackgroundSaves(main, world_size, errors_group, timeout_s)

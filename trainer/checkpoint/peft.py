@@ -21,16 +21,8 @@ from typing import Callable
 
 import torch
 
+from trainer.checkpoint.hf_files import ADAPTER_CONFIG, ADAPTER_FILE, save_model_config
 from trainer.errors import ExportError
-
-ADAPTER_CONFIG = "adapter_config.json"  # PEFT's name for an adapter's config
-ADAPTER_FILE = "adapter_model.safetensors"
-
-
-def save_adapter_configs(model: torch.nn.Module, folder: Path) -> None:
-    """Each adapter's config of PEFT model ``model`` into checkpoint ``folder``, as PEFT lays them out."""
-    for name, config in model.peft_config.items():
-        config.save_pretrained(str(folder if name == "default" else folder / name))
 
 
 def holds_adapter(folder: Path) -> bool:
@@ -39,12 +31,17 @@ def holds_adapter(folder: Path) -> bool:
 
 
 def write_adapter(
-    folder: Path, directory: Path, names: list[str], fetch: Callable[[list[str]], dict[str, torch.Tensor]], merged: bool
+    folder: Path,
+    directory: Path,
+    *,
+    names: list[str],
+    fetch: Callable[[list[str]], dict[str, torch.Tensor]],
+    merged: bool,
 ) -> Path:
     """Write checkpoint ``folder``'s adapter (``merged``: the base model with it folded in) into ``directory``;
     ``names``: the checkpoint's tensors, ``fetch(names)``: those tensors whole on the CPU. Returns the main file."""
     model = _meta_model(folder)
-    wanted = names if merged else _saved_by_peft(model, names)
+    wanted = names if merged else saved_by_peft(model, names)
     model.load_state_dict(fetch(wanted), strict=False, assign=True)
     if not merged:
         model.save_pretrained(str(directory))
@@ -66,16 +63,13 @@ def write_merged(model: torch.nn.Module, state: dict[str, torch.Tensor], directo
     """PEFT model ``model``'s base model with its adapter folded in, from ``state`` (its whole state on the CPU),
     written into ``directory`` as a checkpoint's ``--merged`` export is: through a copy built on the meta device
     from its configs, so that ``model`` itself stays as it is."""
-    from trainer.checkpoint.model_part import save_model_config
-
     with tempfile.TemporaryDirectory() as configs:
         save_model_config(model, Path(configs))  # the base model's config and the adapters', as a checkpoint's
-        return write_adapter(
-            Path(configs), directory, list(state), lambda wanted: {n: state[n] for n in wanted}, merged=True
-        )
+        fetch = lambda wanted: {name: state[name] for name in wanted}  # noqa: E731
+        return write_adapter(Path(configs), directory, names=list(state), fetch=fetch, merged=True)
 
 
-def _saved_by_peft(model: torch.nn.Module, names: list[str]) -> list[str]:
+def saved_by_peft(model: torch.nn.Module, names: list[str]) -> list[str]:
     """Which of the checkpoint's tensors PEFT's ``save_pretrained`` writes for ``model``'s adapters: asked of PEFT
     itself, over a state dict of empty markers whose identity says which name each came from (it renames them). Its
     adapters' tensors, and any base layer it saves with them (an adapted ``embed_tokens``)."""

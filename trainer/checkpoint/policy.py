@@ -38,14 +38,6 @@ from typing import Any, Optional
 
 import torch
 
-from trainer.checkpoint.store import (
-    POINTER_FILE,
-    checkpoint_root,
-    complete_checkpoints,
-    newest_whole_checkpoint,
-    verify,
-)
-from trainer.config import TrainConfig
 from trainer.errors import CheckpointError
 from trainer.optim.build import Optimization
 
@@ -68,6 +60,7 @@ def refusal(
     saved: dict[str, Any],
     now: dict[str, Any],
     path: Path,
+    *,
     mid_epoch: bool,
     built_optimizer: bool,
     saved_class: Optional[str],
@@ -132,6 +125,7 @@ def apply_settings(
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
     settings: list[dict[str, Any]],
+    *,
     step: int,
     schedule_moved: bool,
     built_scheduler: bool,
@@ -165,25 +159,6 @@ def said(changes: dict[str, tuple[Any, Any]], step: int, lrs: tuple[float, float
     return f"changed since the checkpoint, applied from step {step + 1}: {', '.join(words)}"
 
 
-def find_resume_point(config) -> Optional[Path]:
-    """The checkpoint ``config.resume`` asks for, or None to start fresh.
-
-    None refuses an output_dir that already holds checkpoints (no silent overwrite of someone's run); "auto" takes
-    the latest complete one, or starts fresh when there is none; a path must be a whole checkpoint.
-    """
-    root = checkpoint_root(config.output_dir)
-    if config.resume is None:
-        if complete_checkpoints(root) or (root / POINTER_FILE).exists():
-            raise CheckpointError(
-                f"{root} already holds checkpoints of an earlier run. Set resume='auto' to continue it, "
-                "resume=<checkpoint path> to continue from one of them, or choose another output_dir."
-            )
-        return None
-    if config.resume == "auto":
-        return newest_whole_checkpoint(root)
-    return verify(Path(config.resume))
-
-
 @dataclass(frozen=True)
 class Split:
     """How a run splits its global batch: data-parallel processes x batch_size x gradient_accumulation_steps."""
@@ -203,7 +178,7 @@ class Split:
         )
 
 
-def resumed_position(run: dict[str, Any], batches: int, now: Split, path: Path, streaming: bool) -> tuple[int, str]:
+def resumed_position(run: dict[str, Any], batches: int, now: Split, *, path: Path, streaming: bool) -> tuple[int, str]:
     """The micro-batch of the checkpoint's epoch this run reads next (the checkpoint read ``batches`` of it, split
     as its ``run`` part says), and what a change of split means for it (the module docstring's rule)."""
     saved = Split(run["world_size"], run["batch_size"], run["gradient_accumulation_steps"])
@@ -247,18 +222,15 @@ def random_states(saved_processes: int, processes: int) -> str:
     )
 
 
-@dataclass
 class RunSetup:
     """How this run is set up, as far as its checkpoints go: what each records of it (``run``), what a resume
     compares with it, and the optimizer and (torch) scheduler a resume applies this run's settings to."""
 
-    config: TrainConfig
-    processes: int  # data-parallel
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    optimization: Optimization
-    streaming: bool
-    mixed_precision: str = "no"  # the launch's (accelerate config): no, bf16, fp16
+    def __init__(self, run: Any, optimization: Optimization, *, streaming: bool):
+        self.config, self.optimization, self.streaming = run.config, optimization, streaming
+        # The data-parallel processes, and the launch's mixed precision (no, bf16, fp16).
+        self.processes, self.mixed_precision = run.dp.size, run.accelerator.mixed_precision
+        self.optimizer, self.scheduler = optimization.optimizer, optimization.scheduler
 
     @property
     def split(self) -> Split:
@@ -280,17 +252,18 @@ class RunSetup:
         run, batches = state["run"], state["train"]["batches_into_epoch"]
         misfit = None
         try:
-            batches, resplit = resumed_position(run, batches, self.split, path, self.streaming)
-        except CheckpointError as err:  # the weights still serve evaluate() and predict(); fit() refuses
+            batches, resplit = resumed_position(run, batches, self.split, path=path, streaming=self.streaming)
+        # The weights still serve evaluate() and predict(); fit() refuses.
+        except CheckpointError as err:
             misfit, resplit = err, ""
         settings = refusal(
             run.get("config", {}),
             self.config.to_dict(),
             path,
-            batches > 0,
-            self.optimization.built_optimizer,
-            run.get("optimizer_class"),
-            type(self.optimizer).__name__,
+            mid_epoch=batches > 0,
+            built_optimizer=self.optimization.built_optimizer,
+            saved_class=run.get("optimizer_class"),
+            optimizer_class=type(self.optimizer).__name__,
         )
         return batches, resplit, misfit, settings
 
@@ -299,8 +272,9 @@ class RunSetup:
         line that says so ('' when none)."""
         saved = run.get("config", {})
         moved = saved.get("lr_scheduler", "constant") != "constant" or saved.get("warmup_steps", 0) > 0
+        built = self.optimization.built_scheduler
         lrs = apply_settings(
-            self.optimizer, self.scheduler, own_settings, step, moved, self.optimization.built_scheduler
+            self.optimizer, self.scheduler, own_settings, step=step, schedule_moved=moved, built_scheduler=built
         )
         lines = [said(changed_settings(saved, self.config.to_dict()), step, lrs)]
         written = run.get("mixed_precision", self.mixed_precision)  # older checkpoints did not record it

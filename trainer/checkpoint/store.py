@@ -25,23 +25,27 @@ import errno
 import fcntl
 import json
 import os
-import re
 import shutil
 import socket
-import zlib
 from pathlib import Path
 from typing import Any, Optional
 
+from trainer.checkpoint.integrity import (
+    PREFIX,
+    STATE_FILE,
+    STEP_FOLDER,
+    complete_checkpoints,
+    crc32,
+    verify,
+    without_alternatives,
+)
 from trainer.errors import CheckpointError
 from trainer.telemetry.console import warn
 
-STATE_FILE = "trainer_state.json"
 POINTER_FILE = "latest"
 BEST_FILE = "best"  # with keep_best: the checkpoint of the best evaluation, spared by keep_last
-PREFIX = "step-"
 LOCK_FILE = ".lock"
 DAMAGED = "damaged-"
-STEP_FOLDER = re.compile(rf"{PREFIX}[0-9]+")
 _HELD: dict[str, Any] = {}  # output_dir locks this process holds, by path
 
 
@@ -86,18 +90,6 @@ def newest_whole_checkpoint(root: Path) -> Optional[Path]:
     raise CheckpointError(f"{problem}, and no other checkpoint under {root} is whole")
 
 
-def without_alternatives(err: CheckpointError) -> str:
-    """A checkpoint error's message without its list of the other checkpoints there."""
-    return str(err).split(". Other checkpoints there")[0]
-
-
-def complete_checkpoints(root: Path) -> list[Path]:
-    """Committed checkpoint folders, oldest first (``.tmp-*`` folders are unfinished writes)."""
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and STEP_FOLDER.fullmatch(p.name))
-
-
 def best_checkpoint(root: Path, record: Optional[dict[str, Any]]) -> Optional[Path]:
     """The committed checkpoint of the best evaluation keep_best ``record``s in this run's history (None when there
     is none, or it is not in ``root``). Never the ``best`` pointer's word alone: a pointer left by an abandoned
@@ -139,95 +131,6 @@ def latest_checkpoint(root: Path) -> Optional[Path]:
     return verify(named)
 
 
-def verify(path: Path, contents: bool = True) -> Path:
-    """Check that ``path`` is a whole checkpoint: every file its manifest lists is there with its size, and (with
-    ``contents``) holds what was written (its CRC-32)."""
-    state_file = path / STATE_FILE
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint {path} does not exist{_others(path)}")
-    if not state_file.is_file():
-        raise CheckpointError(f"checkpoint {path} is torn: it has no {STATE_FILE}{_others(path)}")
-    _no_links(path)
-    state = read_state(path)
-    _listed_inside(path, state["files"])
-    for name, size in state["files"].items():
-        file = path / name
-        if not file.is_file() or file.stat().st_size != size:
-            raise CheckpointError(f"checkpoint {path} is torn: {name} is missing or truncated{_others(path)}")
-    for name, crc in state.get("crc32", {}).items() if contents else ():  # older checkpoints have none
-        if _crc32(path / name) != crc:
-            raise CheckpointError(
-                f"checkpoint {path} is damaged: {name} does not hold what was written (its "
-                f"CRC-32 differs){_others(path)}"
-            )
-    return path
-
-
-def _listed_inside(path: Path, listed: dict[str, Any]) -> None:
-    """Nothing outside a checkpoint's folder is read: no name in its manifest leads out of it (absolute, ``..``)."""
-    for name in listed:
-        parts = Path(name).parts
-        if Path(name).is_absolute() or ".." in parts or not parts:
-            raise CheckpointError(
-                f"checkpoint {path} is not to be trusted: its manifest lists {name!r}, outside its "
-                f"folder; none of its files was read{_others(path)}"
-            )
-
-
-def _no_links(path: Path) -> None:
-    """Nothing in a checkpoint is a symbolic link: a checkpoint holds its own files (a link to ``/etc/passwd``
-    would be exported as the weights)."""
-    for folder, subfolders, files in os.walk(path):  # os.walk follows no link
-        for name in subfolders + files:
-            if os.path.islink(os.path.join(folder, name)):
-                link = Path(folder, name).relative_to(path)
-                raise CheckpointError(
-                    f"checkpoint {path} is not to be trusted: {link} is a symbolic link (to "
-                    f"{os.readlink(os.path.join(folder, name))}); a checkpoint holds its own "
-                    f"files, and none of them was read{_others(path)}"
-                )
-
-
-def read_state(path: Path) -> dict[str, Any]:
-    """A checkpoint's ``trainer_state.json``: every part's state by name (``trainer.checkpoint.manager``) and the
-    manifest, checked to be a trainer state."""
-    try:
-        state = json.loads((path / STATE_FILE).read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"checkpoint {path}: cannot read {STATE_FILE}: {err}{_others(path)}") from None
-    if isinstance(state, dict) and "train" not in state and "global_step" in state:
-        state = _from_before_the_registry(state)
-    position = state.get("train") if isinstance(state, dict) else None
-    wrong = [] if isinstance(state, dict) and isinstance(state.get("files"), dict) else ["files"]
-    wrong += [
-        f"train.{key}"
-        for key in ("global_step", "epoch", "batches_into_epoch")
-        if not isinstance(position, dict) or not isinstance(position.get(key), int)
-    ]
-    if wrong:
-        raise CheckpointError(
-            f"checkpoint {path}: {STATE_FILE} is not a trainer state (no valid {', '.join(wrong)}){_others(path)}"
-        )
-    return state
-
-
-def _from_before_the_registry(flat: dict[str, Any]) -> dict[str, Any]:
-    """A state written before its parts were kept by name (every key at the top), in today's layout."""
-    keys = {
-        "train": ("global_step", "epoch", "batches_into_epoch", "run_id"),
-        "run": ("world_size", "batch_size", "gradient_accumulation_steps", "optimizer_class", "config"),
-    }
-    state = {part: {key: flat[key] for key in names if key in flat} for part, names in keys.items()}
-    state.update(
-        data={"streams": flat.get("streams")},
-        best=flat.get("best"),
-        sharding=flat.get("sharding", "DDP"),
-        files=flat.get("files"),
-        crc32=flat.get("crc32", {}),
-    )
-    return state
-
-
 def final_folder(root: Path, step: int) -> Path:
     return root / f"{PREFIX}{step:08d}"
 
@@ -246,7 +149,7 @@ def commit(staging: Path, trainer_state: dict[str, Any], keep_last: int) -> Path
     written = {p.relative_to(staging).as_posix(): p for p in sorted(staging.rglob("*")) if p.is_file()}
     manifest = {
         "files": {name: p.stat().st_size for name, p in written.items()},
-        "crc32": {name: _crc32(p) for name, p in written.items()},
+        "crc32": {name: crc32(p) for name, p in written.items()},
     }
     try:
         _write_atomically(staging / STATE_FILE, json.dumps({**trainer_state, **manifest}, indent=1))
@@ -296,15 +199,7 @@ def lock_output_dir(output_dir: str | Path):
     return handle
 
 
-def _crc32(path: Path) -> str:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            crc = zlib.crc32(chunk, crc)
-    return f"{crc:08x}"
-
-
-def write_failed(staging: Path, root: Path, err: BaseException, rank: Optional[int] = None) -> CheckpointError:
+def write_failed(staging: Path, root: Path, err: BaseException, *, rank: Optional[int] = None) -> CheckpointError:
     """A checkpoint that could not be written (on ``rank``, when another rank's failure is reported): its unfinished
     folder removed (a full disk gets its space back), the disk named when it is full, the latest checkpoint said."""
     shutil.rmtree(staging, ignore_errors=True)
@@ -347,8 +242,17 @@ def _write_atomically(path: Path, text: str) -> None:
     os.replace(partial, path)
 
 
-def _others(path: Path) -> str:
-    found = [str(p) for p in complete_checkpoints(path.parent) if p != path]
-    if not found:
-        return ""
-    return f". Other checkpoints there: {', '.join(found)}; pass one as resume=<path> to continue from it"
+def resume_point(root: Path, resume: Optional[str]) -> Optional[Path]:
+    """The checkpoint ``resume`` asks for, or None to start fresh: None refuses a ``root`` that already holds
+    checkpoints (no silent overwrite of someone's run); "auto" takes the newest whole one, or none; a path must be a
+    whole checkpoint."""
+    if resume is None:
+        if complete_checkpoints(root) or (root / POINTER_FILE).exists():
+            raise CheckpointError(
+                f"{root} already holds checkpoints of an earlier run. Set resume='auto' to continue it, "
+                "resume=<checkpoint path> to continue from one of them, or choose another output_dir."
+            )
+        return None
+    if resume == "auto":
+        return newest_whole_checkpoint(root)
+    return verify(Path(resume))

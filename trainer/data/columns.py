@@ -26,7 +26,7 @@ from trainer.hf import forward_inputs, is_dataset
 LABEL_COLUMNS = ("label", "labels", "label_ids")
 
 
-def ready_columns(data: Any, model: torch.nn.Module, collate: bool, name: str) -> tuple[Any, Optional[str]]:
+def ready_columns(data: Any, model: torch.nn.Module, collate: bool, *, name: str) -> tuple[Any, Optional[str]]:
     """``data`` ready for a DataLoader, and a line saying what changed (None when nothing did).
 
     Args:

@@ -1,107 +1,74 @@
-"""Per-process data loaders with DistributedSampler semantics (its sharding tables).
+"""Per-process data loaders with DistributedSampler semantics (docs/same-updates.md): process k of K gets examples
+k, k+K, k+2K, ... of the epoch's order (the same permutation on every rank, from ``seed + epoch``), the tail padded
+with the first examples (``drop_last``: only the M mod K trailing ones dropped).
 
-Process k of K gets examples k, k+K, k+2K, ... of the (shuffled) epoch order; the tail is padded with the first
-examples, or with ``drop_last`` only the M mod K trailing examples are dropped. Every rank draws the same
-permutation from ``seed + epoch``, so one process at batch K*B sees the same global batches as K processes at B.
-
-Why not let ``Accelerator.prepare`` shard: it splits whole batches between processes instead of examples, and a
-loader that already has a DistributedSampler gets sharded a second time and loses examples. So each rank's loader
-is built here with its own sampler, wrapped by accelerate's ``prepare_data_loader`` as a one-process loader (device
-placement), and only then handed to ``Accelerator.prepare``.
-
-An IterableDataset (a stream) is split per process instead (``trainer.data.streams``); a user's DataLoader is used as
-is, its data already this process's part.
+Why not ``Accelerator.prepare``'s sharding: it splits whole batches between processes, and shards a loader that has a
+DistributedSampler a second time (examples are lost). So each rank's loader is built here with its own sampler, made
+a one-process accelerate loader (device placement), then handed to ``Accelerator.prepare``. A stream is split per
+process (``trainer.data.streams``); a user's DataLoader is used as is, its data already this process's part.
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
 import torch
-from accelerate import Accelerator, skip_first_batches
+from accelerate import skip_first_batches
 from accelerate.data_loader import get_sampler, prepare_data_loader
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
-from trainer.config import TrainConfig
 from trainer.data.columns import ready_columns
+from trainer.data.samplers import ResumableSampler, ShardSampler
 from trainer.data.streams import StreamShard
 from trainer.errors import DataError
 from trainer.telemetry.console import say
 
 
-class ResumableSampler(DistributedSampler):
-    """DistributedSampler that can start part-way into an epoch, for resuming mid-epoch.
+class Loaders:
+    """This process's loaders of the Trainer's data: ``train`` (None: a Trainer for ``evaluate`` and ``predict``
+    alone), each eval set's (``eval``, by name; '' for one unnamed set), and ``of(data)`` for data given later."""
 
-    Skipping slices this process's index list, so its cost does not depend on how far into the epoch the run
-    stopped, and no skipped example is ever loaded.
-    """
+    def __init__(
+        self,
+        run: Any,
+        *,
+        model: torch.nn.Module,
+        train_data: Any,
+        eval_data: Any,
+        collate_fn: Optional[Callable] = None,
+    ):
+        self.run, self.model, self.collate_fn = run, model, collate_fn
+        prepare = run.accelerator.prepare
+        self.train = None if train_data is None else prepare(self.of(train_data, name="train_data", evaluation=False))
+        self.eval = {
+            name: prepare(self.of(part, name=f"eval_data[{name!r}]" if name else "eval_data"))
+            for name, part in named_sets(eval_data).items()
+        }
+        stream = getattr(self.train, "dataset", None)
+        # The training data as a stream, whose position checkpoints hold (trainer.data.streams).
+        self.stream = stream if isinstance(stream, StreamShard) else None
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._skip = 0
-
-    def skip_next(self, num_examples: int) -> None:
-        """The next iteration starts ``num_examples`` into this process's share of the epoch."""
-        self._skip = num_examples
-
-    def __iter__(self):
-        indices = list(super().__iter__())[self._skip :]
-        self._skip = 0
-        return iter(indices)
-
-
-class ShardSampler(Sampler[int]):
-    """Process ``rank`` of ``num_replicas`` gets examples rank, rank+K, ... exactly once, with no padding.
-
-    Used for evaluation, where a padded tail would count some examples twice.
-    """
-
-    def __init__(self, num_examples: int, num_replicas: int, rank: int):
-        self.indices = range(rank, num_examples, num_replicas)
-        self.num_examples, self.num_replicas = num_examples, num_replicas
-
-    def most_batches(self, batch_size: int) -> int:
-        """The batches of the largest share (the first process's), which every process can work out alone."""
-        return math.ceil(math.ceil(self.num_examples / self.num_replicas) / batch_size)
-
-    def __iter__(self):
-        return iter(self.indices)
-
-    def __len__(self) -> int:
-        return len(self.indices)
+    def of(self, data: Any, *, name: str, evaluation: bool = True) -> DataLoader:
+        """This process's loader of ``data`` (``name``: how the user passed it), for training or ``evaluation``; an
+        unformatted datasets.Dataset's model inputs first readied as tensors (``trainer.data.columns``), said once."""
+        data, change = ready_columns(data, self.model, collate=self.collate_fn is not None, name=name)
+        if change:
+            say(f"trainer | {change}")
+        build = build_eval_loader if evaluation else build_train_loader
+        return build(data, self.run, collate_fn=self.collate_fn)
 
 
-def data_loader(
-    data: Any,
-    model: torch.nn.Module,
-    name: str,
-    config: TrainConfig,
-    accelerator: Accelerator,
-    dp: Any,
-    collate_fn: Optional[Callable],
-    evaluation: bool = False,
-) -> DataLoader:
-    """This process's loader of ``data`` (``name``: how the user passed it), for training or ``evaluation``; an
-    unformatted datasets.Dataset's model inputs first readied as tensors (``trainer.data.columns``), said once."""
-    data, change = ready_columns(data, model, collate_fn is not None, name)
-    if change:
-        say(f"trainer | {change}")
-    build = build_eval_loader if evaluation else build_train_loader
-    return build(data, config, accelerator, dp, collate_fn)
-
-
-def build_train_loader(
-    data: Dataset | DataLoader, config: TrainConfig, accelerator: Accelerator, dp: Any, collate_fn: Optional[Callable]
-) -> DataLoader:
-    """This process's training loader, ready for ``Accelerator.prepare``; ``dp``: its data-parallel coordinates
-    (``trainer.parallel.strategy.DataParallel``), which decide its share."""
+def build_train_loader(data: Dataset | DataLoader, run: Any, *, collate_fn: Optional[Callable]) -> DataLoader:
+    """This process's training loader, ready for ``Accelerator.prepare``; its share decided by ``run.dp``, its
+    data-parallel coordinates."""
+    config, dp = run.config, run.dp
     if isinstance(data, DataLoader):
         loader = _accept_user_loader(data, dp, "train_data")
-        if isinstance(loader.dataset, IterableDataset):  # its stream's position noted for checkpoints
-            stream = StreamShard(
-                loader.dataset, dp.rank, dp.size, loader.batch_size or 1, read_ahead(config), split=False
-            )
+        # Its stream's position noted for checkpoints.
+        if isinstance(loader.dataset, IterableDataset):
+            size, ahead = loader.batch_size or 1, read_ahead(config)
+            stream = StreamShard(loader.dataset, dp.rank, dp.size, batch_size=size, read_ahead=ahead, split=False)
             loader = DataLoader(
                 stream,
                 batch_size=loader.batch_size,
@@ -116,8 +83,8 @@ def build_train_loader(
                 timeout=loader.timeout,
             )
     elif isinstance(data, IterableDataset):
-        stream = StreamShard(data, dp.rank, dp.size, config.batch_size, read_ahead(config))
-        loader = _loader(stream, None, config, accelerator, collate_fn)
+        stream = StreamShard(data, dp.rank, dp.size, batch_size=config.batch_size, read_ahead=read_ahead(config))
+        loader = _loader(stream, None, run, collate_fn=collate_fn)
     else:
         _check_size(data, dp, "train_data")
         sampler = ResumableSampler(
@@ -128,33 +95,50 @@ def build_train_loader(
             seed=config.seed,
             drop_last=config.drop_last,
         )
-        loader = _loader(data, sampler, config, accelerator, collate_fn)
-    if batches_per_epoch(loader) == 0:  # None for a stream: its length is unknown
+        loader = _loader(data, sampler, run, collate_fn=collate_fn)
+    # None for a stream: its length is unknown.
+    if batches_per_epoch(loader) == 0:
         raise DataError(
             f"train_data gives process {dp.rank} no batch per epoch "
             f"({len(loader.dataset)} examples, {dp.size} processes, drop_last={config.drop_last})"
         )
     if batches_per_epoch(loader) is None and config.max_steps is None:
         raise DataError("train_data has no length (an IterableDataset?): set max_steps to say when to stop")
-    return _wrap(loader, accelerator)
+    return _wrap(loader, run.accelerator)
 
 
-def read_ahead(config: TrainConfig) -> int:
+def build_eval_loader(data: Dataset | DataLoader, run: Any, *, collate_fn: Optional[Callable]) -> DataLoader:
+    """This process's evaluation loader: its share of the examples, each example on exactly one process."""
+    dp = run.dp
+    if isinstance(data, DataLoader):
+        loader = _accept_user_loader(data, dp, "eval_data")
+    elif isinstance(data, IterableDataset):
+        # Each process its own part of the stream, read to its end.
+        loader = _loader(
+            StreamShard(data, dp.rank, dp.size, batch_size=run.config.batch_size), None, run, collate_fn=collate_fn
+        )
+    else:
+        # Refused now, not after all of training when evaluate() would divide by zero.
+        if len(data) == 0:
+            raise DataError("eval_data has no examples: pass a data set with at least one, or none", job_wide=True)
+        loader = _loader(data, ShardSampler(len(data), dp.size, dp.rank), run, collate_fn=collate_fn)
+    return _wrap(loader, run.accelerator)
+
+
+def read_ahead(config: Any) -> int:
     """Batches a process reads before training them: accelerate's loader reads one ahead, and the trainer the next
-    accumulation window (trainer.weighing)."""
+    accumulation window (``trainer.loop.weighing``)."""
     return 2 * config.gradient_accumulation_steps + 1
 
 
-def start_epoch(loader: DataLoader, epoch: int, skip_batches: int, seed: int) -> DataLoader:
-    """Ready ``loader`` for ``epoch``, starting after its first ``skip_batches`` batches (a resumed run).
-
-    The trainer's own loaders reseed their generator from ``seed + epoch`` (worker seeds then do not depend on
-    how many epochs this process has run) and skip by slicing indices; a user's DataLoader skips through
-    accelerate's ``skip_first_batches``, which walks the batch sampler's indices without loading data.
-    """
-    loader.set_epoch(epoch)  # a new shuffle, the same on every rank
+def start_epoch(loader: DataLoader, epoch: int, *, skip_batches: int, seed: int) -> DataLoader:
+    """Ready ``loader`` for ``epoch`` (a new shuffle, the same on every rank), starting after its first
+    ``skip_batches`` batches (a resumed run). The trainer's own loaders reseed their generator from ``seed + epoch``
+    and skip by slicing indices; a user's DataLoader skips through accelerate's ``skip_first_batches``, which walks
+    the batch sampler's indices without loading data; a stream continues from where it was given."""
+    loader.set_epoch(epoch)
     if isinstance(loader.dataset, StreamShard):
-        return loader  # a stream continues from the position it was given (StreamShard.resume_at)
+        return loader
     sampler = get_sampler(loader)
     if not isinstance(sampler, ResumableSampler):
         return skip_first_batches(loader, skip_batches) if skip_batches else loader
@@ -179,31 +163,15 @@ def examples_per_process(loader: DataLoader) -> Optional[int]:
         return None
 
 
-def build_eval_loader(
-    data: Dataset | DataLoader, config: TrainConfig, accelerator: Accelerator, dp: Any, collate_fn: Optional[Callable]
-) -> DataLoader:
-    """This process's evaluation loader: its share of the examples, each example on exactly one process."""
-    if isinstance(data, DataLoader):
-        loader = _accept_user_loader(data, dp, "eval_data")
-    elif isinstance(data, IterableDataset):  # each process its own part of the stream, read to its end
-        stream = StreamShard(data, dp.rank, dp.size, config.batch_size)
-        loader = _loader(stream, None, config, accelerator, collate_fn)
-    else:
-        if len(data) == 0:  # refused now, not after all of training when evaluate() would divide by zero
-            raise DataError("eval_data has no examples: pass a data set with at least one, or none", job_wide=True)
-        sampler = ShardSampler(len(data), dp.size, dp.rank)
-        loader = _loader(data, sampler, config, accelerator, collate_fn)
-    return _wrap(loader, accelerator)
-
-
-def _loader(data, sampler, config: TrainConfig, accelerator: Accelerator, collate_fn) -> DataLoader:
+def _loader(data: Any, sampler: Any, run: Any, *, collate_fn: Optional[Callable]) -> DataLoader:
+    config = run.config
     return DataLoader(
         data,
         batch_size=config.batch_size,
         sampler=sampler,
         collate_fn=collate_fn,
         num_workers=config.num_workers,
-        pin_memory=accelerator.device.type == "cuda",
+        pin_memory=run.device.type == "cuda",
         persistent_workers=config.num_workers > 0,
         # Its own generator, so starting an epoch's iterator (which draws worker seeds) leaves the global torch
         # RNG, and with it every later dropout mask, untouched.
@@ -211,7 +179,7 @@ def _loader(data, sampler, config: TrainConfig, accelerator: Accelerator, collat
     )
 
 
-def _wrap(loader: DataLoader, accelerator: Accelerator) -> DataLoader:
+def _wrap(loader: DataLoader, accelerator: Any) -> DataLoader:
     """Wrap as a one-process accelerate loader and mark it prepared, so ``Accelerator.prepare`` registers it
     without sharding it again (accelerate skips objects it marked ``_is_accelerate_prepared`` itself). Never a
     dispatcher, which accelerate picks for an IterableDataset: process 0 would read for all, from its own part."""
@@ -261,3 +229,32 @@ def _check_size(data: Dataset, dp: Any, name: str) -> None:
             f"{name} has {size} examples, fewer than the {dp.size} processes: every process needs at least one example",
             job_wide=True,
         )
+
+
+def named_sets(data: Any) -> dict[str, Any]:
+    """``eval_data`` as ``{name: data set}``: a dict of named data sets (a datasets.DatasetDict too) as it is, one
+    data set as ``{"": it}``, none as ``{}``. A dict whose values are not data sets is refused, naming them."""
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        return {"": data}
+    odd = {
+        name: type(part).__name__
+        for name, part in data.items()
+        if not isinstance(name, str) or not name.isidentifier() or not _is_data_set(part)
+    }
+    if odd or not data:
+        got = ", ".join(f"{name!r}: {kind}" for name, kind in odd.items()) or "an empty dict"
+        raise DataError(
+            f"eval_data is a dict, so each entry must be a named data set (a Dataset, a DataLoader or an "
+            f"IterableDataset, under a name usable in eval_<name>_loss); got {got}"
+        )
+    return dict(data)
+
+
+def _is_data_set(part: Any) -> bool:
+    return isinstance(part, (DataLoader, torch.utils.data.IterableDataset)) or (
+        hasattr(part, "__len__")
+        and hasattr(part, "__getitem__")
+        and not isinstance(part, (str, bytes, Mapping, torch.Tensor))
+    )  # a column of a batch is no data set

@@ -26,11 +26,12 @@ from __future__ import annotations
 import json
 from typing import Any, Iterator, Optional
 
+import torch
+import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
 
 from trainer.errors import CheckpointError, StreamPositionError
 from trainer.hf import is_stream
-from trainer.launch.agreement import gather_objects
 from trainer.loop.state import TrainState
 
 
@@ -51,6 +52,7 @@ class StreamShard(IterableDataset):
         stream: IterableDataset,
         rank: int,
         world_size: int,
+        *,
         batch_size: int,
         read_ahead: int = 2,
         split: bool = True,
@@ -135,12 +137,13 @@ class StreamPositions:
     """Where every process's part of the stream stands, as a checkpoint holds it (JSON, never a pickle): its
     ``state_dict`` gathers every process's position (collective); at a resume each process takes its own back."""
 
-    def __init__(self, stream: StreamShard, position: TrainState, rank: int, group: Any):
-        self.stream, self.position, self.rank, self.group = stream, position, rank, group
+    def __init__(self, run: Any, stream: StreamShard, position: TrainState):
+        self.run, self.stream, self.position = run, stream, position
 
     def state_dict(self) -> dict[str, Any]:
-        batches = self.position.state_dict()["batches_into_epoch"]  # 0 at an epoch's end: the next one's start
-        positions = gather_objects(self.stream.position(batches) if batches else None, self.group)
+        # 0 at an epoch's end: the next one's start.
+        batches = self.position.state_dict()["batches_into_epoch"]
+        positions = self.run.gather(self.stream.position(batches) if batches else None)
         try:
             json.dumps(positions)
         except (TypeError, ValueError) as err:
@@ -152,5 +155,23 @@ class StreamPositions:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         positions = state.get("streams") or []
-        mine = positions[self.rank] if self.rank < len(positions) else None
+        rank = self.run.rank
+        mine = positions[rank] if rank < len(positions) else None
         self.stream.resume_at(mine, self.position.batches_into_epoch)
+
+
+class StreamAgreement:
+    """How many micro-batches each process holds in a stream's accumulation window, ``(fewest, total)``, agreed over
+    the host group (streams may end at different batches on different processes)."""
+
+    def __init__(self, group: Any, world_size: int):
+        """``group``: every process; ``world_size``: the data-parallel ones (a tensor-parallel group's processes
+        read the same stream, so each holds what the others of its group hold)."""
+        self.group = group
+        self.counts = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+        self.copies = len(self.counts) // world_size
+
+    def __call__(self, held: int) -> tuple[int, int]:
+        dist.all_gather(self.counts, torch.tensor([held], dtype=torch.int64), group=self.group)
+        counts = [int(c) for c in self.counts]
+        return min(counts), sum(counts) // self.copies

@@ -1,13 +1,27 @@
-"""Answers of ``accelerate config`` that this trainer does not run, each refused by name with what to use instead:
-at the launch (what ``accelerate launch`` put in each process's environment) and by ``python -m trainer.check``
-(what the file says), in the same words. Left alone, each would run as something else without a word (DeepSpeed
-as plain DDP) or fail deep inside accelerate.
+"""What the launch's accelerate config asks for, read as accelerate reads it, and the answers this trainer does
+not run, each refused by name with what to use instead: at the launch and by ``python -m trainer.check``, in the
+same words (docs/launching.md). Left alone, each would run as something else (DeepSpeed as plain DDP) or fail deep
+inside accelerate.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Optional
+from typing import Any, Iterator, Optional
+
+from accelerate.utils import parse_flag_from_env
+
+from trainer.errors import ShardingError
+
+NO_OFFLOAD = (
+    "the accelerate config sets fsdp_offload_params: CPU offload is not supported by this trainer yet; set "
+    "it to false (more processes hold less each)"
+)
+NO_FP16 = (
+    "mixed precision fp16 with FSDP2 is not supported (its loss scaler would have to see sharded gradients): "
+    "use bf16 (mixed_precision: bf16), or no mixed precision"
+)
 
 DEEPSPEED = (
     "the accelerate config asks for DeepSpeed (distributed_type: DEEPSPEED), which this trainer does not "
@@ -81,3 +95,36 @@ def blank_block_class_unset() -> None:
     as if unset (the model's own ``_no_split_modules`` then), not a class called ''."""
     if os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP", "unset").strip(" ,") == "":
         del os.environ["FSDP_TRANSFORMER_CLS_TO_WRAP"]
+
+
+def sharding_requested(config: Any) -> bool:
+    """Whether the launch's accelerate config asks for FSDP (``distributed_type: FSDP``); version 1, CPU offload,
+    fp16 and ``compile`` are refused by name: each needs a path this trainer does not take yet."""
+    if not parse_flag_from_env("ACCELERATE_USE_FSDP"):
+        return False
+    version = os.environ.get("FSDP_VERSION", "1")
+    if version != "2":
+        raise ShardingError(
+            f"the accelerate config asks for FSDP version {version}; this trainer shards with FSDP2. "
+            "Convert the file with `accelerate to-fsdp2 --config_file <yours> --output_file <new>` "
+            "(or set fsdp_version: 2 under fsdp_config)"
+        )
+    if parse_flag_from_env("FSDP_OFFLOAD_PARAMS"):
+        raise ShardingError(NO_OFFLOAD)
+    if os.environ.get("ACCELERATE_MIXED_PRECISION", "no") == "fp16":
+        raise ShardingError(NO_FP16)
+    if config.compile:
+        raise ShardingError("compile: true with FSDP2 is not supported yet: set compile: false, or train with DDP")
+    return True
+
+
+@contextlib.contextmanager
+def accelerate_without_sharding() -> Iterator[None]:
+    """While the Accelerator is built it sees a plain multi-process launch: accelerate must not take the model for
+    its own FSDP (it would on a GPU host and not on a CPU one) nor build its own mesh (it refuses one on CPU)."""
+    switches = ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_PARALLELISM_CONFIG")
+    saved = {name: os.environ.pop(name) for name in switches if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)

@@ -4,8 +4,8 @@ Slurm (before it kills a preempted or timed-out job; ``#SBATCH --signal``), Kube
 forwards its own SIGTERM to every worker, then kills them 30 s later) send a signal first. Saving inside the
 handler is fragile (it can interrupt a collective or a half-written file), so the handler only notes the signal;
 copies of it within SAME_EVENT_S count once. The ranks compare notes at optimizer-step boundaries through one
-small all-reduce on the job's host group (``trainer.launch.agreement``), asynchronous: issued at one check and read at
-the next, so no step waits for it and no GPU sync is added. Checks come every step until the first log, then every
+small all-reduce on the job's host group (``trainer.launch.run.host_group``), asynchronous: issued at one check and read
+at the next, so no step waits for it and no GPU sync is added. Checks come every step until the first log, then every
 CHECK_EVERY_S of training (a step count every rank derives from the same gathered step times). One rank's signal is
 enough; the others may not receive it. All ranks then stop after the same step, commit a full checkpoint there,
 flush metrics and wandb, and exit with ``PREEMPTED_EXIT`` (75, "try again"). A second signal, or
@@ -41,9 +41,10 @@ CHECK_EVERY_S = 1.0
 class PreemptionWatch:
     """Notes the configured signals while fit() runs; ``agreed()`` at each optimizer step says whether to stop."""
 
-    def __init__(self, signal_names: tuple[str, ...], grace_s: float, group: Any):
-        self.signals = [getattr(signal, name) for name in signal_names]
-        self.grace_s = grace_s
+    def __init__(self, run: Any):
+        self.signals = [getattr(signal, name) for name in run.config.signal_names]
+        self.grace_s = run.config.preemption_grace_s
+        group = run.host
         self.received = 0  # the first signal's number, 0 until one arrives
         self._first_at = 0.0
         self._previous: dict[int, object] = {}
@@ -136,19 +137,18 @@ class PreemptionWatch:
         return bool(self._agreed)
 
 
-def stop(
-    signal_number: int, step: int, total_steps: int, checkpoint_now: Callable[[], Any], requeue: bool, accelerator: Any
-) -> Preempted:
+def stop(signal_number: int, step: int, *, total_steps: int, checkpoint_now: Callable[[], Any], run: Any) -> Preempted:
     """What every rank does once the ranks agreed on a signal: commit a checkpoint of the step reached
     (``checkpoint_now``, whatever save_every says), requeue the job under Slurm (``slurm_requeue``, the main process
     once the checkpoint is committed), and return the ``Preempted`` to leave ``fit()`` with (status 75)."""
     started = time.monotonic()
     saved = checkpoint_now()
     requeued = ""
-    if requeue:
-        if accelerator.is_main_process:
+    if run.config.slurm_requeue:
+        if run.main:
             requeued = f"; {requeue_slurm_job()}"
-        accelerator.wait_for_everyone()  # no rank leaves (and gets the others signalled) before the requeue
+        # No rank leaves (and gets the others signalled) before the requeue.
+        run.barrier()
     name = signal.Signals(signal_number).name
     return Preempted(
         f"trainer: preempted ({name}) at step {step} of {total_steps}: checkpoint {saved} committed in "

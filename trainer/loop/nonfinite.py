@@ -29,10 +29,10 @@ NONE = 2**62  # "no bad step yet": larger than any step, so the first bad step i
 
 
 class NonFiniteGuard:
-    """``nan_policy`` for one process. ``accelerator``: its ``gather``, ``reduce`` and ``device``."""
+    """``nan_policy`` for one process of ``run`` (its Accelerator's ``gather`` and ``reduce``, on the device)."""
 
-    def __init__(self, accelerator: Any, policy: str):
-        self.accelerator = accelerator
+    def __init__(self, run: Any, *, policy: str):
+        self.accelerator = accelerator = run.accelerator
         self.policy = policy
         self._bad_in_window = torch.zeros((), dtype=torch.bool, device=accelerator.device)  # "skip": since the update
         self.skipped_steps = 0

@@ -21,6 +21,7 @@ from typing import Any, Callable, ContextManager, Optional
 import torch
 
 from trainer.errors import ConfigError
+from trainer.parallel.gradients import whole
 
 DOCUMENT = 4  # tokens in each probe document
 
@@ -37,7 +38,7 @@ def looks_packed(batch: Any) -> bool:
 
 
 def refuse_attention_across_documents(
-    model: torch.nn.Module, batch: Mapping, autocast: Callable[[], ContextManager], extra: Optional[dict] = None
+    model: torch.nn.Module, batch: Mapping, autocast: Callable[[], ContextManager], *, extra: Optional[dict] = None
 ) -> None:
     """Raise a ConfigError naming the model when its attention crosses the document boundaries of a packed row;
     ``model``: the module called under the default loss (unwrapped of DDP and torch.compile), ``extra``: keyword
@@ -85,8 +86,8 @@ def _vocabulary(model: torch.nn.Module) -> Optional[int]:
 
 
 def _logits(output: Any) -> Optional[torch.Tensor]:
-    """The output's logits, ``(1, tokens, ...)``; a tensor-parallel model's whole (a DTensor's full tensor)."""
+    """The output's logits, ``(1, tokens, ...)``; a tensor-parallel model's whole."""
     logits = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", output)
     if not isinstance(logits, torch.Tensor) or logits.ndim < 2:
         return None
-    return logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+    return whole(logits)

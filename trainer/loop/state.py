@@ -37,6 +37,10 @@ class TrainState:
         self.step += 1
         self.batches_into_epoch += micro_batches
 
+    def continue_at(self, batches: int) -> None:
+        """A resume reads on from micro-batch ``batches`` of the epoch (this run's split of the checkpoint's)."""
+        self.batches_into_epoch = batches
+
     def next_epoch(self) -> None:
         self.epoch, self.batches_into_epoch = self.epoch + 1, 0
 

@@ -16,14 +16,14 @@ The gradient of every optimizer step is that of the mean loss over the whole glo
 - **Any other scalar loss**: the mean over the window's micro-batches, as before. The last window of an epoch, when
   ``gradient_accumulation_steps`` does not divide its batches, is divided by what it holds, not by the full window.
 
-DDP averages gradients over the K data-parallel processes (``trainer.parallel.strategy.DataParallel``); each of these is
+DDP averages gradients over the K data-parallel processes (``trainer.launch.run.DataParallel``); each of these is
 a share of one global mean, so each is multiplied by K before backward. Only the window's last backward all-reduces
 (DDP's ``no_sync`` before it). On several processes the token counts' all-reduce is issued a window ahead (the next
 window is read before this one trains), so no step waits for it.
 
 Every process has the same number of batches per epoch of a map-style data set (DistributedSampler's padding), so
 windows line up by themselves. Streams (``trainer.data.streams``) can end at different batches on different processes:
-there the processes agree on each window's size first (``trainer.launch.agreement``: on the host), and an
+there the processes agree on each window's size first (``trainer.launch.run.host_group``: on the host), and an
 epoch of a stream ends for every process when any one of them has no batch left.
 """
 
@@ -88,10 +88,12 @@ class Weighing:
     ``windows`` readies each window; per micro-batch, ``loss`` -> (what to call backward on, the loss to log,
     its weight in the logged mean); after the window's last backward, ``finish`` (before clipping)."""
 
-    def __init__(self, dp: Any, model: torch.nn.Module, loss_fn: LossFn, accelerator: Any = None):
-        self.world, self.group = dp.size, dp.group  # the data-parallel replicas, whose gradients are averaged
+    def __init__(self, run: Any, model: torch.nn.Module, *, loss_fn: LossFn):
+        # The data-parallel replicas, whose gradients are averaged.
+        self.world, self.group = run.dp.size, run.dp.group
         self.loss_fn = loss_fn
-        self.accelerator = accelerator  # its loss scaler (fp16), if any
+        # fp16's loss scaler, if any.
+        self.scaler = run.accelerator.scaler
         self.counts_tokens = loss_fn is model_loss and is_transformers_model(model)
         self.shifted = self.counts_tokens and causal_lm(model)
         self.passes_count = self.counts_tokens and accepts_loss_kwargs(model) and hasattr(model, "loss_function")
@@ -139,16 +141,16 @@ class Weighing:
         return window
 
     def loss(
-        self, window: StepBatches, model: torch.nn.Module, batch: Any, share: Optional[float] = None
+        self, window: StepBatches, model: torch.nn.Module, batch: Any, *, share: Optional[float] = None
     ) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """(objective to backward, loss to log, its weight) for one micro-batch of ``window``; or, with ``share``, for
         a piece of one holding that share of its examples (``auto_microbatch``)."""
         if window.tokens is not None:
-            return self._token_loss(window, model, batch, share is not None)
+            return self._token_loss(window, model, batch, piece=share is not None)
         loss, count = checked(self.loss_fn(model, batch), self.loss_fn)
         if count is not None:  # (loss_sum, count): divided by the window's count in finish()
             window.summed.append(count)
-            if getattr(self.accelerator, "scaler", None) is None:
+            if self.scaler is None:
                 return loss, loss.detach(), count
             # fp16: the loss scaler multiplies by 65536 before backward, where a sum's gradients (each term's at full
             # weight) overflow fp16's 65504: every step skipped until the scale is some count times smaller. Divided
@@ -162,7 +164,7 @@ class Weighing:
         return objective, loss.detach(), 1
 
     def _token_loss(
-        self, window: StepBatches, model: torch.nn.Module, batch: Any, piece: bool = False
+        self, window: StepBatches, model: torch.nn.Module, batch: Any, *, piece: bool = False
     ) -> tuple[torch.Tensor, ...]:
         tokens, here = window.total_tokens(), self.count(batch) if piece else next(window.counts)
         if self.passes_count:
@@ -199,4 +201,5 @@ class Weighing:
         if window.prescale is not None:  # fp16: what loss() divided out
             prescale = window.prescale
             factor = factor * (prescale.to(device, torch.float32) if torch.is_tensor(prescale) else prescale)
-        scale_(grads, factor)  # each process's pieces (a DTensor's per-parameter dispatch costs more)
+        # Each process's pieces (a sharded tensor's per-parameter dispatch costs more).
+        scale_(grads, factor)

@@ -75,15 +75,16 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, total
     """``config.lr_scheduler`` after ``warmup_steps`` of linear warm-up (transformers' ``get_scheduler``'s
     schedules, ``trainer.optim.schedules``), with ``min_lr_ratio`` and ``lr_scheduler_kwargs``; stepped once per
     optimizer step. Each is a LambdaLR (the lr a closed form of the step: a resume recomputes it from this run's
-    settings, trainer.resume_policy)."""
+    settings, ``trainer.checkpoint.policy``)."""
     from torch.optim.lr_scheduler import LambdaLR
 
     if config.lr_scheduler == "constant" and config.warmup_steps == 0 and not config.lr_scheduler_kwargs:
         return LambdaLR(optimizer, schedules.no_schedule)
     name = "constant_with_warmup" if config.lr_scheduler == "constant" else config.lr_scheduler
     try:
+        settings = schedule_settings(config, name)
         factor = schedules.factor(
-            name, optimizer.defaults["lr"], config.warmup_steps, total_steps, schedule_settings(config, name)
+            name, optimizer.defaults["lr"], warmup=config.warmup_steps, total=total_steps, settings=settings
         )
     except ValueError as err:
         raise ConfigError(f"lr_scheduler {config.lr_scheduler}: {err}") from None
@@ -122,7 +123,12 @@ def schedule_settings(config: TrainConfig, name: str) -> dict[str, Any]:
 
 
 def describe(
-    optimizer: torch.optim.Optimizer, lr_scheduler, config: TrainConfig, built_optimizer: bool, built_scheduler: bool
+    optimizer: torch.optim.Optimizer,
+    lr_scheduler: Any,
+    config: TrainConfig,
+    *,
+    built_optimizer: bool,
+    built_scheduler: bool,
 ) -> str:
     """The start banner's words for the optimizer and the schedule: the config's, or the classes a user passed."""
     if built_optimizer:
@@ -150,10 +156,14 @@ def describe(
 
 @dataclass(frozen=True)
 class Optimization:
-    """How a run's optimizer and schedule came to be, for the banner and a resume."""
+    """A run's optimizer and schedule, and how they came to be, for the banner and a resume."""
 
-    words: str  # the banner's (trainer.optim.describe)
-    built_optimizer: bool  # from the config, not the user's: a resume applies this run's settings to them
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    # The banner's words (describe).
+    words: str
+    # From the config, not the user's: a resume applies this run's settings to them.
+    built_optimizer: bool
     built_scheduler: bool
     # Whether stepping the scheduler changes the lr: a constant lr without warm-up built here is never stepped (each
     # step costs tens of microseconds, which a small model's step notices). A user's is always stepped.
@@ -163,10 +173,11 @@ class Optimization:
 def build(
     model: torch.nn.Module,
     config: TrainConfig,
+    *,
     optimizer: Any,
     lr_scheduler: Any,
     total_steps: int,
-) -> tuple[torch.optim.Optimizer, Any, Optimization]:
+) -> Optimization:
     """The user's optimizer and schedule, or the config's in place of each one not given (over ``model``'s
     parameters as they are now: after sharding, on the device). Either may be a factory, called here:
     ``optimizer(parameter_groups)`` (the config's weight-decay groups) and ``lr_scheduler(optimizer, total_steps)``."""
@@ -183,8 +194,8 @@ def build(
         or bool(config.lr_scheduler_kwargs)
     )
     lr_scheduler = lr_scheduler or build_scheduler(optimizer, config, total_steps)
-    words = describe(optimizer, lr_scheduler, config, *built)
-    return optimizer, lr_scheduler, Optimization(words, *built, schedule_moves=moves)
+    words = describe(optimizer, lr_scheduler, config, built_optimizer=built[0], built_scheduler=built[1])
+    return Optimization(optimizer, lr_scheduler, words, *built, schedule_moves=moves)
 
 
 def is_factory(given: Any, built: type) -> bool:

@@ -36,7 +36,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
 SHAPES = ("linear", "cosine", "1-sqrt")  # warmup_stable_decay's warmup_type and decay_type
 
 
-def factor(name: str, lr: float, warmup: int, total: int, settings: dict[str, Any]) -> Callable[[int], float]:
+def factor(name: str, lr: float, warmup: int, *, total: int, settings: dict[str, Any]) -> Callable[[int], float]:
     """The multiplier of ``lr`` at each step for schedule ``name`` (a key of SETTINGS) with its ``settings``
     (checked by the caller: names among SETTINGS[name]); ValueError for settings transformers refuses too."""
     given = {**SETTINGS[name], **settings}

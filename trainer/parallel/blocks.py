@@ -1,18 +1,20 @@
-"""Activation checkpointing: each transformer block keeps only its input in forward and recomputes the rest in
-backward, trading about a third more compute for the activations' memory. ``activation_checkpointing: true`` in the
-config (DDP and FSDP2 alike), or ``fsdp_activation_checkpointing: true`` in an FSDP accelerate config.
+"""Which modules of a model are its blocks: those activation checkpointing wraps, and the FSDP groups the
+accelerate config's wrap policy makes (docs/sharded.md).
 
-The block itself is wrapped (torch's non-reentrant ``checkpoint_wrapper``), not its children: wrapping each child
-keeps most activations anyway (accelerate#4172 measured 29 GB of a 40.8 GB peak wasted that way). Under FSDP2 the
-wrapping comes before sharding, so each wrapped block is also one FSDP group. The updates are the same as without
-it, bit for bit (dropout's random state is replayed in the recomputation).
+Activation checkpointing wraps the block itself (torch's non-reentrant ``checkpoint_wrapper``), not its children:
+wrapping each child keeps most activations anyway (accelerate#4172: 29 GB of a 40.8 GB peak). Under FSDP2 the
+wrapping comes before sharding, so each wrapped block is also one FSDP group; the updates are the same, bit for bit.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, ShardingError
+from trainer.parallel.placement import region
+from trainer.telemetry.console import say
 
 
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -52,3 +54,60 @@ def checkpoint_activations(model: torch.nn.Module, blocks: list[torch.nn.Module]
         model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda module: id(module) in chosen
     )
     return [module for module in model.modules() if isinstance(module, CheckpointWrapper)]
+
+
+def wrap_groups(model: torch.nn.Module, plugin: Any) -> list[torch.nn.Module]:
+    """The modules that become FSDP groups of their own, children before parents, as accelerate applies the
+    config's policy: TRANSFORMER_BASED_WRAP the block classes (named, else the model's ``_no_split_modules``, else
+    the children of its largest ModuleList, said in a line), SIZE_BASED_WRAP every module over ``min_num_params``,
+    nested (a ModuleList, a container without forward, is no group), NO_WRAP none. A module holding a weight tied
+    to one outside it is left to the group around it: FSDP2 keeps a tied weight in one group."""
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    try:
+        policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+    except ValueError as err:  # a block class the model does not have
+        raise ShardingError(f"fsdp_transformer_layer_cls_to_wrap: {err}") from None
+    if policy is None:  # NO_WRAP
+        return []
+    candidates = [
+        module
+        for module in region(model, set())
+        if module is not model and policy(module) and type(module).forward is not torch.nn.Module.forward
+    ]
+    by_class = getattr(plugin.auto_wrap_policy, "func", plugin.auto_wrap_policy) is transformer_auto_wrap_policy
+    if not candidates and by_class and not plugin.transformer_cls_names_to_wrap:
+        candidates = repeated_blocks(model)
+    holders: dict[int, set[int]] = {}
+    for module in model.modules():
+        for parameter in module._parameters.values():
+            if parameter is not None:
+                holders.setdefault(id(parameter), set()).add(id(module))
+    return [module for module in candidates if not _tied_outside(module, holders)]
+
+
+def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """For a model that names no block class: the children of its largest ModuleList (nanoGPT's ``transformer.h``,
+    torchtitan's ``layers``), said in a line; none (one group) when it has no ModuleList, also said."""
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
+    how = "name its block class in fsdp_transformer_layer_cls_to_wrap to choose the groups"
+    if not lists:
+        say(
+            f"FSDP2: {type(model).__name__} names no block class (_no_split_modules) and has no ModuleList: the "
+            f"whole model is one group, gathered whole for every forward; {how}",
+            once=True,
+        )
+        return []
+    name, blocks = max(lists, key=lambda item: sum(p.numel() for p in item[1].parameters()))
+    say(
+        f"FSDP2: {type(model).__name__} names no block class (_no_split_modules): each of the {len(blocks)} "
+        f"modules of {name} ({type(blocks[0]).__name__}) is one group; {how}",
+        once=True,
+    )
+    return list(blocks)
+
+
+def _tied_outside(module: torch.nn.Module, holders: dict[int, set[int]]) -> bool:
+    inside = {id(sub) for sub in module.modules()}
+    return any(not holders[id(p)] <= inside for p in module.parameters())

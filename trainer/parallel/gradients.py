@@ -24,6 +24,11 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._local_tensor if hasattr(tensor, "_local_tensor") else tensor
 
 
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` whole: a DTensor gathered from its pieces (collective: every process calls it), else as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
 def copies(tensor: torch.Tensor, world: int) -> int:
     """How many processes hold the same piece of ``tensor`` as this one: those its mesh replicates it over, times
     those outside its mesh (every process, for a plain tensor: the same on all, as under tensor parallelism)."""

@@ -1,20 +1,8 @@
-"""Where a model's weights come from when the trainer places it: built on the ``meta`` device (no memory at all), or
-the first process's, sent to the others. One part of the model at a time, so that no process ever holds the whole
-model on its device: under FSDP2 each FSDP group is filled whole, then sharded, before the next is filled.
-
-- **A model built on ``meta``** (``with torch.device("meta"): model = GPT2LMHeadModel(config)``, as torchtitan builds
-  its models): each module's tensors are made whole on the device and initialised by the model's own
-  initialisation (a transformers model's ``_init_weights``, else each module's ``reset_parameters``), under a random
-  seed of the module's own, drawn from the config's ``seed`` and the module's name. Every process makes the same
-  numbers without a message, and the weights do not depend on how many processes there are: the same run on 1, 2
-  or 8 processes starts from the same model, DDP or FSDP2.
-- **Any other model under FSDP2** starts from the first process's weights, as DDP does when it wraps a model:
-  a model seeded differently on each process, or loaded by ``from_pretrained`` with
-  ``fsdp_cpu_ram_efficient_loading`` (the other processes then hold no weights: their new heads are left on
-  ``meta`` by transformers), is sent, tensor by tensor, from the first process. Why a broadcast rather than each
-  process reading its part of the safetensors (DCP's ``HuggingFaceStorageReader``): it serves every way a user
-  builds a model (``from_pretrained``, a config, their own code), and the weights a new head got on the first
-  process are the ones every process trains.
+"""Where a model's weights come from when the trainer places it, one part at a time so that no process ever holds
+the whole model on its device (docs/sharded.md): built on ``meta`` (each module initialised by the model's own
+initialisation under a seed of its own, drawn from ``seed`` and its name: the same weights on any process count,
+DDP or FSDP2), or the first process's, sent tensor by tensor to the others (any way a user builds a model,
+``from_pretrained`` with ``fsdp_cpu_ram_efficient_loading`` included).
 """
 
 from __future__ import annotations
@@ -73,7 +61,7 @@ def _slots(modules: list[torch.nn.Module]) -> Iterator[tuple[torch.nn.Module, st
 Source = Optional[Callable[[torch.Tensor, torch.Tensor], None]]  # (new tensor, the one it replaces): fills it
 
 
-def fill(modules: list[torch.nn.Module], device: torch.device, source: Source, upcast: set[int]) -> None:
+def fill(modules: list[torch.nn.Module], device: torch.device, source: Source, *, upcast: set[int]) -> None:
     """Give every tensor the modules hold a new whole copy on ``device`` (fp32 for the ``upcast`` ones), filled by
     ``source`` (None: left for ``initialise``); a tensor held under two names (tied weights) stays one."""
     made: dict[int, torch.Tensor] = {}
@@ -101,7 +89,7 @@ def from_first_process(rank: int, world_size: int) -> Source:
     return source
 
 
-def initialise(model: torch.nn.Module, modules: list[torch.nn.Module], seed: int, device: torch.device) -> None:
+def initialise(model: torch.nn.Module, modules: list[torch.nn.Module], seed: int, *, device: torch.device) -> None:
     """The model's own initialisation of ``modules`` (just filled, children first), each under a seed of its own:
     the same numbers on every process, whatever their number."""
     own = getattr(model, "_init_weights", None)  # a transformers model's, per module
@@ -125,6 +113,66 @@ def initialise(model: torch.nn.Module, modules: list[torch.nn.Module], seed: int
                     own(module)
                 else:
                     module.reset_parameters()
+
+
+FROM_META, FROM_FIRST = "meta", "first process"
+
+
+class Placement:
+    """How this job places ``model``: from meta or from the first process's weights (the first process's answer,
+    on every process), with its low-precision trainable tensors upcast to fp32 masters."""
+
+    def __init__(self, model: torch.nn.Module, *, device: torch.device, seed: int):
+        joined = torch.distributed.is_initialized()
+        rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if joined else (0, 1)
+        self.start = first_process_says(how_to_start(model), world)
+        if self.start not in (FROM_META, FROM_FIRST):
+            raise ShardingError(self.start)
+        self.model, self.device, self.seed = model, device, seed
+        self.upcast = to_upcast(model)
+        self.source = None if self.start == FROM_META else from_first_process(rank, world)
+
+    @property
+    def built_on_meta(self) -> bool:
+        return self.start == FROM_META
+
+    def place(self, modules: list[torch.nn.Module]) -> None:
+        """``modules``' tensors whole on the device: the first process's, or initialised."""
+        fill(modules, self.device, source=self.source, upcast=set(self.upcast))
+        if self.start == FROM_META:
+            initialise(self.model, modules, seed=self.seed, device=self.device)
+
+
+def how_to_start(model: torch.nn.Module) -> str:
+    """This process's model as a starting point: built on meta, or weights the first process sends; a first process
+    with some weights on meta gets the refusal's text."""
+    if built_on_meta(model):
+        return FROM_META
+    missing = [name for name, p in model.named_parameters() if p.device == META]
+    if missing:
+        return (
+            f"{len(missing)} parameter(s) of the model are on the meta device on the first process "
+            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}), which sends every process its "
+            "weights: build the model wholly on meta, or wholly on a device"
+        )
+    return FROM_FIRST
+
+
+def whole_on_device(model: torch.nn.Module, device: torch.device, seed: int) -> list[str]:
+    """A model for DDP, whole on ``device`` with fp32 master weights (AdamW state in bf16 stalls training without an
+    error; fp16 weights cannot be unscaled); one built on meta is initialised as a sharded one is. Returns the names
+    upcast. (DDP itself sends every process the first one's weights as it wraps the model.)"""
+    upcast = to_upcast(model)
+    if built_on_meta(model):
+        modules = region(model, set())
+        fill(modules, device, source=None, upcast=set(upcast))
+        initialise(model, modules, seed=seed, device=device)
+        return list(upcast.values())
+    for parameter in model.parameters():
+        if id(parameter) in upcast:
+            parameter.data = parameter.data.float()
+    model.to(device)
+    return list(upcast.values())
 
 
 def first_process_says(value: object, world_size: int) -> object:

@@ -107,14 +107,16 @@ def banner(
     launch: tuple[str, str, int, str],
     config: Any,
     state: Any,
+    *,
     total_steps: int,
     share: Optional[int],
-    weighs_tokens: bool,
-    optimization: str,
+    weighs: bool,
+    words: str,
 ) -> str:
     """What a run is about to do, said once at the start of ``fit()``: the launch and what sharding did
-    (``Parallelism.describe``), the global batch and how its loss is weighed (``share``: the examples a process
-    reads per epoch; fewer than a step takes, each step takes them all), the steps, the optimizer and schedule."""
+    (``Strategy.describe``), the global batch and how its loss is weighed (``share``: the examples a process
+    reads per epoch; fewer than a step takes, each step takes them all), the steps, the optimizer and schedule
+    (``words``)."""
     batch, accumulation, processes, reader = config.batch_size, config.gradient_accumulation_steps, *launch[2:]
     global_batch, short = batch * processes * accumulation, ""
     if share is not None and share < batch * accumulation:
@@ -123,7 +125,7 @@ def banner(
             f"an epoch has {share} examples per process in {state.batches_per_epoch} batch(es), fewer than "
             f"batch x accumulation: each step takes them all, {global_batch} global"
         )
-    weighs = "; the loss weighs every counted token alike" if weighs_tokens else ""
+    weighs = "; the loss weighs every counted token alike" if weighs else ""
     until = f"max_steps={config.max_steps}" if config.max_steps else f"{config.epochs} epochs"
     readers = "processes" if reader == "process" else f"{reader.split(' of ')[0]}s"
     lines = (
@@ -132,8 +134,7 @@ def banner(
         f"batch {batch} per {reader} x {processes} {readers} x {accumulation} accumulation "
         f"= {global_batch} global{weighs}",
         short,
-        f"{state.steps_per_epoch or 'unknown'} optimizer steps per "
-        f"epoch, {total_steps} in all ({until}); {optimization}",
+        f"{state.steps_per_epoch or 'unknown'} optimizer steps per epoch, {total_steps} in all ({until}); {words}",
     )
     return "trainer | " + "\n        | ".join(line for line in lines if line)
 

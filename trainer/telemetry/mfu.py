@@ -46,15 +46,17 @@ def peak_flops_of(name: str) -> Optional[float]:
 class Utilisation:
     """MFU from a log step's global tokens/s and examples/s; said once when it cannot be known."""
 
-    def __init__(self, model: torch.nn.Module, config: Any, device: torch.device, processes: int):
+    def __init__(self, run: Any, model: torch.nn.Module):
+        config, device = run.config, run.device
         self.given = config.flops_per_token
         shape = getattr(model, "config", None)
         layers, width = (getattr(shape, "num_hidden_layers", None), getattr(shape, "hidden_size", None))
         self.layers_width = layers * width if isinstance(layers, int) and isinstance(width, int) else None
-        self.parameters = sum(p.numel() for p in model.parameters())  # a sharded model's DTensors: the whole
+        # A sharded model's parameters count whole.
+        self.parameters = sum(p.numel() for p in model.parameters())
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"this {device.type}"
         self.peak = config.peak_flops or (peak_flops_of(name) if device.type == "cuda" else None)
-        self.processes, self.device_name, self.said = processes, name, False
+        self.processes, self.device_name, self.said = run.world, name, False
 
     def of(self, tokens_per_s: Optional[float], examples_per_s: float) -> Optional[float]:
         """The fraction of the peak used, or None (said once, when the FLOPs are known and the peak is not)."""

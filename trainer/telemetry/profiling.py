@@ -9,28 +9,13 @@ tracing costs time while it runs: leave the figures of those steps out of a comp
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from trainer.errors import ConfigError
+from trainer.config.reading import steps_of
 from trainer.telemetry.console import say
-
-RANGE = re.compile(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?")
-
-
-def steps_of(text: str) -> tuple[int, int]:
-    """``"10-12"`` -> (10, 12), ``"10"`` -> (10, 10); a ConfigError naming ``profile_steps`` otherwise."""
-    match = RANGE.fullmatch(text)
-    first, last = (int(match.group(1)), int(match.group(2) or match.group(1))) if match else (0, 0)
-    if not match or first < 1 or last < first:
-        raise ConfigError(
-            f"profile_steps must be an optimizer step or a range of them, say '10-12' (or null for "
-            f"no trace); got {text!r}"
-        )
-    return first, last
 
 
 class StepProfiler:
@@ -43,11 +28,13 @@ class StepProfiler:
         self.profile: Optional[torch.profiler.profile] = None
 
     @classmethod
-    def for_run(cls, config: Any, accelerator: Any) -> Optional["StepProfiler"]:
+    def for_run(cls, run: Any) -> list["StepProfiler"]:
+        """The callbacks ``profile_steps`` asks for: this one, or none."""
+        config = run.config
         if config.profile_steps is None:
-            return None
-        folder = Path(config.output_dir) / "profile" / f"rank{accelerator.process_index}"
-        return cls(steps_of(config.profile_steps), folder, accelerator.device)
+            return []
+        folder = Path(config.output_dir) / "profile" / f"rank{run.rank}"
+        return [cls(steps_of(config.profile_steps), folder, run.device)]
 
     def on_train_begin(self, trainer: Any) -> None:
         self._start_before(trainer.global_step + 1)

@@ -24,9 +24,6 @@ import traceback
 from pathlib import Path
 from typing import Any, Optional, Protocol
 
-from accelerate import Accelerator
-
-from trainer.config import TrainConfig
 from trainer.errors import PREEMPTED_EXIT, ConfigError, MetricsError
 from trainer.telemetry.console import warn
 
@@ -70,7 +67,7 @@ class TensorBoardRun:
     <output_dir>/tensorboard`` shows every rank as a run. A run resumed at step N purges what the run before logged
     after N (the steps it replays), so that TensorBoard shows each step once."""
 
-    def __init__(self, output_dir: str, rank: int, resumed_at: int = 0):
+    def __init__(self, output_dir: str, rank: int, *, resumed_at: int = 0):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
@@ -106,9 +103,10 @@ class WandbRun:
     group ``<experiment>``; offline when wandb cannot reach its server (no API key, no network, an outage), with
     one message from the main process."""
 
-    def __init__(self, config: TrainConfig, project: str, accelerator: Accelerator, run_id: str):
+    def __init__(self, run: Any, *, project: str, run_id: str):
         import wandb
 
+        config, accelerator = run.config, run.accelerator
         rank, world = accelerator.process_index, accelerator.num_processes
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         where = {
@@ -174,16 +172,16 @@ class WandbRun:
             warn(f"wandb could not close rank {self.rank}'s run: {err}")
 
 
-def open_sinks(config: TrainConfig, accelerator: Accelerator, run_id: str, resumed_at: int = 0) -> list[Sink]:
+def open_sinks(run: Any, *, run_id: str, resumed_at: int = 0) -> list[Sink]:
     """This rank's sinks: its metrics file, and wandb and TensorBoard when the config asks (``resumed_at``: the
     step a resumed run goes on from)."""
-    rank = accelerator.process_index
+    config, rank = run.config, run.rank
     sinks: list[Sink] = [MetricsFile(config.output_dir, rank)]
     project = config.wandb_project or os.environ.get("WANDB_PROJECT")  # wandb's own variable turns it on too
     if project:
-        sinks.append(WandbRun(config, project, accelerator, run_id))
+        sinks.append(WandbRun(run, project=project, run_id=run_id))
     if config.tensorboard:
-        sinks.append(TensorBoardRun(config.output_dir, rank, resumed_at))
+        sinks.append(TensorBoardRun(config.output_dir, rank, resumed_at=resumed_at))
     return sinks
 
 
@@ -199,13 +197,9 @@ def close_all(sinks: list[Sink], status: str, detail: Any = None) -> None:
         raise failure
 
 
-def new_run_id(accelerator: Accelerator) -> str:
+def new_run_id(run: Any) -> str:
     """A fresh id for this job, drawn on the main process and shared with every rank."""
-    from accelerate.utils import broadcast_object_list
-
-    ids = [os.urandom(4).hex() if accelerator.is_main_process else None]
-    broadcast_object_list(ids, from_process=0)
-    return ids[0]
+    return run.main_decides(lambda: os.urandom(4).hex())
 
 
 def read_metrics(output_dir: str | Path) -> dict[int, list[dict[str, Any]]]:

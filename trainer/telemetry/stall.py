@@ -1,38 +1,21 @@
-"""Naming the rank a stalled job is waiting for.
-
-When one rank stops arriving (a hung data loader, a deadlock, a frozen node), every other rank sits inside a
-collective until ``collective_timeout_s`` ends the job, and says nothing meanwhile. Here the training loop keeps a
-note of where this rank is: the step and what it is doing. A background thread publishes the note to the job's
-rendezvous store every few seconds and, once this rank has made no progress for ``stall_warning_s``, reads every
-rank's note and says which rank the others wait for, and at which step:
-
-    trainer: stalled for 30 s: rank 0 (node-a) backward at step 7 since 30 s, rank 1 (node-b) forward at step 7
-    since 31 s. Waiting for rank(s) 1 (forward at step 7).
-
-A sharded model (FSDP2) gathers each block's weights inside the forward pass, so a rank stuck in block 3 holds the
-others in block 4's all-gather, all "in forward": the note also counts the sharded blocks this rank has entered in
-the phase (``entered()``, a forward pre-hook on each), and the rank that entered fewest is the one waited for.
-
-If the launcher dies (kill -9, the OOM killer), each worker gets SIGTERM (``trainer.launch.run``) and a healthy job
-checkpoints and exits. A stalled one cannot reach the step where it would, and nobody is left to kill it: the thread
-notices the launcher is gone (this process was handed to another parent) and, once this rank has made no progress
-for ``warning_s`` (a long evaluation or save: for ``preemption_grace_s``), ends the process with one line. The
-store lived in the launcher, so the thread stops using it.
-
-On the hot path this costs an attribute assignment per phase (and per sharded block); the store traffic happens in
-the thread.
+"""Naming the rank a stalled job is waiting for (docs/troubleshooting.md). The loop notes where this rank is (the step
+and its phase; under FSDP2, the sharded blocks entered); a thread publishes the note to the job's rendezvous store
+every few seconds and, once this rank has made no progress for ``stall_warning_s``, reads every rank's note and says
+which rank the others wait for, and at which step. If the launcher is gone and the rank is stuck, it ends the
+process with one line. On the hot path: an attribute assignment per phase; the store traffic is the thread's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import threading
 import time
+from typing import Any, Iterator
 
 import torch
-from accelerate import Accelerator
 
 from trainer.errors import PREEMPTED_EXIT
 from trainer.telemetry.console import warn
@@ -47,22 +30,36 @@ LONG_PHASES = ("evaluate", "checkpoint")
 class StallReporter:
     """Watches this rank's progress; reports a stall once, from the lowest-numbered rank that is waiting."""
 
-    def __init__(self, accelerator: Accelerator, warning_s: float, grace_s: float = 180.0):
-        self.rank, self.world = accelerator.process_index, accelerator.num_processes
+    def __init__(self, run: Any, *, warning_s: float, grace_s: float = 180.0):
+        self.rank, self.world = run.rank, run.world
         self.warning_s, self.grace_s = warning_s, grace_s
         # The process that started this one: torch's elastic agent (accelerate launch, torchrun) hosts the store.
         self._launcher = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
         self.where = (0, "data")
-        self.blocks = 0  # sharded blocks entered in this phase
+        # Sharded blocks entered in this phase.
+        self.blocks = 0
         self._changed = time.monotonic()
         self._stop = threading.Event()
         self._host = socket.gethostname()
         # The store every rank already reached at rendezvous: no new port, no new connection to set up.
         store = torch.distributed.distributed_c10d._get_default_store()
         self._store = torch.distributed.PrefixStore("trainer-progress/", store)
-        interval = min(5.0, max(0.2, warning_s / 4))
+        self._thread: Any = None
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """The thread watches while the context lasts (``fit()``), then is stopped and joined: a daemon thread still
+        inside a store call when the interpreter shuts down is killed in C++ code, which aborts the process."""
+        self._stop.clear()
+        self._changed = time.monotonic()
+        interval = min(5.0, max(0.2, self.warning_s / 4))
         self._thread = threading.Thread(target=self._watch, args=(interval,), name="trainer-stall", daemon=True)
         self._thread.start()
+        try:
+            yield
+        finally:
+            self._stop.set()
+            self._thread.join()
 
     def at(self, step: int, phase: str) -> None:
         """The training loop is now in ``phase`` of optimizer step ``step`` (the step being computed)."""
@@ -74,18 +71,6 @@ class StallReporter:
         progress, as a long evaluation under FSDP2 makes it."""
         self.blocks += 1
         self._changed = time.monotonic()
-
-    def stop(self) -> None:
-        """Stop and join the thread. Why join: a daemon thread still inside a store call when the interpreter
-        shuts down is killed in C++ code, which aborts the process (SIGABRT) and can leave the others waiting."""
-        self._stop.set()
-        self._thread.join()
-
-    def __enter__(self) -> "StallReporter":
-        return self
-
-    def __exit__(self, *error: object) -> None:
-        self.stop()
 
     def _watch(self, interval: float) -> None:
         reported = None
@@ -136,10 +121,10 @@ class StallReporter:
         waiting = [r for r, n in notes.items() if now - n["since"] >= self.warning_s]
         if not waiting or self.rank != min(waiting):
             return  # one report per stall
-        warn(report(notes, self.world, now, stalled_s))
+        warn(report(notes, self.world, now=now, stalled_s=stalled_s))
 
 
-def report(notes: dict[int, dict], world: int, now: float, stalled_s: float) -> str:
+def report(notes: dict[int, dict], world: int, now: float, *, stalled_s: float) -> str:
     """The stall in words: where every rank is, and which one(s) the others wait for."""
 
     def position(note: dict) -> tuple[int, int, int]:
@@ -168,8 +153,8 @@ def report(notes: dict[int, dict], world: int, now: float, stalled_s: float) -> 
     return line + f" Waiting for rank(s) {', '.join(map(str, laggards))} ({doing(notes[laggards[0]])})."
 
 
-class _NoStalls:
-    """One process: nobody to wait for."""
+class NoStalls:
+    """One process, or no ``stall_warning_s``: nobody to wait for."""
 
     def at(self, step: int, phase: str) -> None:
         pass
@@ -177,19 +162,15 @@ class _NoStalls:
     def entered(self) -> None:
         pass
 
-    def __enter__(self) -> "_NoStalls":
-        return self
-
-    def __exit__(self, *error: object) -> None:
-        pass
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        yield
 
 
-def watch_stalls(
-    accelerator: Accelerator, warning_s: float | None, grace_s: float = 180.0
-) -> StallReporter | _NoStalls:
-    """A StallReporter when there are other ranks to wait for and ``warning_s`` is set; as a context, its thread
-    lives until the context ends. ``grace_s``: how long a long evaluation or save may go on once the launcher is
-    gone."""
-    if accelerator.num_processes == 1 or warning_s is None:
-        return _NoStalls()
-    return StallReporter(accelerator, warning_s, grace_s)
+def stall_reporter(run: Any) -> StallReporter | NoStalls:
+    """A ``StallReporter`` when there are other ranks to wait for and ``stall_warning_s`` is set (its ``grace_s``:
+    how long a long evaluation or save may go on once the launcher is gone: ``preemption_grace_s``)."""
+    config = run.config
+    if run.world == 1 or config.stall_warning_s is None:
+        return NoStalls()
+    return StallReporter(run, warning_s=config.stall_warning_s, grace_s=config.preemption_grace_s)

@@ -7,12 +7,11 @@ figures (``rank/*``), the job's (``global/*``, stored by the main process) and t
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Callable, Iterator, Optional
 
 import torch
-from accelerate import Accelerator
 
-from trainer.config import TrainConfig
 from trainer.errors import Preempted
 from trainer.loop.state import TrainState
 from trainer.telemetry.console import STEP_FIGURES, say, step_line
@@ -23,18 +22,22 @@ from trainer.telemetry.window import NOT_MEASURED, WINDOW_FIELDS, LoggedFigures,
 class Telemetry:
     """This process's reporting; its sinks are opened once the run's id is known (``open``)."""
 
-    def __init__(self, accelerator: Accelerator, replicas: int):
-        self.accelerator, self.replicas = accelerator, replicas  # replicas: the data-parallel processes
-        self.window = LogWindow(accelerator.device)
+    def __init__(self, run: Any, *, utilisation: Any = None):
+        self.run, self.accelerator = run, run.accelerator
+        # The data-parallel processes: a tensor-parallel group reads one batch.
+        self.replicas = run.dp.size
+        # MFU, where the model's FLOPs and the device's peak are known (trainer.telemetry.mfu).
+        self.utilisation = utilisation
+        self.window = LogWindow(run.device)
         self.figures = LoggedFigures(reserved=(*STEP_FIGURES, "grad_norm"))  # trainer.log's, until the next log
         self.sinks: list[Any] = []
         self.log_history: list[dict[str, Any]] = []
         self.utilisation: Any = None  # MFU, where the model's FLOPs and the device's peak are known (trainer.mfu)
 
-    def open(self, config: TrainConfig, run_id: str, step: int = 0) -> None:
+    def open(self, run_id: str, *, step: int = 0) -> None:
         """This rank's sinks; ``run_id`` names its wandb run (a resume passes the checkpoint's: the run goes on from
         ``step``)."""
-        self.sinks = open_sinks(config, self.accelerator, run_id, step)
+        self.sinks = open_sinks(self.run, run_id=run_id, resumed_at=step)
 
     def gather(self, stop: bool, lr: Any = 0.0, grad_norm: Optional[torch.Tensor] = None) -> list[dict[str, float]]:
         """Every rank's window since the last log (``WINDOW_FIELDS``, by name), gathered once: the one agreement of
@@ -47,6 +50,7 @@ class Telemetry:
     def log(
         self,
         rows: list[dict[str, float]],
+        *,
         state: TrainState,
         total_steps: int,
         on_log: Callable[[dict[str, Any]], None],
@@ -83,12 +87,26 @@ class Telemetry:
                 ex_s=f"{metrics['examples_per_s']:.4g}",
                 refresh=False,
             )
-        on_log(metrics)  # before the line: figures a callback adds go on it (gpt2.py: MFU)
+        # Before the line: figures a callback adds go on it (gpt2.py: MFU).
+        on_log(metrics=metrics)
         added = {key: value for key, value in metrics.items() if key not in self.figures.reserved}
         shown = global_view if acc.is_main_process else {}
         self.write({**own, **shown, **added}, state.step)  # yours stored as the trainer's are
         say(step_line(metrics, total_steps))
         return global_view
+
+    def result(self, state: TrainState, *, started: float, skipped: int, stopped: Optional[str]) -> dict[str, Any]:
+        """What ``fit()`` returns of its training: the step and epoch reached, the last log's loss (NaN when no step
+        was trained), the seconds since ``started``, the steps ``nan_policy: skip`` skipped, and why it stopped early
+        (None when it ran to the end)."""
+        return {
+            "global_step": state.step,
+            "epoch": state.epoch_progress,
+            "train_loss": self.log_history[-1]["train_loss"] if self.log_history else float("nan"),
+            "train_runtime_s": time.perf_counter() - started,
+            "skipped_steps": skipped,
+            "stopped": stopped,
+        }
 
     def log_evaluation(self, metrics: dict[str, float], step: int) -> None:
         """An evaluation's figures (the same reduced ones on every rank: the main process's sinks hold them)."""

@@ -19,6 +19,7 @@ import torch
 from accelerate.utils import find_batch_size
 
 from trainer.loop.nonfinite import NONE
+from trainer.parallel.gradients import whole
 
 # One row of a rank's window, in this order, gathered from every rank at each log.
 # loss_sum / loss_weight is the window's mean loss: weights are a micro-batch's counted tokens (or its loss_fn's
@@ -51,7 +52,7 @@ class LogWindow:
         self.restart()
 
     def add(
-        self, loss: torch.Tensor, step: int, batch: Any, examples: int | torch.Tensor, weight: int | torch.Tensor = 1
+        self, loss: torch.Tensor, step: int, batch: Any, *, examples: int | torch.Tensor, weight: int | torch.Tensor = 1
     ) -> None:
         """Count one micro-batch of optimizer step ``step``: its loss (weighed: ``weight`` x its mean), examples
         (``examples_in``: a number, or a device count), and tokens when it carries ``input_ids``."""
@@ -70,6 +71,14 @@ class LogWindow:
         self.micro_batches += 1
         if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), torch.Tensor):  # dict, BatchEncoding
             self.tokens += batch["input_ids"].numel()  # shape metadata: no device sync
+
+    def stepped(self) -> None:
+        """One optimizer step done."""
+        self.steps += 1
+
+    def forward_took(self, seconds: float) -> None:
+        """A forward pass's host time: this rank's own work before the gradients' all-reduce."""
+        self.forward += seconds
 
     def timed(self, batches: Iterable) -> Iterator:
         """Yield from ``batches``, adding the seconds spent waiting for each one to ``data_wait``."""
@@ -111,8 +120,9 @@ class LogWindow:
         weight = self._folded_weight.view(1) + self._host_weight
         if grad_norm is None:
             norm = torch.full((1,), NOT_MEASURED, dtype=torch.float64, device=self._device)
-        else:  # a sharded model's norm is a DTensor: its whole value (a collective, no host read)
-            norm = getattr(grad_norm, "full_tensor", lambda: grad_norm)().detach().reshape(1).double()
+        else:
+            # Its whole value (a sharded norm's is a collective, no host read).
+            norm = whole(grad_norm).detach().reshape(1).double()
         return torch.cat(
             [self._folded.view(1), host_part, *device_lr, weight, self._first_bad.double().view(1), norm]
         ).view(1, -1)
@@ -195,11 +205,8 @@ class LoggedFigures:
         """Each figure's mean since the last take, as numbers; then empty. The tensors of each device are read in
         one go: a round trip each otherwise."""
         totals = {name: total for name, total in self._sums.items() if not torch.is_tensor(total)}
-        tensors = {
-            name: getattr(total, "full_tensor", lambda t=total: t)()  # a sharded model's DTensor: whole
-            for name, total in self._sums.items()
-            if torch.is_tensor(total)
-        }
+        # A figure of a sharded model's: whole.
+        tensors = {name: whole(total) for name, total in self._sums.items() if torch.is_tensor(total)}
         by_device: dict[torch.device, list[str]] = {}
         for name, total in tensors.items():
             by_device.setdefault(total.device, []).append(name)

@@ -48,9 +48,11 @@ def plot(output_dir: str | Path, out: str | Path | None = None) -> Path:
         ax.set_visible(False)
     for ax, (title, ylabel, key, main_keys) in zip(axes.flat, drawn, strict=False):
         for rank, rows in sorted(ranks.items()):
-            _curve(ax, rows, key, "-", f"rank {rank}")
+            _curve(ax, rows, key, style="-", label=f"rank {rank}")
         for main_key in main_keys:
-            _curve(ax, ranks.get(0, []), main_key, "k--" if main_key.startswith("global") else "ko-", main_key)
+            _curve(
+                ax, ranks.get(0, []), main_key, style="k--" if main_key.startswith("global") else "ko-", label=main_key
+            )
         ax.set(title=title, xlabel="optimizer step", ylabel=ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
@@ -73,7 +75,7 @@ def panels(ranks: dict[int, list[dict]]) -> list[tuple[str, str, str | None, tup
     return found + [(name, name, name, ()) for name in own]
 
 
-def _curve(ax, rows: list[dict], key: str | None, style: str, label: str) -> None:
+def _curve(ax, rows: list[dict], key: str | None, *, style: str, label: str) -> None:
     if key is None:
         return
     steps = [row["step"] for row in rows if key in row]

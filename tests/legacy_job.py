@@ -1,0 +1,57 @@
+"""A tiny GPT-2 (tied embeddings, AdamW, a cosine schedule, dropout) trained 4 steps on 2 processes, checkpointed
+every 2, through the public API alone, so that one version of the trainer can write what another reads:
+
+    accelerate launch --config_file accelerate_configs/multi_gpu.yaml tests/legacy_job.py OUT [--resume CKPT]
+
+``tests/data/ddp-checkpoint-v1/`` holds step 2 of this job as the trainer wrote DDP checkpoints before every
+strategy wrote DCP (``model.safetensors``, ``optimizer.bin``), and ``final.safetensors`` its uninterrupted end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from trainer import TrainConfig, Trainer  # noqa: E402
+
+
+def model_and_data() -> tuple[torch.nn.Module, list[dict]]:
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=2))
+    g = torch.Generator().manual_seed(1)
+    return model, [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 16, (32, 8), generator=g)]
+
+
+def config_of(out: str, resume: str | None = None, batch_size: int = 2) -> TrainConfig:
+    return TrainConfig(
+        output_dir=out,
+        batch_size=batch_size,
+        gradient_accumulation_steps=2,
+        max_steps=4,
+        save_every=2,
+        keep_last=4,
+        lr=0.01,
+        weight_decay=0.1,
+        lr_scheduler="cosine",
+        warmup_steps=1,
+        log_every=1,
+        resume=resume,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--resume", default=None)
+    args = parser.parse_args()
+    model, rows = model_and_data()
+    Trainer(model, config_of(args.out, args.resume), train_data=rows).fit()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""The checkpoint manager and its parts against a run of one process, in this pytest process: what a checkpoint holds
+under every strategy (DCP's shards, accelerate's schedule and random states, the plain parts in trainer_state.json),
+a resume that puts every part back, and a checkpoint the trainer wrote before every strategy wrote DCP."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer import EarlyStopping, TrainConfig, Trainer
+from trainer.checkpoint.best import KeepBest
+from trainer.checkpoint.manager import Checkpointer
+from trainer.checkpoint.parts import AccelerateState, CallbackStates, ModelPart
+from trainer.checkpoint.policy import RunSetup
+from trainer.launch.run import Run
+from trainer.loop.callbacks import stateful
+from trainer.loop.state import TrainState
+from trainer.optim import build as optim
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+
+
+def parts_of(run: Run, model: torch.nn.Module, callbacks: list) -> tuple[Checkpointer, TrainState, object]:
+    built = optim.build(model, run.config, optimizer=None, lr_scheduler=None, total_steps=10)
+    state, best = TrainState(8, 1, run_id="unit"), KeepBest(run.config)
+    parts = {
+        "model": ModelPart(run, model, built.optimizer),
+        "accelerate": AccelerateState(run, built.scheduler),
+        "train": state,
+        "best": best,
+        "callbacks": CallbackStates(run, callbacks, named=stateful),
+        "data": None,
+    }
+    return Checkpointer(run, parts=parts, setup=RunSetup(run, built, streaming=False), best=best), state, built
+
+
+def step(model: torch.nn.Module, built) -> None:
+    model(torch.ones(2, 4)).sum().backward()
+    built.optimizer.step()
+    built.scheduler.step()
+    built.optimizer.zero_grad()
+
+
+def test_a_checkpoint_is_dcp_shards_and_accelerates_files_and_a_resume_puts_every_part_back(tmp_path):
+    run = Run.join(TrainConfig(output_dir=str(tmp_path), lr_scheduler="cosine", warmup_steps=2, resume="auto"))
+    torch.manual_seed(0)
+    model, stopping = torch.nn.Linear(4, 3), EarlyStopping(patience=5)
+    checkpoints, state, built = parts_of(run, model, [stopping])
+    assert checkpoints.start() is None
+    for _ in range(3):
+        step(model, built)
+        state.stepped(1)
+    stopping.waited = 2
+    folder = checkpoints.save(state.step)
+    held = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+    assert held == [
+        "callback_states_0.pt",
+        "random_states_0.pkl",
+        "scheduler.bin",
+        "shards/.metadata",
+        "shards/__0_0.distcp",
+        "trainer_state.json",
+    ]
+    saved = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    moments = built.optimizer.state_dict()["state"][0]["exp_avg"].clone()
+    lr = built.optimizer.param_groups[0]["lr"]
+
+    torch.manual_seed(1)
+    again, stopping_again = torch.nn.Linear(4, 3), EarlyStopping(patience=5)
+    resumed, position, rebuilt = parts_of(run, again, [stopping_again])
+    assert resumed.start() is None
+    assert position.step == 3 and position.run_id == "unit" and resumed.last == folder
+    assert all(torch.equal(again.state_dict()[name], tensor) for name, tensor in saved.items())
+    assert torch.equal(rebuilt.optimizer.state_dict()["state"][0]["exp_avg"], moments)
+    assert rebuilt.optimizer.param_groups[0]["lr"] == lr and stopping_again.waited == 2
+
+
+def test_a_ddp_checkpoint_written_before_dcp_still_loads_whole_on_one_process(tmp_path):
+    """tests/data/ddp-checkpoint-v1: step 2 of tests/legacy_job.py on 2 processes, as the trainer wrote DDP
+    checkpoints before (``model.safetensors``, ``optimizer.bin`` by parameter index): a run of one process at the same
+    global batch takes its weights and optimizer state as they are (tests/test_checkpoint.py resumes it on 2
+    processes under DDP and FSDP2, to the uninterrupted run's end bit for bit)."""
+    from safetensors.torch import load_file
+
+    sys.path.insert(0, str(DATA.parent))
+    from legacy_job import config_of, model_and_data
+
+    checkpoint = tmp_path / "checkpoints" / "step-00000002"
+    shutil.copytree(DATA / "ddp-checkpoint-v1", checkpoint)
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["sharding"] == "DDP"
+    model, rows = model_and_data()
+    trainer = Trainer(model, config_of(str(tmp_path), str(checkpoint), batch_size=4), train_data=rows)
+    assert trainer.cannot_train_on is None and trainer.global_step == 2
+    weights = load_file(checkpoint / "model.safetensors")
+    assert weights and all(torch.equal(trainer.unwrapped_model.state_dict()[name], t) for name, t in weights.items())
+    saved = torch.load(checkpoint / "optimizer.bin", weights_only=True)
+    state = trainer.optimizer.state_dict()
+    assert saved["state"].keys() == state["state"].keys()
+    for index, moments in saved["state"].items():
+        assert all(torch.equal(state["state"][index][key], value) for key, value in moments.items()), index
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_save_async_writes_the_same_checkpoint_under_ddp(tmp_path, background):
+    """A DDP run's model and optimizer are DCP's, so save_async writes them in the background too."""
+    run = Run.join(TrainConfig(output_dir=str(tmp_path), save_async=True))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    checkpoints, state, built = parts_of(run, model, [])
+    checkpoints.start()
+    step(model, built)
+    state.stepped(1)
+    folder = checkpoints.save(1, wait=not background)
+    checkpoints.wait()
+    assert checkpoints.last == folder and (folder / "shards" / ".metadata").is_file()

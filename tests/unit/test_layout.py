@@ -1,0 +1,88 @@
+"""The package's shape, checked as code is: every module at most 300 lines and the Trainer class at most 250, no
+formatter markers, FSDP2 named only inside the parallelism package, keyword-only arguments past the third, and no
+import cycle among the package's modules (read with ast, imports inside functions included)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "trainer"
+MODULES = sorted(PACKAGE.rglob("*.py"))
+
+
+def name_of(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda path: name_of(path))
+def test_each_module_is_at_most_300_lines_with_no_formatter_markers(path):
+    text = path.read_text()
+    assert len(text.splitlines()) <= 300
+    assert "fmt: skip" not in text and "fmt: off" not in text
+
+
+def test_the_trainer_class_is_at_most_250_lines():
+    (trainer,) = [
+        node for node in ast.parse((PACKAGE / "trainer.py").read_text()).body if isinstance(node, ast.ClassDef)
+    ]
+    assert trainer.end_lineno - trainer.lineno + 1 <= 250
+
+
+def test_only_the_parallelism_package_knows_fsdp2():
+    knowing = {
+        name_of(path)
+        for path in MODULES
+        if any(word in path.read_text() for word in ("fully_shard", "FSDPModule", "DTensor"))
+    }
+    assert knowing and all(name.startswith("trainer.parallel.") for name in knowing), knowing
+
+
+def test_arguments_past_the_third_are_keyword_only():
+    """Dunder methods other than ``__init__`` keep the signatures their protocols give them."""
+    found = []
+    for path in MODULES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if node.name.startswith("__") and node.name.endswith("__") and node.name != "__init__":
+                continue
+            positional = [a.arg for a in node.args.posonlyargs + node.args.args if a.arg not in ("self", "cls")]
+            if len(positional) > 3:
+                found.append(f"{name_of(path)}.{node.name}({', '.join(positional)})")
+    assert not found
+
+
+def test_no_import_cycle_among_the_modules():
+    """Imports at a module's top level (and in its functions: an import deferred to a call is an edge all the same)."""
+    names = {name_of(path): path for path in MODULES}
+    edges: dict[str, set[str]] = {}
+    for name, path in names.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("trainer"):
+                found |= {f"{node.module}.{alias.name}" for alias in node.names} | {node.module}
+            elif isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names if alias.name.startswith("trainer")}
+        # A package's __init__ is imported with any of its modules; "from trainer.x import y" names y or x.y.
+        edges[name] = {
+            other for other in found if other in names and other != name and not name.startswith(other + ".")
+        }
+    state: dict[str, int] = {}
+
+    def visit(name: str, trail: list[str]) -> None:
+        state[name] = 1
+        for other in sorted(edges[name]):
+            if state.get(other) == 1:
+                cycle = trail[trail.index(other) :] if other in trail else trail
+                pytest.fail("import cycle: " + " -> ".join([*cycle, other]))
+            if other not in state:
+                visit(other, [*trail, other])
+        state[name] = 2
+
+    for name in sorted(names):
+        if name not in state:
+            visit(name, [name])

@@ -1,0 +1,192 @@
+"""The parts of a checkpoint that write files (docs/checkpoints.md): the model and its optimizer (torch DCP's
+``shards/``, under every strategy), what accelerate keeps (the schedule, fp16's loss scaler, every rank's random
+state) and the callbacks' states. Every method is collective: call it on every rank.
+
+One format: DCP writes each tensor once (a replicated one by one rank, a sharded one by its holders) and reads it
+back into any strategy and process count, so a DDP checkpoint resumes under FSDP2 and back through one path, and
+``save_async`` writes either in the background. A checkpoint written before (DDP's ``model.safetensors`` and
+``optimizer.bin``) is read once more through ``read_before_dcp``.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from trainer.checkpoint.hf_files import MODEL_FILE, save_model_config
+from trainer.checkpoint.safe_dcp import SHARDS, one_process, quietly, read_shards
+
+# DDP's optimizer file in a checkpoint written before every strategy wrote DCP (with MODEL_FILE).
+OPTIMIZER_FILE = "optimizer.bin"
+
+
+class ModelPart:
+    """The ``model`` part: ``model`` (the plain or sharded module, not DDP's wrapper) and ``optimizer`` (the torch
+    optimizer itself), in ``shards/``; a transformers model's config beside, for the export."""
+
+    def __init__(self, run: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer, self.main = model, optimizer, run.main
+        # Where loaded tensors go (not "cpu:0").
+        self.device = "cpu" if run.device.type == "cpu" else str(run.device)
+        # On a GPU, save_async's pinned copies, made at the first save, kept for the next.
+        self._stager: Any = None
+
+    def save(self, folder: Path, *, in_background: bool = False) -> None:
+        """The shards into ``folder/shards`` (unless ``in_background``: ``save_async`` writes them)."""
+        if not in_background:
+            import torch.distributed.checkpoint as dcp
+
+            with quietly():
+                dcp.save(self._dcp_state(folder), checkpoint_id=str(folder / SHARDS), no_dist=one_process())
+        if self.main:
+            save_model_config(self.model, folder)
+
+    def save_async(self, folder: Path, process_group: Any) -> Future:
+        """``save``, returning once the state is copied to CPU memory: the shards are written in the background
+        (``trainer.checkpoint.background``), the collectives on ``process_group``."""
+        import torch.distributed.checkpoint as dcp
+
+        with quietly():
+            return dcp.async_save(
+                self._dcp_state(folder),
+                checkpoint_id=str(folder / SHARDS),
+                process_group=process_group,
+                async_stager=self._staging(),
+                no_dist=one_process(),
+            )
+
+    def _staging(self) -> Any:
+        """On a GPU, one stager for every background save, as torchtitan keeps one: pinned CPU copies allocated at
+        the first save and refilled by the next, copied without blocking (DCP's default allocates fresh pageable
+        memory at every save, which the step waits for). On the CPU, DCP's default: pinning gains nothing there."""
+        if self._stager is None and self.device != "cpu" and torch.cuda.is_available():
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            options = StagingOptions(
+                use_pinned_memory=True, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=True
+            )
+            self._stager = DefaultStager(options)
+        return self._stager
+
+    def load(self, folder: Path, state: dict[str, Any]) -> None:
+        """The weights and optimizer state of checkpoint ``folder``: DCP reads each process's part, whatever the
+        strategy and processes that wrote it."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        if not (folder / SHARDS).is_dir():
+            return read_before_dcp(self.model, self.optimizer, folder)
+        loaded = self._dcp_state()
+        read_shards(loaded, folder)
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"]
+        )
+
+    def load_weights(self, folder: Path) -> None:
+        """The weights alone of checkpoint ``folder`` (the best evaluation's, at the end of training)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+        if not (folder / SHARDS).is_dir():
+            return read_before_dcp(self.model, None, folder)
+        loaded = {"model": get_model_state_dict(self.model)}
+        read_shards(loaded, folder)
+        set_model_state_dict(self.model, loaded["model"])
+
+    def _dcp_state(self, folder: Path | None = None) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        if folder is not None:
+            (folder / SHARDS).mkdir(parents=True, exist_ok=True)
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optimizer": optimizer_state}
+
+
+def read_before_dcp(model: torch.nn.Module, optimizer: Any, folder: Path) -> None:
+    """A checkpoint of a DDP run written before every strategy wrote DCP: the whole model in ``model.safetensors``
+    (read by safetensors) and the optimizer's state by parameter index in ``optimizer.bin`` (``torch.load`` with
+    ``weights_only=True``), given to this run by parameter name: this run's optimizer lists its parameters in the
+    same order (the same config built both; a change is refused first). Each process keeps its part."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True)
+    weights = load_file(folder / MODEL_FILE)
+    if optimizer is None:
+        return set_model_state_dict(model, weights, options=options)
+    saved = torch.load(folder / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+    groups = get_optimizer_state_dict(model, optimizer)["param_groups"]
+    names = [name for group in groups for name in group["params"]]
+    indices = [index for group in saved["param_groups"] for index in group["params"]]
+    if len(names) != len(indices):
+        raise ValueError(f"the checkpoint's optimizer has {len(indices)} parameters, this run's {len(names)}")
+    name_of = dict(zip(indices, names, strict=True))
+    by_name = {
+        "state": {name_of[index]: value for index, value in saved["state"].items()},
+        "param_groups": [{**group, "params": [name_of[i] for i in group["params"]]} for group in saved["param_groups"]],
+    }
+    set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=by_name, options=options)
+
+
+class AccelerateState:
+    """The ``accelerate`` part: the schedule, fp16's loss scaler and every rank's random states, written and read by
+    accelerate's own ``save_accelerator_state`` / ``load_accelerator_state`` (what ``Accelerator.save_state`` writes,
+    less the model and optimizer, which are the ``model`` part's)."""
+
+    def __init__(self, run: Any, scheduler: Any):
+        self.accelerator, self.scheduler = run.accelerator, scheduler
+
+    def save(self, folder: Path, *, in_background: bool = False) -> None:
+        from accelerate.checkpointing import save_accelerator_state
+
+        acc = self.accelerator
+        save_accelerator_state(
+            str(folder), [], [], [self.scheduler], [], acc.process_index, 0, scaler=acc.scaler, safe_serialization=True
+        )
+
+    def load(self, folder: Path, state: dict[str, Any]) -> None:
+        from accelerate.checkpointing import load_accelerator_state
+
+        acc = self.accelerator
+        load_accelerator_state(
+            str(folder),
+            models=[],
+            optimizers=[],
+            schedulers=[self.scheduler],
+            dataloaders=[],
+            process_index=acc.process_index,
+            scaler=acc.scaler,
+            map_location="cpu",
+        )
+
+
+class CallbackStates:
+    """The ``callbacks`` part: every callback with ``state_dict`` (``named(callbacks)``), each rank's in a file of its
+    own (their state may hold tensors: ``torch.load(weights_only=True)`` reads it back). A rank the checkpoint had
+    not gets the first rank's."""
+
+    def __init__(self, run: Any, callbacks: list, *, named: Callable[[list], dict[str, Any]]):
+        self.callbacks, self.rank, self.named = callbacks, run.rank, named
+        # Where loaded tensors go (not "cpu:0").
+        self.device = "cpu" if run.device.type == "cpu" else run.device
+
+    def save(self, folder: Path, *, in_background: bool = False) -> None:
+        states = {name: callback.state_dict() for name, callback in self.named(self.callbacks).items()}
+        if states:
+            torch.save(states, folder / f"callback_states_{self.rank}.pt")
+
+    def load(self, folder: Path, state: dict[str, Any]) -> None:
+        file = folder / f"callback_states_{self.rank}.pt"
+        file = file if file.is_file() else folder / "callback_states_0.pt"
+        if not file.is_file():
+            return
+        saved = torch.load(file, map_location=self.device, weights_only=True)
+        for name, callback in self.named(self.callbacks).items():
+            if name in saved:
+                callback.load_state_dict(saved[name])

@@ -1,0 +1,186 @@
+"""A config's values from outside: YAML files and ``key=value`` overrides, each key checked against TrainConfig's
+fields (an unknown key names the closest valid ones, or the accelerate config that sets it) and each value against
+its field's type, every mistake a ``ConfigError`` naming the key (docs/project.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import re
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from trainer.errors import ConfigError
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice is an error (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                lines = f"lines {seen[key] + 1} and {key_node.start_mark.line + 1}"
+                raise ConfigError(f"key '{key}' is given twice ({lines}): keep one")
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """A YAML config file's mapping; a missing or empty file, a repeated key, bad YAML or anything but a mapping
+    is a ConfigError naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    text = path.read_text()
+    try:
+        values = yaml.load(text, Loader=_StrictLoader)
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if values is None:
+        raise ConfigError(
+            f"{path} is empty: list the TrainConfig keys that differ from the defaults, or do not pass a config file"
+        )
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: expected a mapping of TrainConfig keys, got {type(values).__name__}")
+    return values
+
+
+# What transformers' TrainingArguments (and habit) call some keys: a misspelling of these suggests ours.
+OTHER_NAMES = {
+    "learning_rate": "lr",
+    "num_train_epochs": "epochs",
+    "per_device_train_batch_size": "batch_size",
+    "train_batch_size": "batch_size",
+    "lr_scheduler_type": "lr_scheduler",
+    "logging_steps": "log_every",
+    "eval_steps": "eval_every",
+    "save_steps": "save_every",
+    "save_total_limit": "keep_last",
+    "resume_from_checkpoint": "resume",
+    "adam_epsilon": "eps",
+    "grad_clip": "max_grad_norm",
+    "gradient_accumulation": "gradient_accumulation_steps",
+    "warmup": "warmup_steps",
+}
+
+
+# Settings other trainers take in their config that the accelerate config at launch decides here.
+LAUNCH_SETTINGS = {
+    "mixed_precision": "accelerate_configs/bf16.yaml or fp16.yaml",
+    "bf16": "accelerate_configs/bf16.yaml",
+    "fp16": "accelerate_configs/fp16.yaml",
+    "fsdp": "accelerate_configs/fsdp.yaml",
+    "fsdp_config": "accelerate_configs/fsdp.yaml",
+    "deepspeed": "accelerate_configs/fsdp.yaml: this trainer shards with FSDP2",
+}
+
+
+def check_keys(cls: type, values: dict[str, Any], source: str) -> None:
+    """An unknown key is an error naming the closest valid ones, or the accelerate config that sets it."""
+    valid = [f.name for f in dataclasses.fields(cls)]
+    for key in values:
+        if key in LAUNCH_SETTINGS and key not in valid:
+            raise ConfigError(
+                f"{source}: '{key}' is not a TrainConfig key: the accelerate config chosen at launch "
+                f"sets it, for every process alike (launch with {LAUNCH_SETTINGS[key]})"
+            )
+        if key not in valid:
+            names = {**{name: name for name in valid}, **{k: v for k, v in OTHER_NAMES.items() if v in valid}}
+            close = difflib.get_close_matches(str(key).lower(), list(names), n=3, cutoff=0.5)
+            close = list(dict.fromkeys(names[name] for name in close))  # another trainer's name: ours
+            hint = f" Did you mean: {', '.join(close)}?" if close else ""
+            raise ConfigError(f"{source}: unknown key '{key}'.{hint} Valid keys: {', '.join(valid)}")
+
+
+def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """``["lr=1e-3", "betas=[0.9, 0.95]"]`` -> ``{"lr": "1e-3", "betas": [0.9, 0.95]}`` (values parsed as YAML)."""
+    parsed = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override '{item}' is not of the form key=value")
+        parsed[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+    return parsed
+
+
+def check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def coerce(key: str, value: Any, annotation: Any) -> Any:
+    """Return ``value`` as the field's type, or raise a ConfigError naming ``key``.
+
+    Strict, with three deliberate leniencies: an int where a float is expected, a numeric string for a float
+    (PyYAML reads ``1e-3`` as a string because it lacks a dot), and a path (``pathlib.Path``, as
+    ``trainer.best_checkpoint`` is) for a string.
+    """
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Union and type(None) in args:  # Optional[X]
+        if value is None:
+            return None
+        (annotation,) = [a for a in args if a is not type(None)]
+        origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+
+    def wrong() -> ConfigError:
+        expected = getattr(annotation, "__name__", str(annotation))
+        return ConfigError(f"{key} must be {expected}, got {value!r} ({type(value).__name__})")
+
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise wrong()
+        return tuple(coerce(f"{key}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args, strict=True)))
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise wrong()
+        return value
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise wrong()
+        return value
+    if annotation is float:
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                raise wrong() from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise wrong()
+        if not math.isfinite(value):  # YAML's .nan / .inf: torch would fail late, or train on nonsense
+            raise ConfigError(f"{key} must be a finite number, got {value!r}")
+        return float(value)
+    if annotation is str:
+        value = os.fspath(value) if isinstance(value, os.PathLike) else value
+        if not isinstance(value, str):
+            raise wrong()
+        return value
+    if annotation is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise wrong()
+        return dict(value)
+    raise TypeError(f"TrainConfig field {key} has an unsupported annotation {annotation!r}")
+
+
+RANGE = re.compile(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?")
+
+
+def steps_of(text: str) -> tuple[int, int]:
+    """``"10-12"`` -> (10, 12), ``"10"`` -> (10, 10); a ConfigError naming ``profile_steps`` otherwise."""
+    match = RANGE.fullmatch(text)
+    first, last = (int(match.group(1)), int(match.group(2) or match.group(1))) if match else (0, 0)
+    if not match or first < 1 or last < first:
+        raise ConfigError(
+            f"profile_steps must be an optimizer step or a range of them, say '10-12' (or null for "
+            f"no trace); got {text!r}"
+        )
+    return first, last
