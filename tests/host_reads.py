@@ -94,9 +94,9 @@ def job(out: str, loss: str) -> dict:
     counter = CountReads()
     run, after = trainer.steps.run, trainer._after_step
 
-    def counted_run(window, step, measure_norm):
+    def counted_run(window, step, *, measure_norm):
         counter.step = step
-        return run(window, step, measure_norm)
+        return run(window, step, measure_norm=measure_norm)
 
     def counted_after(bar):
         counter.step = trainer.global_step

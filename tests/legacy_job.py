@@ -2,6 +2,7 @@
 every 2, through the public API alone, so that one version of the trainer can write what another reads:
 
     accelerate launch --config_file accelerate_configs/multi_gpu.yaml tests/legacy_job.py OUT [--resume CKPT]
+    accelerate launch --config_file accelerate_configs/fsdp.yaml tests/legacy_job.py OUT [--resume CKPT] [--ddp]
 
 ``tests/data/ddp-checkpoint-v1/`` holds step 2 of this job as the trainer wrote DDP checkpoints before every
 strategy wrote DCP (``model.safetensors``, ``optimizer.bin``), and ``final.safetensors`` its uninterrupted end.
@@ -10,6 +11,7 @@ strategy wrote DCP (``model.safetensors``, ``optimizer.bin``), and ``final.safet
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -48,9 +50,18 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--resume", default=None)
+    parser.add_argument("--ddp", action="store_true", help="under an FSDP launch: this job as DDP")
     args = parser.parse_args()
-    model, rows = model_and_data()
-    Trainer(model, config_of(args.out, args.resume), train_data=rows).fit()
+    # Several jobs may run in one process (tests/jobs.py): the launch's environment is put back after this one.
+    saved = dict(os.environ)
+    if args.ddp:
+        os.environ.pop("ACCELERATE_USE_FSDP", None)
+    try:
+        model, rows = model_and_data()
+        Trainer(model, config_of(args.out, args.resume), train_data=rows).fit()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,9 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -164,6 +166,7 @@ def resume(args) -> None:
         max_steps=args.max_steps,
         preemption_grace_s=args.preemption_grace_s,
         slurm_requeue=args.slurm_requeue,
+        save_async=args.save_async,
     )
 
     def loss_fn(model, batch):
@@ -212,6 +215,25 @@ def resume(args) -> None:
                 os._exit(1)
 
         written_last.save = save_then_die
+    if args.slow_background_write:  # a background write committed only that many seconds after DCP's write ends
+        model_part = trainer.checkpoints.parts["model"]
+        save_async = model_part.save_async
+
+        def slow_save_async(folder, group):
+            written, done = save_async(folder, group), Future()
+
+            def later():
+                time.sleep(args.slow_background_write)
+                try:
+                    done.set_result(written.result())
+                except BaseException as err:
+                    done.set_exception(err)
+
+            threading.Thread(target=later, daemon=True).start()
+            say(f"WRITING {folder.name.removeprefix('.tmp-')} in the background")
+            return done
+
+        model_part.save_async = slow_save_async
     if args.hang_in_preemption_save:  # a save that never ends: the deadline or a second signal must end it
         save_state = written_last.save
 
@@ -609,6 +631,8 @@ if __name__ == "__main__":
     parser.add_argument("--signal", default="SIGUSR1")
     parser.add_argument("--step_sleep", type=float, default=0)
     parser.add_argument("--hang_in_preemption_save", action="store_true")
+    parser.add_argument("--save_async", action="store_true")
+    parser.add_argument("--slow_background_write", type=float, default=0)
     parser.add_argument("--preemption_grace_s", type=float, default=180)
     parser.add_argument("--slurm_requeue", action="store_true")
     parser.add_argument("--fault", default="")

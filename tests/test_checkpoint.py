@@ -20,7 +20,18 @@ from scenarios import DropoutClassifier
 
 from trainer import PREEMPTED_EXIT
 
-from conftest import JOBS, ROOT, SCENARIOS, accelerate_launch, clean_env, job_exits, python, split_jobs, torchrun
+from conftest import (
+    JOBS,
+    ROOT,
+    SCENARIOS,
+    accelerate_launch,
+    clean_env,
+    free_port,
+    job_exits,
+    python,
+    split_jobs,
+    torchrun,
+)
 
 pytestmark = pytest.mark.xdist_group("checkpoint")  # its tests share a module-scoped launch: run it once
 
@@ -216,7 +227,8 @@ def test_checkpoint_of_another_model_is_refused_by_name(refused_on_one):
     message = refusal(refused_on_one, "another model")
     assert "checkpoints/step-00000036 does not fit this run" in message
     assert (
-        "Size mismatch between saved torch.Size([32, 8]) and current: torch.Size([16, 8]) for model.net.0.weight" in message
+        "Size mismatch between saved torch.Size([32, 8]) and current: torch.Size([16, 8]) for model.net.0.weight"
+        in message
     )
 
 
@@ -454,17 +466,69 @@ def test_a_compiled_model_checkpoints_resumes_and_exports_plain_weights(tmp_path
     assert "resumed from" in again.stdout and result_line(again.stdout)["global_step"] == 8
 
 
-@pytest.mark.parametrize("config", ["multi_gpu.yaml", "fsdp.yaml"])
-def test_a_ddp_checkpoint_written_before_dcp_resumes_bit_identical_under_ddp_and_fsdp2(tmp_path, config):
+def test_a_ddp_checkpoint_written_before_dcp_resumes_bit_identical_under_ddp_and_fsdp2(tmp_path):
     """tests/data/ddp-checkpoint-v1: step 2 of tests/legacy_job.py (2 processes), written as DDP checkpoints were
     before every strategy wrote DCP (model.safetensors, optimizer.bin); resumed on 2 processes it reaches that run's
-    own end, tests/data/ddp-checkpoint-v1-final.safetensors, bit for bit, as DDP and as FSDP2."""
-    checkpoint = tmp_path / "checkpoints" / "step-00000002"
-    shutil.copytree(ROOT / "tests" / "data" / "ddp-checkpoint-v1", checkpoint)
-    job = ROOT / "tests" / "legacy_job.py"
-    result = accelerate_launch(job, tmp_path, "--resume", checkpoint, config=config, num_processes=2)
-    assert f"resumed from {checkpoint}: step 2, epoch 0, batch 4" in result.stdout
-    assert (tmp_path / "checkpoints" / "step-00000004" / "shards" / ".metadata").is_file(), "written as DCP's"
+    own end, tests/data/ddp-checkpoint-v1-final.safetensors, bit for bit, as DDP and as FSDP2 (one launch)."""
+    job, runs = ROOT / "tests" / "legacy_job.py", {"ddp": ["--ddp"], "fsdp": []}
+    for name in runs:
+        shutil.copytree(
+            ROOT / "tests" / "data" / "ddp-checkpoint-v1", tmp_path / name / "checkpoints" / "step-00000002"
+        )
+    jobs = [
+        [str(job), str(tmp_path / name), "--resume", str(tmp_path / name / "checkpoints" / "step-00000002"), *flags]
+        for name, flags in runs.items()
+    ]
+    outputs = split_jobs(accelerate_launch(JOBS, json.dumps(jobs), config="fsdp.yaml", num_processes=2).stdout)
     expected = load_file(ROOT / "tests" / "data" / "ddp-checkpoint-v1-final.safetensors")
-    got = load_file(tmp_path / "final" / "model.safetensors")
-    assert sorted(got) == sorted(expected) and all(torch.equal(got[name], expected[name]) for name in expected)
+    for name, output in zip(runs, outputs, strict=True):
+        folder = tmp_path / name
+        assert f"resumed from {folder / 'checkpoints' / 'step-00000002'}: step 2, epoch 0, batch 4" in output, name
+        assert ("FSDP2 over 2 processes" in output) == (name == "fsdp"), output
+        assert (folder / "checkpoints" / "step-00000004" / "shards" / ".metadata").is_file(), "written as DCP's"
+        got = load_file(folder / "final" / "model.safetensors")
+        assert sorted(got) == sorted(expected) and all(torch.equal(got[k], expected[k]) for k in expected), name
+
+
+def test_save_async_under_ddp_killed_during_a_background_write_leaves_the_last_commit_and_resumes_bit_identical(
+    reference, tmp_path
+):
+    """save_async under DDP (its model and optimizer are DCP's too): every process of the job is killed (SIGKILL)
+    while step 8's checkpoint is being written in the background (its commit held back 2 s); step 4, committed
+    before, is latest and whole, the unfinished write is never taken for a checkpoint, and the rerun ends bit for bit
+    where the uninterrupted run did."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "accelerate_configs" / "multi_gpu.yaml"),
+        "--main_process_port",
+        str(free_port()),
+        str(SCENARIOS),
+        "resume",
+        "--output_dir",
+        str(tmp_path),
+        "--save_async",
+        "--slow_background_write",
+        "2",
+    ]
+    import psutil  # accelerate's own dependency
+
+    job = subprocess.Popen(cmd, env=clean_env(), stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        for line in job.stdout:
+            if line.startswith("WRITING step-00000008"):
+                break
+    finally:
+        # The workers too, at once (torch's agent starts them in sessions of their own): none lives to hear of it.
+        for process in [*psutil.Process(job.pid).children(recursive=True), psutil.Process(job.pid)]:
+            process.kill()
+        job.wait()
+    checkpoints = tmp_path / "checkpoints"
+    assert (checkpoints / "latest").read_text() == "step-00000004"
+    assert (checkpoints / ".tmp-step-00000008").is_dir(), "killed while the write was in flight"
+    again = launch_resume(tmp_path, "--save_async")
+    assert f"resumed from {checkpoints / 'step-00000004'}: step 4" in again.stdout
+    assert result_line(again.stdout)["global_step"] == 18
+    assert_bit_identical(final_weights(reference), final_weights(tmp_path))

@@ -63,16 +63,10 @@ def test_predictions_made_in_bf16_come_back_as_fp32_on_the_cpu():
     model = torch.nn.Linear(3, 2)
     loader = [torch.ones(2, 3), torch.ones(1, 3)]
     autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+    # One process's run: its device, its data-parallel place, no host group, its own decisions.
     single = SimpleNamespace(size=1, rank=0, group=None)
-    rows = predict(
-        model,
-        loader,
-        lambda m, batch: m(batch),
-        SimpleNamespace(device=torch.device("cpu")),
-        single,
-        autocast,
-        num_examples=3,
-    )
+    run = SimpleNamespace(device=torch.device("cpu"), dp=single, host=None, main_decides=lambda decide: decide())
+    rows = predict(model, loader, run=run, predict_fn=lambda m, batch: m(batch), autocast=autocast, num_examples=3)
     assert rows.dtype == torch.float32 and rows.device.type == "cpu" and rows.numpy().shape == (3, 2)
 
 
@@ -93,17 +87,16 @@ def test_a_users_metrics_on_the_cpu_join_the_trainers_sums_on_any_device():
     loss_fn = lambda model, batch: torch.zeros((), device=meta)  # noqa: E731
     metrics_fn = lambda model, batch: {"numpy": np.ones(len(batch)), "cpu": torch.ones(len(batch))}  # noqa: E731
     single = SimpleNamespace(size=1, rank=0, group=None)
-    accelerator = SimpleNamespace(device=meta, num_processes=1)
+    run = SimpleNamespace(device=meta, dp=single, host=None, main_decides=lambda decide: decide())
     with pytest.raises(NotImplementedError, match="meta"):  # "Cannot copy out of meta tensor": the final read
         evaluate(
             torch.nn.Identity(),
             batches,
-            loss_fn,
-            metrics_fn,
-            accelerator,
-            single,
-            contextlib.nullcontext,
-            lambda batch: None,
+            run=run,
+            loss_fn=loss_fn,
+            metrics_fn=metrics_fn,
+            autocast=contextlib.nullcontext,
+            tokens=lambda batch: None,
         )
 
 

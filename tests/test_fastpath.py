@@ -80,4 +80,4 @@ def test_steps_that_do_not_log_read_nothing_back_from_the_device(tmp_path):
         # The gather of every rank's window (loss, counts, lr, gradient norm) in one read, the user's figures in
         # one more (4 reads before: the norm and each figure had their own).
         log_step = [read.split(":")[0] + " " + read.split()[-1] for read in found["reads"]["3"]]
-        assert log_step == ["telemetry.py tolist", "log_window.py tolist"], (job, found["reads"]["3"])
+        assert log_step == ["telemetry.py tolist", "window.py tolist"], (job, found["reads"]["3"])

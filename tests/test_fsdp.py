@@ -60,6 +60,7 @@ VARIANTS = {
     "fsdp, resumed from ddp's step 4": [*RESUMED, "--resume_from", "{ddp}/checkpoints/step-00000004"],
     "ddp, resumed from fsdp's step 4": [*RESUMED, "--ddp", "--resume_from", "{straight}/checkpoints/step-00000004"],
     "fsdp, saved in the background": [*RESUMED, "--save_async"],
+    "ddp, saved in the background": [*RESUMED, "--save_async", "--ddp"],
     "fsdp, resumed from a background save": [
         *RESUMED,
         "--save_async",
@@ -349,7 +350,6 @@ def test_a_sharded_model_ends_with_the_best_evaluations_weights(fsdp):
     """load_best_at_end under FSDP2: every process reads its part of the best checkpoint's shards back. The best is
     the highest eval loss here, one of the early evaluations: the DDP run of the same job saved those weights at that
     step (FSDP2 and DDP agree bit for bit at 2 processes)."""
-    from safetensors.torch import load_file
 
     runs, result = fsdp
     summary, out = runs["fsdp, the highest eval loss kept as best"]
@@ -360,8 +360,8 @@ def test_a_sharded_model_ends_with_the_best_evaluations_weights(fsdp):
         and f"load_best_at_end: final/ holds the weights of step {step}, the best evaluation (eval_loss "
         in result.stdout
     )
-    then = load_file(runs["ddp, straight"][1] / "checkpoints" / best / "model.safetensors")
-    assert all(summary["weights"][name] == then[name].flatten().tolist() for name in then)
+    then = read_sharded_weights(runs["ddp, straight"][1] / "checkpoints" / best)
+    assert all(summary["weights"][name] == then[name].flatten().tolist() for name in summary["weights"])
     assert summary["weights"] != runs["fsdp, straight"][0]["weights"], "not the last step's"
 
 
@@ -370,10 +370,12 @@ def test_a_sharded_checkpoint_holds_each_processs_shards_and_resumes_bit_identic
     straight, folder = runs["fsdp, straight"]
     checkpoint = folder / "checkpoints" / "step-00000004"
     manifest = json.loads((checkpoint / "trainer_state.json").read_text())
-    assert manifest["sharding"] == "FSDP2"
-    # Each process wrote its own shards, listed (size and CRC-32) with the rest; DCP's index last.
-    assert {"shards/__0_0.distcp", "shards/__1_0.distcp", "shards/.metadata"} <= set(manifest["crc32"])
-    assert not (checkpoint / "model.safetensors").exists() and not (checkpoint / "optimizer.bin").exists()
+    # Each process wrote its own shards, listed (size and CRC-32) with the rest; DCP's index last. One format: a DDP
+    # run's checkpoint is the same files (DCP writes each replicated tensor once, spread over the processes).
+    ddp = json.loads((runs["ddp, straight"][1] / "checkpoints" / "step-00000004" / "trainer_state.json").read_text())
+    for held in (manifest, ddp):
+        assert {"shards/__0_0.distcp", "shards/__1_0.distcp", "shards/.metadata"} <= set(held["crc32"])
+        assert not {"model.safetensors", "optimizer.bin"} & set(held["files"]) and "sharding" not in held
     assert f"resumed from {checkpoint}: step 4," in result.stdout
     resumed = runs["fsdp, resumed at step 4"][0]
     assert resumed["weights"] == straight["weights"]
@@ -381,9 +383,9 @@ def test_a_sharded_checkpoint_holds_each_processs_shards_and_resumes_bit_identic
 
 
 def test_a_ddp_checkpoint_resumes_sharded_and_a_sharded_one_as_ddp(fsdp):
-    """Each format read into the other: DDP's whole tensors (model.safetensors, optimizer.bin keyed by position) into
-    every process's shards, FSDP2's shards (DCP) back whole into DDP's model. The same updates as the uninterrupted
-    run of the resuming kind, to the float floor (at 2 processes FSDP2 adds DDP's gradients in DDP's order)."""
+    """One format read by either strategy: a DDP run's checkpoint into every process's shards, FSDP2's shards back
+    whole into DDP's model. The same updates as the uninterrupted run of the resuming kind, to the float floor (at 2
+    processes FSDP2 adds DDP's gradients in DDP's order)."""
     runs, result = fsdp
     for resumed, written_by, straight in (
         ("fsdp, resumed from ddp's step 4", "ddp", "fsdp, straight"),
@@ -457,16 +459,21 @@ def test_a_rank_stuck_inside_a_sharded_block_is_named_by_the_others(fsdp):
     assert reports[0].endswith("Waiting for rank(s) 1 (forward at step 2 (sharded block 2))."), reports[0]
 
 
-def test_save_async_writes_the_same_checkpoints_while_training_goes_on(fsdp):
+@pytest.mark.parametrize("kind", ["fsdp", "ddp"])
+def test_save_async_writes_the_same_checkpoints_while_training_goes_on(fsdp, kind):
+    """FSDP2 and DDP alike: both checkpoints are DCP's (tests/test_checkpoint.py kills a DDP job mid-write)."""
     runs = fsdp[0]
-    straight = runs["fsdp, straight"][0]
-    background, folder = runs["fsdp, saved in the background"]
+    straight = runs[f"{kind}, straight"][0]
+    background, folder = runs[f"{kind}, saved in the background"]
     assert background["weights"] == straight["weights"], "training does not wait for the write, nor change"
     checkpoints = folder / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", *(f"step-{s:08d}" for s in range(2, 13, 2))]
     assert (checkpoints / "latest").read_text() == "step-00000012", "the last one committed before fit() returned"
     manifest = json.loads((checkpoints / "step-00000004" / "trainer_state.json").read_text())
     assert {"shards/__0_0.distcp", "shards/__1_0.distcp", "shards/.metadata"} <= set(manifest["crc32"])
+    if kind == "ddp":
+        return
+    straight = runs["fsdp, straight"][0]
     resumed = runs["fsdp, resumed from a background save"][0]
     assert resumed["weights"] == straight["weights"]
     assert resumed["losses"] == straight["losses"][4:]
@@ -621,13 +628,6 @@ def test_a_model_output_fsdp2_cannot_look_into_is_refused_and_a_dict_or_a_datacl
         assert moved["dataclass"] == moved["dict"]
     else:  # torch 2.11: the dataclass is refused, not trained without moving
         assert moved["dataclass"] == "DataclassClassifier." + refusal.format("OutputRecord")
-
-
-def test_save_async_without_sharding_is_refused_in_one_line(tmp_path):
-    assert refusal(tmp_path, "save_async=True") == [
-        "trainer: save_async: true writes a sharded (FSDP2) model's checkpoints in the background, and this run is "
-        "DDP: launch with an FSDP config (accelerate_configs/fsdp.yaml) or set save_async: false"
-    ]
 
 
 def test_the_preflight_reads_an_fsdp_config_as_a_sharded_launch_of_its_processes(tmp_path):

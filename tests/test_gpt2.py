@@ -7,6 +7,7 @@ import json
 import re
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -267,13 +268,16 @@ def test_mfu_counts_6n_and_causal_attention_per_token_against_the_peak_of_every_
 
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=128, n_embd=32, n_layer=2, n_head=2))
     parameters = sum(p.numel() for p in model.parameters())
-    gpu = Utilisation(model, TrainConfig(peak_flops=1e12), torch.device("cpu"), processes=2)
+
+    def run(world: int = 1, **config):  # what Utilisation asks of the job: its config, device and processes
+        return SimpleNamespace(config=TrainConfig(**config), device=torch.device("cpu"), world=world)
+
+    gpu = Utilisation(run(2, peak_flops=1e12), model)
     # 1,000 tokens/s in 10 examples/s: sequences of 100 tokens; attention 6 x 2 layers x 32 wide x 100 per token.
     assert gpu.of(1000.0, 10.0) == pytest.approx((6 * parameters + 6 * 2 * 32 * 100) * 1000 / (1e12 * 2))
-    assert Utilisation(model, TrainConfig(flops_per_token=5e6, peak_flops=1e12), torch.device("cpu"), 1).of(
-        1000.0, 10.0
-    ) == pytest.approx(5e6 * 1000 / 1e12)
-    cpu = Utilisation(model, TrainConfig(), torch.device("cpu"), processes=1)
+    given = Utilisation(run(flops_per_token=5e6, peak_flops=1e12), model)
+    assert given.of(1000.0, 10.0) == pytest.approx(5e6 * 1000 / 1e12)
+    cpu = Utilisation(run(), model)
     assert cpu.of(1000.0, 10.0) is None and cpu.said  # said once: a CPU's peak is not guessed
-    plain = Utilisation(torch.nn.Linear(4, 4), TrainConfig(peak_flops=1e12), torch.device("cpu"), processes=1)
+    plain = Utilisation(run(peak_flops=1e12), torch.nn.Linear(4, 4))
     assert plain.of(1000.0, 10.0) is None and not plain.said  # no FLOPs known: nothing to say

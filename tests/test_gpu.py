@@ -194,11 +194,13 @@ def test_fsdp2_shards_over_nccl_and_computes_in_bf16_over_fp32_masters(tmp_path)
 
 
 def test_fsdp2_on_one_gpu_saves_in_the_background_and_builds_a_meta_model_on_the_gpu(tmp_path):
-    """save_async on one process: DCP's background save needs a CPU (gloo) group beside NCCL even at world size 1.
-    A model built on meta: each module made on the GPU and initialised there, never whole on the CPU."""
+    """save_async on one process: DCP's background save needs a CPU (gloo) group beside NCCL even at world size 1,
+    under FSDP2 and DDP alike (both checkpoints are DCP's, from the GPU's tensors). A model built on meta: each
+    module made on the GPU and initialised there, never whole on the CPU."""
     ragged = ROOT / "tests" / "ragged_lm.py"
     variants = {
         "async": ["--save_async", "--save_every", "2", "--max_steps", "4"],
+        "ddp async": ["--save_async", "--save_every", "2", "--max_steps", "4", "--ddp"],
         "meta": ["--build", "meta", "--initial", "--max_steps", "2"],
     }
     result = accelerate_launch(
@@ -215,7 +217,8 @@ def test_fsdp2_on_one_gpu_saves_in_the_background_and_builds_a_meta_model_on_the
         num_processes=1,
         env=gpu_env(),
     )
-    assert (tmp_path / "async" / "checkpoints" / "step-00000004" / "shards" / ".metadata").is_file()
+    for name in ("async", "ddp async"):
+        assert (tmp_path / name / "checkpoints" / "step-00000004" / "shards" / ".metadata").is_file(), name
     assert "built on meta, each process initialised its shards" in result.stdout
     meta = json.loads((tmp_path / "meta" / "ragged.json").read_text())
     assert meta["tied"] and all(loss == loss for loss in meta["losses"])

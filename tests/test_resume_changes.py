@@ -53,7 +53,8 @@ def test_a_changed_optimizer_is_refused_naming_both_whoever_built_it(cases):
     assert "its optimizer was AdamW, and this run's is RMSprop" in cases["user_optimizer"]
     assert "weight_decay 0.01 -> 0.0 changes the optimizer's parameter groups" in cases["weight_decay_off"]
     assert "Error(s) in loading state_dict" not in cases["weight_decay_off"], "named, not torch's words"
-    assert "size mismatch for net.0.weight" in cases["model_shape"] and "does not fit this run" in cases["model_shape"]
+    mismatch = "Size mismatch between saved torch.Size([32, 8]) and current: torch.Size([64, 8]) for model.net.0.weight"
+    assert mismatch in cases["model_shape"] and "does not fit this run" in cases["model_shape"]
 
 
 def test_a_changed_lr_or_schedule_is_applied_whole_from_the_next_step_and_said(cases):

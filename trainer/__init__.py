@@ -24,7 +24,8 @@ from trainer.launch.run import distributed_state
 from trainer.loop.callbacks import EarlyStopping
 from trainer.trainer import Trainer
 
-install_hook()  # an uncaught Refusal ends the process with its one-line message, not a traceback
+# An uncaught Refusal ends the process with its one-line message, not a traceback.
+install_hook()
 
 __all__ = [
     "CheckpointError",

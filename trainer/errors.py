@@ -18,7 +18,8 @@ import os
 import sys
 from typing import Iterator
 
-PREEMPTED_EXIT = 75  # sysexits' EX_TEMPFAIL: a temporary failure, to be tried again
+# Sysexits' EX_TEMPFAIL: a temporary failure, to be tried again.
+PREEMPTED_EXIT = 75
 
 
 class Refusal(Exception):
@@ -40,7 +41,8 @@ class ConfigError(Refusal, ValueError):
 class DataError(Refusal, ValueError):
     """The data cannot be loaded as configured; the message says what to pass instead."""
 
-    job_wide = False  # one process's share can be the problem: each process that meets it says so
+    # One process's share can be the problem: each process that meets it says so.
+    job_wide = False
 
 
 class CheckpointError(Refusal, RuntimeError):
@@ -70,7 +72,8 @@ class EvaluationError(Refusal, ValueError):
 class PeerLost(Refusal, RuntimeError):
     """Another process of the job ended (its own error says why) while this one waited for it in a collective."""
 
-    job_wide = False  # the processes left behind each say it, after the one that failed has said its own
+    # The processes left behind each say it, after the one that failed has said its own.
+    job_wide = False
 
 
 # What gloo says when the process at the other end of a collective is gone.
@@ -87,7 +90,8 @@ def peer_loss_in_a_line() -> Iterator[None]:
         text = " ".join(str(err).split())
         if isinstance(err, Refusal) or not any(sign in text for sign in PEER_GONE):
             raise
-        detail = text.split("] ", 1)[-1].split(". This is typically")[0]  # gloo's source path and advice left out
+        # gloo's source path and advice left out.
+        detail = text.split("] ", 1)[-1].split(". This is typically")[0]
         raise PeerLost(
             f"another process of the job ended while this one waited for it in a collective ({detail}): "
             "its own error, above, is the cause"
@@ -101,7 +105,8 @@ class UnusedParameters(Refusal, RuntimeError):
 class MetricsError(Refusal, OSError):
     """A rank's metrics file cannot be written (a full disk, a read-only output_dir)."""
 
-    job_wide = False  # each rank writes its own file (on its own node's disk, maybe): each says so
+    # Each rank writes its own file (on its own node's disk, maybe): each says so.
+    job_wide = False
 
 
 class OutOfMemory(Refusal, RuntimeError):
@@ -115,7 +120,8 @@ class ShardingError(Refusal, ValueError):
 class WorldSizeMismatch(Refusal, RuntimeError):
     """The launcher started K processes but the Accelerator sees a different number."""
 
-    job_wide = False  # each process sees its own world
+    # Each process sees its own world.
+    job_wide = False
 
 
 class LaunchMismatch(SystemExit):

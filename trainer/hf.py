@@ -74,10 +74,12 @@ class LossFunctionProbe:
 
     @classmethod
     def install(cls, model: torch.nn.Module) -> "LossFunctionProbe":
-        owner = model.get_base_model() if peft_model(model) else model  # a PEFT wrapper only forwards the call
+        # A PEFT wrapper only forwards the call.
+        owner = model.get_base_model() if peft_model(model) else model
         current = owner.loss_function
         if not isinstance(current, cls):
-            current = owner.loss_function = cls(current)  # transformers' setter: the model's for the rest of its life
+            # Transformers' setter: the model's for the rest of its life.
+            current = owner.loss_function = cls(current)
         return current
 
 

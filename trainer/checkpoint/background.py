@@ -41,7 +41,8 @@ class BackgroundSave:
         try:
             self.future.result()
             commit()
-        except BaseException as err:  # told to every process at the next wait
+        # Told to every process at the next wait.
+        except BaseException as err:
             self.error = err
 
     def wait(self, timeout_s: Optional[float] = None) -> Optional[BaseException]:
@@ -76,7 +77,8 @@ class BackgroundSaves:
             return None
         save, self.in_flight = self.in_flight, None
         error, mine = save.wait(), None
-        if error is not None:  # the rank that failed, and its own error (torch's wraps it in every rank's traceback)
+        # The rank that failed, and its own error (torch's wraps it in every rank's traceback)
+        if error is not None:
             failing, cause = root_cause(error)
             mine = (failing if failing is not None else torch.distributed.get_rank(), type(cause).__name__, str(cause))
         failed = sorted(found for found in self.run.gather(mine) if found)

@@ -25,12 +25,15 @@ MODEL_FILE = "model.safetensors"
 # PEFT's names for an adapter's config and weights.
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_FILE = "adapter_model.safetensors"
-MAX_FILE_BYTES = 5 * 2**30  # an export's safetensors files: at most this much each, the most held at once
-INDEX = "model.safetensors.index.json"  # the files of an export written as several, as transformers names them
+# An export's safetensors files: at most this much each, the most held at once.
+MAX_FILE_BYTES = 5 * 2**30
+# The files of an export written as several, as transformers names them.
+INDEX = "model.safetensors.index.json"
+# What an export.
 EXPORTED = re.compile(
     r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|config\.json|"
     r"generation_config\.json|adapter_model\.safetensors|adapter_config\.json"
-)  # what an export
+)
 # writes (and may replace): a PEFT model's is its adapter
 
 
@@ -88,7 +91,8 @@ def write_streamed(
         return directory / names[0]
     if model is not None:
         save_model_config(model, directory)
-        generation = getattr(model, "generation_config", None)  # what save_pretrained writes beside a generator's
+        # What save_pretrained writes beside a generator's.
+        generation = getattr(model, "generation_config", None)
         if generation is not None and getattr(model, "can_generate", lambda: False)():
             generation.save_pretrained(directory)
     if len(files) == 1:
@@ -136,7 +140,8 @@ def save_model_config(model: torch.nn.Module, folder: Path) -> None:
         model = model.get_base_model()
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_json_file"):
-        if ties := tied_weights(model):  # from_pretrained ties a transformers model again; load_state_dict does not
+        # from_pretrained ties a transformers model again; load_state_dict does not.
+        if ties := tied_weights(model):
             (folder / TIED_WEIGHTS).write_text(json.dumps(ties))
         return
     config.architectures = [type(model).__name__.removeprefix("FSDP")]

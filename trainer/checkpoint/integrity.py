@@ -33,7 +33,8 @@ def verify(path: Path, contents: bool = True) -> Path:
         file = path / name
         if not file.is_file() or file.stat().st_size != size:
             raise CheckpointError(f"checkpoint {path} is torn: {name} is missing or truncated{others(path)}")
-    for name, crc in state.get("crc32", {}).items() if contents else ():  # older checkpoints have none
+    # Older checkpoints have none.
+    for name, crc in state.get("crc32", {}).items() if contents else ():
         if crc32(path / name) != crc:
             raise CheckpointError(
                 f"checkpoint {path} is damaged: {name} does not hold what was written (its "
@@ -56,7 +57,8 @@ def _listed_inside(path: Path, listed: dict[str, Any]) -> None:
 def _no_links(path: Path) -> None:
     """Nothing in a checkpoint is a symbolic link: a checkpoint holds its own files (a link to ``/etc/passwd``
     would be exported as the weights)."""
-    for folder, subfolders, files in os.walk(path):  # os.walk follows no link
+    # os.walk follows no link.
+    for folder, subfolders, files in os.walk(path):
         for name in subfolders + files:
             if os.path.islink(os.path.join(folder, name)):
                 link = Path(folder, name).relative_to(path)

@@ -210,11 +210,13 @@ class Checkpointer:
         refused: Optional[CheckpointError] = None,
     ) -> None:
         """Every registered part but those in ``skip`` back from checkpoint ``path`` (its ``state``): the files
-        first (a failure to fit is said as one line, or as ``refused`` when a changed setting explains it), then the
-        plain data."""
+        first (a failure to fit is said as one line), then the plain data. ``refused``: this run's settings cannot
+        go on with the saved optimizer state, so the model's weights alone are loaded (for evaluate and predict)."""
         try:
             for name, part in self.parts.items():
-                if callable(getattr(part, "load", None)) and name not in skip:
+                if name == "model" and refused is not None:
+                    part.load_weights(path)
+                elif callable(getattr(part, "load", None)) and name not in skip:
                     part.load(path, state)
         # torch.load(weights_only=True) refused it, or it ends early.
         except (pickle.UnpicklingError, EOFError) as err:
@@ -227,7 +229,7 @@ class Checkpointer:
         except (RuntimeError, LookupError, ValueError, OSError) as err:
             if isinstance(err, Refusal):
                 raise
-            # The optimizer state does not load for the reason it names.
+            # A part that does not load for the reason the refusal names (the schedule of another optimizer).
             if refused is not None:
                 raise refused from err
             # torch's size-mismatch report spans many lines.

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from trainer.checkpoint.hf_files import MODEL_FILE, save_model_config
-from trainer.checkpoint.safe_dcp import SHARDS, one_process, quietly, read_shards
+from trainer.checkpoint.safe_dcp import SHARDS, read_shards
 
 # DDP's optimizer file in a checkpoint written before every strategy wrote DCP (with MODEL_FILE).
 OPTIMIZER_FILE = "optimizer.bin"
@@ -39,8 +39,7 @@ class ModelPart:
         if not in_background:
             import torch.distributed.checkpoint as dcp
 
-            with quietly():
-                dcp.save(self._dcp_state(folder), checkpoint_id=str(folder / SHARDS), no_dist=one_process())
+            dcp.save(self._dcp_state(folder), checkpoint_id=str(folder / SHARDS))
         if self.main:
             save_model_config(self.model, folder)
 
@@ -49,14 +48,12 @@ class ModelPart:
         (``trainer.checkpoint.background``), the collectives on ``process_group``."""
         import torch.distributed.checkpoint as dcp
 
-        with quietly():
-            return dcp.async_save(
-                self._dcp_state(folder),
-                checkpoint_id=str(folder / SHARDS),
-                process_group=process_group,
-                async_stager=self._staging(),
-                no_dist=one_process(),
-            )
+        return dcp.async_save(
+            self._dcp_state(folder),
+            checkpoint_id=str(folder / SHARDS),
+            process_group=process_group,
+            async_stager=self._staging(),
+        )
 
     def _staging(self) -> Any:
         """On a GPU, one stager for every background save, as torchtitan keeps one: pinned CPU copies allocated at

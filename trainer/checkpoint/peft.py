@@ -47,7 +47,8 @@ def write_adapter(
         model.save_pretrained(str(directory))
         return directory / ADAPTER_FILE
     base = model.get_base_model()
-    base.tie_weights()  # a tied weight is stored once (the input embedding's); from_pretrained ties it again
+    # A tied weight is stored once (the input embedding's); from_pretrained ties it again.
+    base.tie_weights()
     left = [name for name, tensor in model.state_dict().items() if tensor.is_meta]
     if left:
         raise ExportError(
@@ -64,7 +65,8 @@ def write_merged(model: torch.nn.Module, state: dict[str, torch.Tensor], directo
     written into ``directory`` as a checkpoint's ``--merged`` export is: through a copy built on the meta device
     from its configs, so that ``model`` itself stays as it is."""
     with tempfile.TemporaryDirectory() as configs:
-        save_model_config(model, Path(configs))  # the base model's config and the adapters', as a checkpoint's
+        # The base model's config and the adapters', as a checkpoint's.
+        save_model_config(model, Path(configs))
         fetch = lambda wanted: {name: state[name] for name in wanted}  # noqa: E731
         return write_adapter(Path(configs), directory, names=list(state), fetch=fetch, merged=True)
 

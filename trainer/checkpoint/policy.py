@@ -1,32 +1,6 @@
-"""What a resume may do: which checkpoint ``resume`` asks for, where in the data it continues when the global
-batch is split otherwise, and what it does with the settings that changed since its checkpoint was written. Plain
-rules over a checkpoint's state and this run's settings (no process group, no files beyond the one it reads), so
-they are tested in-process (tests/test_resume_policy.py).
-
-**Where it continues.** Any split of the same global batch reads the same examples at each optimizer step: a step's
-global batch is the next ``global batch`` examples of the epoch's order (DistributedSampler's sharding table,
-whatever the processes, batch size and accumulation), so the position carries over as optimizer steps, on any
-number of data-parallel processes. A different global batch would make every later step a different one: refused,
-naming both. A stream's position is each process's own (``trainer.data.streams``): its split cannot change.
-
-**Changed settings.**
-
-A checkpoint keeps the whole TrainConfig; a resume compares every field with this run's, and each change is one of:
-
-- **refused**, naming both values, when the saved state cannot go on under it: the optimizer (its saved state is
-  another algorithm's moments; the class is compared too, whoever built it), whether weight decay splits the
-  parameters into two groups (``weight_decay`` to or from 0, ``decay_biases_and_norms``), and in the middle of an
-  epoch the ``seed`` (of a shuffled epoch), ``shuffle`` and ``drop_last``: the epoch's order of examples, partly read,
-  would change under it, some examples read twice and others never. ``fit()`` refuses; the weights still load for
-  ``evaluate()`` and ``predict()``;
-- **applied from the next step and said in one line**, otherwise: the schedule is recomputed at the step reached from
-  this run's ``lr``, ``lr_scheduler`` (with ``min_lr_ratio`` and ``lr_scheduler_kwargs``), ``warmup_steps`` and
-  ``max_steps`` / ``epochs`` together (never the saved base lr under a new schedule), the optimizer's other settings
-  (``betas``, ``eps``, ``momentum``, ``weight_decay``) are this run's, and clipping, cadences (log, eval, save,
-  keep_last) and the rest are read as set.
-
-How the global batch is split (processes, ``batch_size``, ``gradient_accumulation_steps``) is the rule above;
-where the run writes (``output_dir``, ``resume``) is not compared.
+"""What a resume may do: where in the data it continues when the same global batch is split otherwise, and
+what it does with each setting changed since its checkpoint (refused by name, or applied from the next step and
+said). Plain rules, tested in-process (docs/internals.md#what-a-resume-may-do, docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -100,7 +74,8 @@ def refusal(
         )
     order = [key for key in ORDER_OF_THE_EPOCH if key in changes]
     if order == ["seed"] and not now["shuffle"]:
-        order = []  # an epoch read in order does not depend on the seed
+        # An epoch read in order does not depend on the seed.
+        order = []
     if mid_epoch and order:
         return refused(
             f"{listed(order)} changes the order of examples in the epoch it stopped in: some examples "
@@ -277,8 +252,10 @@ class RunSetup:
             self.optimizer, self.scheduler, own_settings, step=step, schedule_moved=moved, built_scheduler=built
         )
         lines = [said(changed_settings(saved, self.config.to_dict()), step, lrs)]
-        written = run.get("mixed_precision", self.mixed_precision)  # older checkpoints did not record it
-        if written != self.mixed_precision:  # the weights and the optimizer state are fp32 either way: it goes on
+        # Older checkpoints did not record it.
+        written = run.get("mixed_precision", self.mixed_precision)
+        # The weights and the optimizer state are fp32 either way: it goes on.
+        if written != self.mixed_precision:
             lines.append(
                 f"mixed precision {written} -> {self.mixed_precision} (the launch's accelerate config) from "
                 f"step {step + 1}: the weights and optimizer state go on, the figures after differ from "

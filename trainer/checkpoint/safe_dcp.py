@@ -6,17 +6,19 @@ anything else by name; the values DCP keeps as pickled bytes (an optimizer's set
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import pickle
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
 from trainer.errors import CheckpointError
 
+# Without a process group (one process) DCP reads and writes as one process, and says in a warning at every call
+# (from a background save's thread too) that it assumes so: it is so.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 # The folder of a checkpoint that holds the model's weights and the optimizer's state, DCP's files.
 SHARDS = "shards"
 # What DCP's index may hold: its metadata classes and the few values they carry (sizes, dtypes, a path).
@@ -39,32 +41,18 @@ _METADATA = {
 }
 
 
-def one_process() -> bool:
-    """No process group: DCP then reads and writes as one process (``no_dist``)."""
-    import torch.distributed as dist
-
-    return not (dist.is_available() and dist.is_initialized())
-
-
-@contextlib.contextmanager
-def quietly() -> Iterator[None]:
-    """Around DCP's calls: one process without a process group is what it says it assumes, in a warning."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
-
 def read_shards(state: dict[str, Any], folder: Path) -> None:
     """Fill ``state`` from ``folder/shards`` (collective), reading nothing that could run code."""
     import torch.distributed.checkpoint as dcp
 
     reader = safe_reader(folder)
     try:
-        with quietly():
-            dcp.load(state, storage_reader=reader, planner=_safe_planner(), no_dist=one_process())
-    except dcp.api.CheckpointException as err:  # a BaseException: said as the first failure, for CheckpointError
+        dcp.load(state, storage_reader=reader, planner=_safe_planner())
+    # A BaseException: said as the first failure, for CheckpointError.
+    except dcp.api.CheckpointException as err:
         first = next(iter(err.failures.values()), err)
-        first = first[0] if isinstance(first, tuple) else first  # (exception, its traceback)
+        # (exception, its traceback)
+        first = first[0] if isinstance(first, tuple) else first
         if isinstance(first, CheckpointError):
             raise first from None
         raise RuntimeError(f"{type(first).__name__}: {first}") from err
@@ -97,8 +85,7 @@ def sharded_weights(
         import torch.distributed.checkpoint as dcp
 
         state = {prefix + name: torch.empty(shapes[name].size, dtype=shapes[name].properties.dtype) for name in names}
-        with quietly():
-            dcp.load(state, storage_reader=safe_reader(folder), planner=_safe_planner(), no_dist=True)
+        dcp.load(state, storage_reader=safe_reader(folder), planner=_safe_planner(), no_dist=True)
         return {name.removeprefix(prefix): tensor for name, tensor in state.items()}
 
     entries = [(name, entry.size.numel() * entry.properties.dtype.itemsize) for name, entry in shapes.items()]
@@ -109,7 +96,8 @@ def safe_reader(folder: Path) -> Any:
     """DCP's reader of ``folder/shards``, its index read by ``_IndexUnpickler`` (refused by name, before
     anything else is read, when it holds anything but DCP's metadata)."""
     reader = _safe_classes()[0](str(folder / SHARDS))
-    reader.read_metadata()  # here, on every process: a refusal comes out whole, not inside DCP's collectives
+    # Here, on every process: a refusal comes out whole, not inside DCP's collectives.
+    reader.read_metadata()
     return reader
 
 

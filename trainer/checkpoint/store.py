@@ -1,22 +1,6 @@
-"""The checkpoint store: full-state checkpoints that are never torn, found again by a pointer written last.
-
-Layout under ``<output_dir>/checkpoints/``::
-
-    step-00000040/        every part's files (trainer.checkpointer: accelerate's save_state, a sharded model's
-                          shards/, ...) + trainer_state.json, written last: every part's state and the manifest
-    step-00000080/
-    latest                the name of the newest complete checkpoint, replaced atomically
-    best                  with keep_best: the checkpoint of the best evaluation, spared by keep_last
-
-A checkpoint is written into ``.tmp-step-N/`` by every rank, and only after all ranks are done does the main
-process rename it and then move the ``latest`` pointer; a crash at any moment leaves the previous checkpoint as the
-latest. Older checkpoints beyond ``keep_last`` are deleted only after that. The manifest lists every file with its
-size and CRC-32, checked before a resume: a truncated or damaged file is named, and ``resume: auto`` then continues
-from the newest whole checkpoint, moving the damaged one aside (``damaged-step-N``, kept for inspection, out of
-keep_last's count). Re-saving a step that exists (a run resumed from an older checkpoint) moves the old folder aside
-first, so a kill at any moment still leaves a whole checkpoint named by ``latest``. One job at a time: the main
-process holds a lock on ``output_dir`` for the job's life. A failed write (a full disk) removes its unfinished
-folder and names the disk.
+"""The checkpoint store: full-state checkpoints written into ``.tmp-step-N`` by every rank, committed by the main
+process (manifest with every file's size and CRC-32, rename, ``latest`` pointer), never torn; a damaged one set
+aside; one job per output_dir (docs/internals.md#the-checkpoint-store, docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -43,10 +27,12 @@ from trainer.errors import CheckpointError
 from trainer.telemetry.console import warn
 
 POINTER_FILE = "latest"
-BEST_FILE = "best"  # with keep_best: the checkpoint of the best evaluation, spared by keep_last
+# With keep_best: the checkpoint of the best evaluation, spared by keep_last.
+BEST_FILE = "best"
 LOCK_FILE = ".lock"
 DAMAGED = "damaged-"
-_HELD: dict[str, Any] = {}  # output_dir locks this process holds, by path
+# output_dir locks this process holds, by path.
+_HELD: dict[str, Any] = {}
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
@@ -79,9 +65,11 @@ def newest_whole_checkpoint(root: Path) -> Optional[Path]:
         except CheckpointError:
             aside = candidate.with_name(DAMAGED + candidate.name)
             try:
-                os.replace(candidate, aside)  # out of the way of keep_last, which would otherwise prune good ones
+                # Out of the way of keep_last, which would otherwise prune good ones.
+                os.replace(candidate, aside)
                 set_aside.append(f"{aside.name} moved aside, kept")
-            except OSError as err:  # a read-only checkpoints folder: left where it is, and said
+            # A read-only checkpoints folder: left where it is, and said.
+            except OSError as err:
                 set_aside.append(f"{candidate.name} damaged, left in place: cannot move it ({err.strerror or err})")
             continue
         moved = f" ({'; '.join(set_aside)})" if set_aside else ""
@@ -109,7 +97,8 @@ def pointed_at(pointer: Path) -> str:
         raise CheckpointError(f"the {pointer.name} pointer {pointer} cannot be read: {err}") from None
     name = raw.decode("utf-8", errors="replace").strip()
     if not STEP_FOLDER.fullmatch(name):
-        shown = f"holds {ascii(raw[:60])}{'...' if len(raw) > 60 else ''}" if raw else "is empty"  # printable
+        # Printable.
+        shown = f"holds {ascii(raw[:60])}{'...' if len(raw) > 60 else ''}" if raw else "is empty"
         raise CheckpointError(
             f"the {pointer.name} pointer {pointer} is corrupt: it {shown}, not the name of a "
             f"{PREFIX}<digits> folder beside it"
@@ -122,11 +111,13 @@ def latest_checkpoint(root: Path) -> Optional[Path]:
     pointer = root / POINTER_FILE
     if not pointer.is_file():
         found = complete_checkpoints(root)
-        if found:  # the pointer went missing: the newest committed folder is still a complete checkpoint
+        # The pointer went missing: the newest committed folder is still a complete checkpoint.
+        if found:
             return verify(found[-1])
         return None
     named = root / pointed_at(pointer)
-    if not named.exists() and (root / f".old-{named.name}").is_dir():  # killed while re-saving this step
+    # Killed while re-saving this step.
+    if not named.exists() and (root / f".old-{named.name}").is_dir():
         os.replace(root / f".old-{named.name}", named)
     return verify(named)
 
@@ -156,17 +147,22 @@ def commit(staging: Path, trainer_state: dict[str, Any], keep_last: int) -> Path
     except OSError as err:
         raise write_failed(staging, root, err) from err
     old = root / f".old-{final.name}"
-    if final.exists():  # the same step saved again (a run resumed from an older checkpoint): set the old aside
-        os.replace(final, old)  # atomic; `latest` finds it there if a kill comes before the new one is in place
+    # The same step saved again (a run resumed from an older checkpoint): set the old aside.
+    if final.exists():
+        # Atomic; `latest` finds it there if a kill comes before the new one is in place.
+        os.replace(final, old)
     os.replace(staging, final)
     _write_atomically(root / POINTER_FILE, final.name)
     shutil.rmtree(old, ignore_errors=True)
-    best_folder = best_checkpoint(root, trainer_state.get("best"))  # this run's record, whatever the pointer says
+    # This run's record, whatever the pointer says.
+    best_folder = best_checkpoint(root, trainer_state.get("best"))
     if best_folder is not None:
         _write_atomically(root / BEST_FILE, best_folder.name)
-    elif (root / BEST_FILE).exists():  # a pointer into another timeline, or damaged: it names nothing of this run's
+    # A pointer into another timeline, or damaged: it names nothing of this run's.
+    elif (root / BEST_FILE).exists():
         (root / BEST_FILE).unlink()
-    spared = {final, best_folder}  # a run resumed from an older checkpoint keeps what it just wrote
+    # A run resumed from an older checkpoint keeps what it just wrote.
+    spared = {final, best_folder}
     for old in complete_checkpoints(root)[:-keep_last]:
         if old not in spared:
             shutil.rmtree(old, ignore_errors=True)
@@ -177,7 +173,8 @@ def lock_output_dir(output_dir: str | Path):
     """Hold ``<output_dir>/.lock`` for this process's life (the main process's: one job per output_dir). A second
     job is refused, naming the first; the lock goes with the process, however it ends (flock), so none is stale."""
     path = (Path(output_dir) / LOCK_FILE).resolve()
-    if str(path) in _HELD:  # this process holds it already (a second Trainer on the same output_dir)
+    # This process holds it already (a second Trainer on the same output_dir)
+    if str(path) in _HELD:
         return _HELD[str(path)]
     handle = open(path, "a+")
     try:

@@ -39,17 +39,24 @@ class TrainConfig:
     seed: int = 0
 
     epochs: int = 3
-    max_steps: Optional[int] = None  # wins over epochs when set
-    batch_size: int = 8  # per process
+    # Wins over epochs when set.
+    max_steps: Optional[int] = None
+    # Per process.
+    batch_size: int = 8
     gradient_accumulation_steps: int = 1
 
     optimizer: str = "adamw"
     lr: float = 3e-4
-    weight_decay: float = 0.0  # decays weight matrices and embeddings, not biases or normalisation weights
-    decay_biases_and_norms: bool = False  # true: weight_decay on every parameter
-    momentum: float = 0.0  # sgd only
-    betas: tuple[float, float] = (0.9, 0.999)  # adam / adamw
-    eps: float = 1e-8  # adam / adamw
+    # Decays weight matrices and embeddings, not biases or normalisation weights.
+    weight_decay: float = 0.0
+    # True: weight_decay on every parameter.
+    decay_biases_and_norms: bool = False
+    # SGD only.
+    momentum: float = 0.0
+    # Adam and AdamW.
+    betas: tuple[float, float] = (0.9, 0.999)
+    # Adam and AdamW.
+    eps: float = 1e-8
     lr_scheduler: str = "constant"
     warmup_steps: int = 0
     # The floor a decaying schedule ends at, as a fraction of lr (nanoGPT's 0.1): cosine_with_min_lr,
@@ -57,12 +64,15 @@ class TrainConfig:
     min_lr_ratio: Optional[float] = None
     # The schedule's other settings, by transformers' names (warmup_stable_decay: num_decay_steps, decay_type, ...).
     lr_scheduler_kwargs: dict = dataclasses.field(default_factory=dict)
-    max_grad_norm: Optional[float] = None  # clip the global gradient norm when set
+    # Clip the global gradient norm when set.
+    max_grad_norm: Optional[float] = None
 
     shuffle: bool = True
-    drop_last: bool = False  # drop the M mod K tail examples instead of padding (DistributedSampler's)
+    # Drop the M mod K tail examples instead of padding (DistributedSampler's).
+    drop_last: bool = False
     num_workers: int = 0
-    compile: bool = False  # torch.compile the model (accelerate's dynamo plugin, inductor); pays off on GPUs
+    # torch.compile the model (accelerate's dynamo plugin, inductor); pays off on GPUs.
+    compile: bool = False
     # Each transformer block recomputes its activations in backward instead of keeping them (DDP and FSDP2): less
     # memory for about a third more compute; the same updates.
     activation_checkpointing: bool = False
@@ -77,10 +87,12 @@ class TrainConfig:
 
     log_every: int = 10
     eval_every: Optional[int] = None
-    save_every: Optional[int] = None  # full-state checkpoint every N optimizer steps and at the end; None: none
-    keep_last: int = 2  # checkpoints kept; older ones are deleted once a newer one is committed
-    # A sharded (FSDP2) model's checkpoints written in the background while training goes on: the step waits only for
-    # the copy to CPU memory. Committed once every process's shards are written; one save in flight at a time.
+    # Full-state checkpoint every N optimizer steps and at the end; None: none.
+    save_every: Optional[int] = None
+    # Checkpoints kept; older ones are deleted once a newer one is committed.
+    keep_last: int = 2
+    # Checkpoints written in the background while training goes on (DDP and FSDP2 alike): the step waits only for the
+    # copy to CPU memory. Committed once every process's files are written; one save in flight at a time.
     save_async: bool = False
     # An evaluate() figure (eval_loss, eval_accuracy, ...): the checkpoint of its best evaluation is kept apart from
     # keep_last (the "best" pointer names it). Needs checkpoints at evaluation steps (save_every a multiple of
@@ -101,14 +113,19 @@ class TrainConfig:
     ema_start_step: int = 0
     ema_eval: bool = True
     ema_final: bool = True
-    resume: Optional[str] = None  # None (refuses an output_dir holding checkpoints) | "auto" | a checkpoint path
-    nan_policy: str = "raise"  # non-finite loss: "raise" (stop, naming step and rank) | "skip" (drop that step)
-    collective_timeout_s: float = 1800.0  # a collective still waiting after this long ends the job
-    stall_warning_s: Optional[float] = 60.0  # no progress this long: name the rank(s) the others wait for
+    # None (refuses an output_dir holding checkpoints) | "auto" | a checkpoint path.
+    resume: Optional[str] = None
+    # Non-finite loss: "raise" (stop, naming step and rank) | "skip" (drop that step).
+    nan_policy: str = "raise"
+    # A collective still waiting after this long ends the job.
+    collective_timeout_s: float = 1800.0
+    # No progress this long: name the rank(s) the others wait for.
+    stall_warning_s: Optional[float] = 60.0
     # Set it (or WANDB_PROJECT) to log to wandb from every process: run <experiment_name>-rank<k> in group
     # <experiment_name>.
     wandb_project: Optional[str] = None
-    tensorboard: bool = False  # every process writes TensorBoard events to <output_dir>/tensorboard/rank<k>
+    # Every process writes TensorBoard events to <output_dir>/tensorboard/rank<k>.
+    tensorboard: bool = False
     # "10-12": a torch.profiler trace of those optimizer steps on every rank, <output_dir>/profile/rank<k>/trace.json
     profile_steps: Optional[str] = None
     # MFU on the step line (trainer/telemetry/mfu.py): a model's forward + backward FLOPs per token (a transformers
@@ -127,7 +144,8 @@ class TrainConfig:
     slurm_requeue: bool = False
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "TrainConfig":
-        check_keys(cls, kwargs, "TrainConfig")  # a misspelt keyword gets the YAML path's suggestion, not a TypeError
+        # A misspelt keyword gets the YAML path's suggestion, not a TypeError.
+        check_keys(cls, kwargs, "TrainConfig")
         return super().__new__(cls)
 
     def __post_init__(self) -> None:

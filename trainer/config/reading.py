@@ -97,7 +97,8 @@ def check_keys(cls: type, values: dict[str, Any], source: str) -> None:
         if key not in valid:
             names = {**{name: name for name in valid}, **{k: v for k, v in OTHER_NAMES.items() if v in valid}}
             close = difflib.get_close_matches(str(key).lower(), list(names), n=3, cutoff=0.5)
-            close = list(dict.fromkeys(names[name] for name in close))  # another trainer's name: ours
+            # Another trainer's name: ours.
+            close = list(dict.fromkeys(names[name] for name in close))
             hint = f" Did you mean: {', '.join(close)}?" if close else ""
             raise ConfigError(f"{source}: unknown key '{key}'.{hint} Valid keys: {', '.join(valid)}")
 
@@ -126,7 +127,8 @@ def coerce(key: str, value: Any, annotation: Any) -> Any:
     ``trainer.best_checkpoint`` is) for a string.
     """
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin is typing.Union and type(None) in args:  # Optional[X]
+    # Optional[X].
+    if origin is typing.Union and type(None) in args:
         if value is None:
             return None
         (annotation,) = [a for a in args if a is not type(None)]
@@ -156,7 +158,8 @@ def coerce(key: str, value: Any, annotation: Any) -> Any:
                 raise wrong() from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise wrong()
-        if not math.isfinite(value):  # YAML's .nan / .inf: torch would fail late, or train on nonsense
+        # YAML's .nan / .inf: torch would fail late, or train on nonsense.
+        if not math.isfinite(value):
             raise ConfigError(f"{key} must be a finite number, got {value!r}")
         return float(value)
     if annotation is str:

@@ -1,17 +1,5 @@
-"""A ``datasets.Dataset`` made ready for the trainer's loaders: the model's input columns, as torch tensors.
-
-A Dataset straight from ``.map(tokenize)`` holds python lists and strings; passed as is, its rows reach the model as
-lists (``'list' object has no attribute 'size'`` deep inside it). So, as transformers' Trainer does
-(``remove_unused_columns``), the columns that ``model.forward`` does not name are left out (``text``, ``idx``; the
-label columns stay), and then:
-
-- without a ``collate_fn``, the rest are formatted as torch tensors, and ``label`` becomes ``labels`` where that is
-  what ``forward`` takes. Lists of different lengths cannot be stacked into a batch: they are refused, naming the
-  columns and the fix (dynamic padding through ``collate_fn``, or ``padding="max_length"``);
-- with a ``collate_fn`` (``DataCollatorWithPadding`` pads, and renames ``label`` itself) the rows stay python.
-
-Only an unformatted Dataset is touched. One already formatted (``with_format("torch", columns=[...])``, numpy...)
-is the user's choice and used as is: the way to keep a column that a ``loss_fn`` reads but ``forward`` does not.
+"""An unformatted ``datasets.Dataset`` readied as transformers' Trainer readies one: the model's input columns as
+tensors, the rest dropped, said once (docs/internals.md#columns).
 """
 
 from __future__ import annotations

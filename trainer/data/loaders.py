@@ -201,7 +201,8 @@ def _accept_user_loader(loader: DataLoader, dp: Any, name: str) -> DataLoader:
     the same data."""
     world, rank = dp.size, dp.rank
     if world == 1 or isinstance(loader.dataset, IterableDataset):
-        return loader  # its IterableDataset yields this process its own part (say datasets' split_dataset_by_node)
+        # Its IterableDataset yields this process its own part (say datasets' split_dataset_by_node)
+        return loader
     sampler = get_sampler(loader)
     if isinstance(sampler, DistributedSampler):
         if (sampler.num_replicas, sampler.rank) != (world, rank):
@@ -253,8 +254,9 @@ def named_sets(data: Any) -> dict[str, Any]:
 
 
 def _is_data_set(part: Any) -> bool:
+    # A column of a batch is no data set.
     return isinstance(part, (DataLoader, torch.utils.data.IterableDataset)) or (
         hasattr(part, "__len__")
         and hasattr(part, "__getitem__")
         and not isinstance(part, (str, bytes, Mapping, torch.Tensor))
-    )  # a column of a batch is no data set
+    )

@@ -1,24 +1,5 @@
-"""Streaming training data: an IterableDataset that every process reads its own part of, resumable at any step.
-
-Each process keeps its own part of the stream:
-
-- a ``datasets.IterableDataset`` (``load_dataset(..., streaming=True)``, ``Dataset.to_iterable_dataset()``) is
-  split by datasets' own ``split_dataset_by_node``: whole shards per process when the shard count divides by the
-  process count, else every K-th example;
-- any other ``torch.utils.data.IterableDataset``: process k keeps examples k, k+K, k+2K, ... of the stream (as
-  DistributedSampler deals a map-style data set). A stream that already yields each process its own part goes in
-  a DataLoader instead, which is used as is.
-
-Where each process's part stands is checkpointed with the step (JSON in ``trainer_state.json``, never a pickle):
-the stream's own ``state_dict()`` as it was before the first example of the next batch, so a resume continues there
-without re-reading what was consumed (datasets' ``IterableDataset.state_dict()``; a torch IterableDataset may offer
-the same two methods). The loader reads ahead, so the state is noted at every batch boundary (about 0.1 ms) and
-the one of the checkpointed batch is saved. A stream that cannot say where it is, or one read in worker processes
-(``num_workers > 0``, where its state is out of reach), resumes only at the start of an epoch, and a resume
-mid-stream is refused with a message saying so.
-
-Caveat from datasets: a ``shuffle(buffer_size=...)`` buffer is not part of the state; a resumed stream refills it
-and reads different examples than the uninterrupted run would have.
+"""Streaming training data: an IterableDataset every process reads its own part of, its position checkpointed as
+JSON at every batch boundary so that a resume continues there (docs/internals.md#streams, docs/project.md).
 """
 
 from __future__ import annotations
@@ -67,12 +48,15 @@ class StreamShard(IterableDataset):
                 self.keep_every, self.offset = world_size, rank
         self.stream = stream
         self.batch_size = batch_size
-        self.kept = read_ahead + 2  # positions remembered
+        # Positions remembered.
+        self.kept = read_ahead + 2
         self.resumable = callable(getattr(stream, "state_dict", None)) and callable(
             getattr(stream, "load_state_dict", None)
         )
-        self._positions: dict[int, Optional[dict[str, Any]]] = {}  # batches read -> position before the next one
-        self._start: Optional[dict[str, Any]] = None  # where the next pass begins (a resume); None: the beginning
+        # Batches read -> position before the next one.
+        self._positions: dict[int, Optional[dict[str, Any]]] = {}
+        # Where the next pass begins (a resume); None: the beginning.
+        self._start: Optional[dict[str, Any]] = None
 
     @property
     def name(self) -> str:
@@ -85,20 +69,24 @@ class StreamShard(IterableDataset):
 
     def __iter__(self) -> Iterator[Any]:
         start, self._start = self._start, None
-        batches, read = 0, 0  # batches begun in this pass, examples of the whole stream read
+        # Batches begun in this pass, examples of the whole stream read.
+        batches, read = 0, 0
         if start is not None:
             self.stream.load_state_dict(start["stream"])
             batches, read = start["batches"], start["read"]
         self._positions = {batches: start}
-        noting = self.resumable and get_worker_info() is None  # a worker's state cannot reach the checkpoint
-        kept = 0  # examples of this part yielded in this pass
+        # A worker's state cannot reach the checkpoint.
+        noting = self.resumable and get_worker_info() is None
+        # Examples of this part yielded in this pass.
+        kept = 0
         for example in self.stream:
             read += 1
             if (read - 1) % self.keep_every != self.offset:
                 continue
             yield example
             kept += 1
-            if kept % self.batch_size == 0:  # the next batch begins after this example
+            # The next batch begins after this example.
+            if kept % self.batch_size == 0:
                 batches += 1
                 if noting:
                     self._note(batches, read)
@@ -115,7 +103,8 @@ class StreamShard(IterableDataset):
     def resume_at(self, position: Optional[dict[str, Any]], batches: int) -> None:
         """Start the next pass where a checkpoint left it: after ``batches`` batches, at ``position``."""
         if batches == 0:
-            return  # an epoch's beginning: nothing to skip
+            # An epoch's beginning: nothing to skip.
+            return
         if position is None:
             raise StreamPositionError(
                 f"the checkpoint is {batches} batches into an epoch of train_data ({self.name}), but it could not say "

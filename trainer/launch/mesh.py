@@ -1,20 +1,6 @@
-"""The device mesh of a launch: how its processes split into data-parallel replicas, shards of one replica, and
-tensor-parallel groups, as accelerate's ``parallelism_config`` asks.
-
-The sizes come the way accelerate passes them to every worker: the ``parallelism_config:`` section of the accelerate
-YAML, or ``accelerate launch --parallelism_config_dp_replicate_size 2 ...``, both arrive as
-``PARALLELISM_CONFIG_*`` variables (set them yourself under torchrun), read by accelerate's own
-``ParallelismConfig``. A launch that names none gets today's meshes: FSDP over every process for an FSDP config, DDP
-otherwise.
-
-- ``dp_shard_size`` x ``dp_replicate_size`` (HSDP): each replica of the model is sharded over ``dp_shard`` processes
-  (one node, where the fast links are), and the replicas (across nodes) all-reduce their gradients.
-- ``tp_size``: the processes of one tensor-parallel group split each weight matrix and read the same batch.
-
-Processes are laid out row-major, tensor-parallel groups innermost (ranks 0..tp-1 are one group), then shards, then
-replicas: with the launcher's ranks numbered node by node, a shard group of one node's size stays on one node.
-What the trainer cannot do is refused by name before anything is built: context and sequence parallelism, sizes
-whose product is not the launch's processes, sharding asked of a DDP config.
+"""The device mesh of a launch, as accelerate's ``parallelism_config`` asks (replicas, shards of one replica,
+tensor-parallel groups); processes are laid out row-major, tensor-parallel groups innermost, then shards, then
+replicas, so a shard group of one node's size stays on one node (docs/internals.md#the-device-mesh).
 """
 
 from __future__ import annotations
@@ -25,7 +11,8 @@ from typing import Any, Optional
 
 from trainer.errors import ShardingError
 
-REPLICATE, SHARD, TP = "dp_replicate", "dp_shard", "tp"  # accelerate's (and torchtitan's) names for the dimensions
+# Accelerate's (and torchtitan's) names for the dimensions.
+REPLICATE, SHARD, TP = "dp_replicate", "dp_shard", "tp"
 
 
 @dataclass(frozen=True)
@@ -84,7 +71,8 @@ def requested_layout(world: int, sharded: bool, sizes: Optional[dict[str, int]] 
     from accelerate.parallelism_config import ParallelismConfig
 
     try:
-        asked = ParallelismConfig(**(sizes or {}))  # unset sizes: the PARALLELISM_CONFIG_* variables of the launch
+        # Unset sizes: the PARALLELISM_CONFIG_* variables of the launch.
+        asked = ParallelismConfig(**(sizes or {}))
     except (TypeError, ValueError) as err:
         raise ShardingError(f"parallelism_config: {err}") from None
     for name, what in (("cp", "context parallelism"), ("sp", "sequence parallelism")):
@@ -95,7 +83,8 @@ def requested_layout(world: int, sharded: bool, sizes: Optional[dict[str, int]] 
             )
     layout = Layout(asked.dp_replicate_size, asked.dp_shard_size, asked.tp_size, sharded)
     product = layout.data_parallel * layout.tp
-    if product == 1:  # every size left at 1: the launch's own mesh
+    # Every size left at 1: the launch's own mesh.
+    if product == 1:
         return default
     if product != world:
         raise ShardingError(

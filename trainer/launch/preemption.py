@@ -1,17 +1,6 @@
-"""Preemption: a signal becomes a checkpoint at an optimizer step every rank agrees on, then a clean exit.
-
-Slurm (before it kills a preempted or timed-out job; ``#SBATCH --signal``), Kubernetes and torchrun (which
-forwards its own SIGTERM to every worker, then kills them 30 s later) send a signal first. Saving inside the
-handler is fragile (it can interrupt a collective or a half-written file), so the handler only notes the signal;
-copies of it within SAME_EVENT_S count once. The ranks compare notes at optimizer-step boundaries through one
-small all-reduce on the job's host group (``trainer.launch.run.host_group``), asynchronous: issued at one check and read
-at the next, so no step waits for it and no GPU sync is added. Checks come every step until the first log, then every
-CHECK_EVERY_S of training (a step count every rank derives from the same gathered step times). One rank's signal is
-enough; the others may not receive it. All ranks then stop after the same step, commit a full checkpoint there,
-flush metrics and wandb, and exit with ``PREEMPTED_EXIT`` (75, "try again"). A second signal, or
-``preemption_grace_s`` after the first, ends the process at once. Under Slurm with ``slurm_requeue`` the first
-process asks ``scontrol requeue`` once the checkpoint is committed, so the next allocation resumes by itself
-(``resume: auto``).
+"""Preemption: a signal becomes a checkpoint at an optimizer step every rank agrees on (one small asynchronous
+all-reduce on the host group, no step waits for it), then a clean exit with status 75; Slurm requeue
+(docs/internals.md#preemption, docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -45,18 +34,24 @@ class PreemptionWatch:
         self.signals = [getattr(signal, name) for name in run.config.signal_names]
         self.grace_s = run.config.preemption_grace_s
         group = run.host
-        self.received = 0  # the first signal's number, 0 until one arrives
+        # The first signal's number, 0 until one arrives.
+        self.received = 0
         self._first_at = 0.0
         self._previous: dict[int, object] = {}
-        self._group = group if self.signals else None  # the host group (None: one process)
+        # The host group (None: one process)
+        self._group = group if self.signals else None
         self._flag = torch.zeros(1, dtype=torch.int32)
         self._pending: Optional[dist.Work] = None
-        self.check_every = 1  # steps between checks
-        self._agreed = 0  # a signal the ranks agreed on out of turn (agree_now), for agreed() to return
-        self._next_every = 1  # from the next check on (a check issued at the old pace is read at it)
+        # Steps between checks.
+        self.check_every = 1
+        # A signal the ranks agreed on out of turn (agree_now), for agreed() to return.
+        self._agreed = 0
+        # From the next check on (a check issued at the old pace is read at it)
+        self._next_every = 1
 
     def __enter__(self) -> "PreemptionWatch":
-        if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
+        # Only the main thread may set handlers.
+        if threading.current_thread() is threading.main_thread():
             for number in self.signals:
                 self._previous[number] = signal.signal(number, self._on_signal)
         return self
@@ -71,10 +66,12 @@ class PreemptionWatch:
             signal.signal(number, signal.SIG_IGN if ignore else handler)
         self._previous.clear()
         pending, self._pending = self._pending, None
-        if pending is not None:  # every rank issued the same reductions; let the last one land before teardown
+        # Every rank issued the same reductions; let the last one land before teardown.
+        if pending is not None:
             if kind is None:
                 pending.wait()
-            else:  # leaving on an error: a peer may be gone, so wait a little, and never raise over the error
+            # Leaving on an error: a peer may be gone, so wait a little, and never raise over the error.
+            else:
                 try:
                     pending.wait(timedelta(seconds=10))
                 except Exception:
@@ -82,8 +79,10 @@ class PreemptionWatch:
 
     def _on_signal(self, number: int, frame) -> None:
         if self.received and time.monotonic() - self._first_at < SAME_EVENT_S:
-            return  # the same event's other copy
-        if self.received:  # a second signal: no more waiting
+            # The same event's other copy.
+            return
+        # A second signal: no more waiting.
+        if self.received:
             warn(f"second signal ({signal.Signals(number).name}): exiting now")
             os._exit(PREEMPTED_EXIT)
         self.received, self._first_at = number, time.monotonic()
@@ -159,7 +158,8 @@ def stop(signal_number: int, step: int, *, total_steps: int, checkpoint_now: Cal
 
 def requeue_slurm_job() -> str:
     """Ask Slurm to requeue this job (the first process, after the checkpoint is committed); what happened."""
-    job = os.environ.get("SLURM_JOB_ID")  # an array task's own id too: requeue takes it as is
+    # An array task's own id too: requeue takes it as is.
+    job = os.environ.get("SLURM_JOB_ID")
     if not job:
         return "not under Slurm: no requeue"
     started = time.monotonic()

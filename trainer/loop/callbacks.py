@@ -71,7 +71,8 @@ class EarlyStopping:
         self.monitor, self.patience, self.min_delta, self.mode = monitor, patience, min_delta, mode
         self.best: float | None = None
         self.best_step: int | None = None
-        self.waited = 0  # evaluations since the best one
+        # Evaluations since the best one.
+        self.waited = 0
 
     def on_evaluate(self, trainer: Any, metrics: dict) -> None:
         if self.monitor not in metrics:
@@ -95,5 +96,6 @@ class EarlyStopping:
         return {"monitor": self.monitor, "best": self.best, "best_step": self.best_step, "waited": self.waited}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("monitor") == self.monitor:  # a best of another figure means nothing for this one
+        # A best of another figure means nothing for this one.
+        if state.get("monitor") == self.monitor:
             self.best, self.best_step, self.waited = state["best"], state["best_step"], state["waited"]

@@ -18,13 +18,15 @@ import torch
 
 from trainer.errors import LossFnError
 
-LossFn = Callable[[torch.nn.Module, Any], Any]  # -> a scalar tensor, or (loss_sum, count)
+# -> a scalar tensor, or (loss_sum, count)
+LossFn = Callable[[torch.nn.Module, Any], Any]
 
 
 def model_loss(model: torch.nn.Module, batch: Any, **loss_kwargs: Any) -> torch.Tensor:
     """The default loss: ``model(**batch).loss``, as transformers models compute it when given labels (a model
     returning a plain dict: its ``"loss"``). ``loss_kwargs`` (``num_items_in_batch``) go to forward with the batch."""
-    if not isinstance(batch, Mapping):  # a dict, or transformers' BatchEncoding from its collators
+    # A dict, or transformers' BatchEncoding from its collators.
+    if not isinstance(batch, Mapping):
         raise LossFnError(
             f"the default loss calls model(**batch).loss, but the batch is a {type(batch).__name__}; "
             "pass loss_fn=lambda model, batch: ... to the Trainer"

@@ -142,7 +142,8 @@ def cut(batch: Any, pieces: int) -> list[tuple[Any, float]]:
 
 
 def _rows(tensor: torch.Tensor, rows: slice) -> torch.Tensor:
-    return tensor[rows] if tensor.dim() else tensor  # a 0-dim tensor goes whole
+    # A 0-dim tensor goes whole.
+    return tensor[rows] if tensor.dim() else tensor
 
 
 def memory_words(device: torch.device) -> str:

@@ -1,19 +1,6 @@
-"""Watching the loss for NaN / inf without making every step wait for the device.
-
-``nan_policy="raise"``: the losses are not looked at per step. The log window (``trainer.telemetry.window``), which
-keeps each step's loss tensor until the log anyway, notes the first step whose loss was not finite, on the device; that
-step rides the one gather of each log, every rank together (so no rank is left waiting in a collective), and is
-gathered on its own before a checkpoint between logs and at the end: training stops naming the first bad step and
-the rank(s), and no state after a non-finite loss is ever checkpointed, so the last checkpoint is good.
-
-``nan_policy="skip"``: at each optimizer step the ranks agree (one all-reduce and a host sync per optimizer step:
-the price of choosing skip) whether any of them saw a non-finite loss in the accumulation window; if so every rank
-drops that update and the schedule does not advance, and puts back the buffers a forward pass changes (BatchNorm's
-running statistics, which a NaN batch has already poisoned; under DDP rank 0's are broadcast to all at the next
-forward): the model is as it was before the skipped step. The buffers are copied after every update to allow it.
-
-Either way an evaluation whose loss comes out NaN or inf stops training (the model itself is broken, or the eval
-data holds a bad example): never a run that ends "successfully" with ``eval_loss nan``.
+"""``nan_policy``: a NaN or inf loss noticed without making any step wait for the device (``raise``: from the
+log's one gather; ``skip``: agreed every step, the update and the schedule dropped, the buffers put back)
+(docs/internals.md#nan-and-inf-losses).
 """
 
 from __future__ import annotations
@@ -25,7 +12,8 @@ import torch
 
 from trainer.errors import NonFiniteLoss
 
-NONE = 2**62  # "no bad step yet": larger than any step, so the first bad step is a minimum
+# "no bad step yet": larger than any step, so the first bad step is a minimum.
+NONE = 2**62
 
 
 class NonFiniteGuard:
@@ -34,10 +22,13 @@ class NonFiniteGuard:
     def __init__(self, run: Any, *, policy: str):
         self.accelerator = accelerator = run.accelerator
         self.policy = policy
-        self._bad_in_window = torch.zeros((), dtype=torch.bool, device=accelerator.device)  # "skip": since the update
+        # "skip": since the update.
+        self._bad_in_window = torch.zeros((), dtype=torch.bool, device=accelerator.device)
         self.skipped_steps = 0
-        self._buffers: list[torch.Tensor] = []  # "skip": the model's state_dict buffers, and a copy of them as they
-        self._kept: list[torch.Tensor] = []  # were after the last update
+        # "skip": the model's state_dict buffers, and a copy of them as they.
+        self._buffers: list[torch.Tensor] = []
+        # Were after the last update.
+        self._kept: list[torch.Tensor] = []
 
     def keep_buffers(self, model: torch.nn.Module) -> None:
         """Under "skip": copy ``model``'s buffers (those its state_dict holds) now and after every update, to put
@@ -52,7 +43,8 @@ class NonFiniteGuard:
         """Note one micro-batch's loss; return the loss to count in the logs (under "skip", a non-finite one counts
         0: a skipped step does not poison the mean)."""
         if self.policy == "raise":
-            return loss  # the log window notes the first bad step
+            # The log window notes the first bad step.
+            return loss
         finite = torch.isfinite(loss)
         self._bad_in_window |= ~finite
         return torch.where(finite, loss, torch.zeros_like(loss))
@@ -65,7 +57,8 @@ class NonFiniteGuard:
         bad = self.accelerator.reduce(self._bad_in_window.float(), reduction="sum").item() > 0
         self._bad_in_window.zero_()
         self.skipped_steps += bad
-        if self._buffers:  # skipped: put them back; else: keep a copy. One foreach copy, not one call a buffer
+        # Skipped: put them back; else: keep a copy. One foreach copy, not one call a buffer.
+        if self._buffers:
             with torch.no_grad():
                 torch._foreach_copy_(*((self._buffers, self._kept) if bad else (self._kept, self._buffers)))
         return bad

@@ -1,16 +1,6 @@
-"""Packed batches: documents laid end to end in one row, ``position_ids`` restarting at each, no padding and no
-``attention_mask`` (transformers' ``DataCollatorWithFlattening``). They train as the same documents padded only where
-the model's attention stops at each restart; transformers' Llama, Mistral, GPT-2, GPT-NeoX and most decoders build
-that block-diagonal mask from ``position_ids``, while others (OPT, Bloom, BERT, a model of your own) attend across
-documents without a word, and train on a different objective.
-
-So, before the first step whose batch is packed and whose loss is the default one (``model(**batch).loss``: the
-trainer knows how the model is called), the trainer asks the model once. The same document follows two different
-documents in one packed row each; where the attention stops at the restart, the document's logits are bitwise
-the same after both (the other document's keys weigh exactly zero), and where it does not they differ. Measured
-on tiny transformers models: a difference of exactly 0 for GPT-2, Llama, Mistral, GPT-NeoX, GPT-J, Falcon and
-Gemma 2 (eager and sdpa); 0.045 for OPT, 0.0017 for Bloom, 0.0025 for BERT. Two forwards of 8 tokens, in eval
-mode with no gradients, the random state kept; every rank asks alike (a sharded model's forward gathers weights).
+"""Packed batches (``DataCollatorWithFlattening``): before the first packed step under the default loss the model
+is asked once whether its attention stops at each document, and refused by name where it does not
+(docs/internals.md#packed-batches, docs/recipes.md).
 """
 
 from __future__ import annotations
@@ -23,7 +13,8 @@ import torch
 from trainer.errors import ConfigError
 from trainer.parallel.gradients import whole
 
-DOCUMENT = 4  # tokens in each probe document
+# Tokens in each probe document.
+DOCUMENT = 4
 
 
 def looks_packed(batch: Any) -> bool:
@@ -51,11 +42,13 @@ def refuse_attention_across_documents(
     document = torch.arange(DOCUMENT, device=device)
     positions = torch.cat([document, document])[None]
     after = []
-    modes = [(module, module.training) for module in model.modules()]  # each module's, as the user left them
+    # Each module's, as the user left them.
+    modes = [(module, module.training) for module in model.modules()]
     model.eval()
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad(), autocast():
-            for first in (DOCUMENT, 2 * DOCUMENT):  # two different documents before the same one
+            # Two different documents before the same one.
+            for first in (DOCUMENT, 2 * DOCUMENT):
                 ids = torch.cat([document + first, document])[None]
                 logits = _logits(model(input_ids=ids, position_ids=positions, **(extra or {})))
                 if logits is None:

@@ -16,16 +16,21 @@ class TrainState:
 
     batches_per_epoch: Optional[int]
     accumulation: int
-    step: int = 0  # optimizer steps taken
-    epoch: int = 0  # the epoch being read
-    batches_into_epoch: int = 0  # micro-batches read of it
-    run_id: str = ""  # names every rank's wandb run (<run_id>-rank<k>): a resume continues them
+    # Optimizer steps taken.
+    step: int = 0
+    # The epoch being read.
+    epoch: int = 0
+    # Micro-batches read of it.
+    batches_into_epoch: int = 0
+    # Names every rank's wandb run (<run_id>-rank<k>): a resume continues them.
+    run_id: str = ""
 
     @property
     def steps_per_epoch(self) -> Optional[int]:
         if not self.batches_per_epoch:
             return None
-        return -(-self.batches_per_epoch // self.accumulation)  # the last window of an epoch may be short
+        # The last window of an epoch may be short.
+        return -(-self.batches_per_epoch // self.accumulation)
 
     @property
     def epoch_progress(self) -> float:

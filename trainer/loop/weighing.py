@@ -1,30 +1,7 @@
-"""One optimizer step from a window of micro-batches, each loss weighed so that the step does not depend on how the
-global batch was split into processes and accumulation micro-batches.
-
-The gradient of every optimizer step is that of the mean loss over the whole global batch:
-
-- **The default loss of a transformers model, with labels**: every counted token weighs the same (a label other
-  than -100; for a causal language model the labels after each row's first, which the model shifts away). The
-  window's tokens are counted before its first forward and summed over the processes in one all-reduce (on the
-  device: no host sync), then handed to the model as ``num_items_in_batch``, so that its loss is sum / count, as
-  transformers' Trainer (``average_tokens_across_devices``) and torchtitan do. A model whose forward does not pass
-  that count on to its ``loss_function`` (a sequence classifier computing its loss inline, say) returns a mean,
-  which is then weighed by its micro-batch's share of the count instead. Seen per forward, never assumed.
-- **A ``loss_fn`` returning ``(loss_sum, count)``**: the same weighting by ``count`` (tokens, examples, whatever it
-  sums over). The count is known only after each forward, so the window's gradients are divided by the total count
-  at the step (one multiply over the gradients).
-- **Any other scalar loss**: the mean over the window's micro-batches, as before. The last window of an epoch, when
-  ``gradient_accumulation_steps`` does not divide its batches, is divided by what it holds, not by the full window.
-
-DDP averages gradients over the K data-parallel processes (``trainer.launch.run.DataParallel``); each of these is
-a share of one global mean, so each is multiplied by K before backward. Only the window's last backward all-reduces
-(DDP's ``no_sync`` before it). On several processes the token counts' all-reduce is issued a window ahead (the next
-window is read before this one trains), so no step waits for it.
-
-Every process has the same number of batches per epoch of a map-style data set (DistributedSampler's padding), so
-windows line up by themselves. Streams (``trainer.data.streams``) can end at different batches on different processes:
-there the processes agree on each window's size first (``trainer.launch.run.host_group``: on the host), and an
-epoch of a stream ends for every process when any one of them has no batch left.
+"""What each micro-batch's loss weighs in its optimizer step, so that the step does not depend on how the
+global batch was split into processes and accumulation micro-batches: every counted token alike for a
+transformers model's own loss, a ``(loss_sum, count)`` loss by its count, any other loss as the window's mean
+(docs/internals.md#weighing-the-loss, docs/same-updates.md).
 """
 
 from __future__ import annotations
@@ -39,7 +16,8 @@ from trainer.hf import LossFunctionProbe, accepts_loss_kwargs, causal_lm, is_tra
 from trainer.loop.losses import LossFn, checked, model_loss
 from trainer.parallel.gradients import scale_
 
-IGNORE_INDEX = -100  # the label of a token that is not counted (padding, a prompt), as in torch's cross-entropy
+# The label of a token that is not counted (padding, a prompt), as in torch's cross-entropy.
+IGNORE_INDEX = -100
 
 
 def accumulation_windows(
@@ -68,16 +46,23 @@ class StepBatches:
 
     def __init__(self, micro_batches: list, divisor: float):
         self.micro_batches = micro_batches
-        self.divisor = divisor  # plain losses: the window's micro-batches on all processes / K
-        self.counts: Iterator[torch.Tensor] = iter(())  # token-weighted: each micro-batch's own count, in order
-        self.tokens: Optional[torch.Tensor] = None  # token-weighted: the window's count on all processes
-        self.pending: Optional[dist.Work] = None  # the all-reduce summing that count, until it is needed
-        self.summed: list[Any] = []  # (loss_sum, count) losses: the counts, for Weighing.finish()
-        self.prescale: Any = None  # fp16, (loss_sum, count): the first count, divided out before backward
+        # Plain losses: the window's micro-batches on all processes / K.
+        self.divisor = divisor
+        # Token-weighted: each micro-batch's own count, in order.
+        self.counts: Iterator[torch.Tensor] = iter(())
+        # Token-weighted: the window's count on all processes.
+        self.tokens: Optional[torch.Tensor] = None
+        # The all-reduce summing that count, until it is needed.
+        self.pending: Optional[dist.Work] = None
+        # (loss_sum, count) losses: the counts, for Weighing.finish()
+        self.summed: list[Any] = []
+        # fp16, (loss_sum, count): the first count, divided out before backward.
+        self.prescale: Any = None
 
     def total_tokens(self) -> torch.Tensor:
         if self.pending is not None:
-            self.pending.wait()  # issued a window ahead: done by now (on a GPU, the stream waits, not the host)
+            # Issued a window ahead: done by now (on a GPU, the stream waits, not the host)
+            self.pending.wait()
             self.pending = None
         return self.tokens
 
@@ -104,7 +89,8 @@ class Weighing:
         weigh by tokens."""
         if not self.counts_tokens or not isinstance(batch, Mapping):
             return None
-        labels = batch.get("shift_labels")  # already shifted by the collator (padding-free batches)
+        # Already shifted by the collator (padding-free batches)
+        labels = batch.get("shift_labels")
         if labels is None:
             labels = batch.get("labels")
             if not isinstance(labels, torch.Tensor):
@@ -135,7 +121,8 @@ class Weighing:
         if counts and all(c is not None for c in counts):
             tokens = torch.stack(counts).sum() if len(counts) > 1 else counts[0]
             if self.world > 1:
-                tokens = tokens.clone() if len(counts) == 1 else tokens  # summed in place: each keeps its own count
+                # Summed in place: each keeps its own count.
+                tokens = tokens.clone() if len(counts) == 1 else tokens
                 window.pending = dist.all_reduce(tokens, async_op=True, group=self.group)
             window.tokens, window.counts = tokens, iter(counts)
         return window
@@ -148,7 +135,8 @@ class Weighing:
         if window.tokens is not None:
             return self._token_loss(window, model, batch, piece=share is not None)
         loss, count = checked(self.loss_fn(model, batch), self.loss_fn)
-        if count is not None:  # (loss_sum, count): divided by the window's count in finish()
+        # (loss_sum, count): divided by the window's count in finish()
+        if count is not None:
             window.summed.append(count)
             if self.scaler is None:
                 return loss, loss.detach(), count
@@ -158,7 +146,8 @@ class Weighing:
             if window.prescale is None:
                 window.prescale = count.detach().clamp(min=1) if torch.is_tensor(count) else max(float(count), 1.0)
             return loss / window.prescale, loss.detach(), count
-        if share is not None and share != 1:  # a piece of a micro-batch: its share of the micro-batch's mean
+        # A piece of a micro-batch: its share of the micro-batch's mean.
+        if share is not None and share != 1:
             return loss * share / window.divisor, loss.detach() * share, share
         objective = loss if window.divisor == 1 else loss / window.divisor
         return objective, loss.detach(), 1
@@ -173,9 +162,11 @@ class Weighing:
             honoured = self.probe.passed
         else:
             loss, honoured = model_loss(model, batch), False
-        if honoured:  # sum / tokens: this micro-batch's share of the window's mean already
+        # Sum / tokens: this micro-batch's share of the window's mean already.
+        if honoured:
             share, logged = loss, loss.detach() * tokens
-        else:  # a mean over its own tokens, weighed by its share of the window's
+        # A mean over its own tokens, weighed by its share of the window's.
+        else:
             share, logged = loss * (here / tokens), loss.detach() * here
         objective = share * self.world if self.world > 1 else share
         return objective, logged, here
@@ -198,7 +189,8 @@ class Weighing:
         if self.world > 1:
             dist.all_reduce(count, group=self.group)
         factor = self.world / count
-        if window.prescale is not None:  # fp16: what loss() divided out
+        # fp16: what loss() divided out.
+        if window.prescale is not None:
             prescale = window.prescale
             factor = factor * (prescale.to(device, torch.float32) if torch.is_tensor(prescale) else prescale)
         # Each process's pieces (a sharded tensor's per-parameter dispatch costs more).

@@ -12,7 +12,8 @@ from trainer.config import TrainConfig
 from trainer.errors import ConfigError
 from trainer.optim import schedules
 
-NORM_NAMES = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")  # transformers' own patterns
+# Transformers' own patterns.
+NORM_NAMES = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
 
 
 def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
@@ -43,7 +44,8 @@ def parameter_groups(model: torch.nn.Module, config: TrainConfig) -> list[dict]:
         {"params": [p for name, p in named if name in decay]},
         {"params": [p for name, p in named if name not in decay], "weight_decay": 0.0},
     ]
-    return [group for group in groups if group["params"]]  # a model of biases alone: one group
+    # A model of biases alone: one group.
+    return [group for group in groups if group["params"]]
 
 
 def decayed(model: torch.nn.Module) -> set[str]:
@@ -91,7 +93,8 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, total
     return LambdaLR(optimizer, factor)
 
 
-FLOOR = {"cosine_with_min_lr": "min_lr_rate", "warmup_stable_decay": "min_lr_ratio"}  # min_lr_ratio's name in each
+# min_lr_ratio's name in each.
+FLOOR = {"cosine_with_min_lr": "min_lr_rate", "warmup_stable_decay": "min_lr_ratio"}
 
 
 def schedule_settings(config: TrainConfig, name: str) -> dict[str, Any]:
@@ -101,7 +104,8 @@ def schedule_settings(config: TrainConfig, name: str) -> dict[str, Any]:
     settings = dict(config.lr_scheduler_kwargs)
     if config.min_lr_ratio is not None:
         ratio = config.min_lr_ratio
-        key, value = (FLOOR[name], ratio) if name in FLOOR else ("lr_end", ratio * config.lr)  # polynomial: an lr
+        # Polynomial: an lr.
+        key, value = (FLOOR[name], ratio) if name in FLOOR else ("lr_end", ratio * config.lr)
         if key in settings:
             raise ConfigError(f"min_lr_ratio and lr_scheduler_kwargs.{key} both set the floor: keep one")
         settings[key] = value
@@ -143,7 +147,8 @@ def describe(
                 else f"all {tensors} tensors"
             )
             words += f", weight decay {config.weight_decay:g} on {where}"
-    else:  # the lr before any schedule scaled it (a warm-up starts it near 0)
+    # The lr before any schedule scaled it (a warm-up starts it near 0)
+    else:
         group = optimizer.param_groups[0]
         words = f"your {type(optimizer).__name__} (lr {group.get('initial_lr', group['lr']):g})"
     if not built_scheduler:

@@ -15,11 +15,12 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from trainer.checkpoint.safe_dcp import SHARDS, one_process, quietly, read_shards
+from trainer.checkpoint.safe_dcp import SHARDS, read_shards
 from trainer.parallel.gradients import local
 from trainer.telemetry.console import say
 
-EMA = "ema"  # the folder of a checkpoint that holds the average
+# The folder of a checkpoint that holds the average.
+EMA = "ema"
 
 
 class WeightAverage:
@@ -70,7 +71,8 @@ class WeightAverage:
         self._let_go_of_gathered_weights()
         with torch.no_grad():
             for piece, average in zip(_pieces(self.weights), _pieces(self.average), strict=True):
-                held = piece.clone()  # one tensor's worth of extra memory at a time
+                # One tensor's worth of extra memory at a time.
+                held = piece.clone()
                 piece.copy_(average)
                 average.copy_(held)
 
@@ -84,8 +86,7 @@ class WeightAverage:
         import torch.distributed.checkpoint as dcp
 
         (folder / EMA / SHARDS).mkdir(parents=True, exist_ok=True)
-        with quietly():
-            dcp.save({EMA: self._by_name()}, checkpoint_id=str(folder / EMA / SHARDS), no_dist=one_process())
+        dcp.save({EMA: self._by_name()}, checkpoint_id=str(folder / EMA / SHARDS))
 
     def load(self, folder: Path, state: dict[str, Any]) -> None:
         if not (folder / EMA / SHARDS / ".metadata").is_file():

@@ -33,7 +33,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "polynomial": {"lr_end": 1e-7, "power": 1.0},
     "inverse_sqrt": {"timescale": None},
 }
-SHAPES = ("linear", "cosine", "1-sqrt")  # warmup_stable_decay's warmup_type and decay_type
+# warmup_stable_decay's warmup_type and decay_type.
+SHAPES = ("linear", "cosine", "1-sqrt")
 
 
 def factor(name: str, lr: float, warmup: int, *, total: int, settings: dict[str, Any]) -> Callable[[int], float]:
@@ -124,7 +125,8 @@ def _polynomial(
     if step < num_warmup_steps:
         return _warming(step, num_warmup_steps)
     if step > num_training_steps:
-        return lr_end / lr_init  # (LambdaLR multiplies by lr_init)
+        # (LambdaLR multiplies by lr_init)
+        return lr_end / lr_init
     remaining = 1 - (step - num_warmup_steps) / (num_training_steps - num_warmup_steps)
     return ((lr_init - lr_end) * remaining**power + lr_end) / lr_init
 
@@ -153,7 +155,8 @@ def _warmup_stable_decay(
             value = progress
         elif warmup_type == "cosine":
             value = 0.5 * (1.0 - math.cos(math.pi * progress))
-        else:  # 1-sqrt
+        # 1-sqrt.
+        else:
             value = 1.0 - math.sqrt(1.0 - progress)
         return max(0.0, value * (1.0 - min_lr_ratio) + min_lr_ratio)
     if step < num_warmup_steps + num_stable_steps:
@@ -164,7 +167,8 @@ def _warmup_stable_decay(
             value = 1.0 - progress
         elif decay_type == "cosine":
             value = 0.5 * (1.0 + math.cos(math.pi * float(num_cycles) * 2.0 * progress))
-        else:  # 1-sqrt
+        # 1-sqrt.
+        else:
             value = 1.0 - math.sqrt(progress)
         return max(0.0, value * (1.0 - min_lr_ratio) + min_lr_ratio)
     return min_lr_ratio

@@ -48,7 +48,8 @@ def checkpoint_activations(model: torch.nn.Module, blocks: list[torch.nn.Module]
 
     config = getattr(model, "config", None)
     if getattr(config, "use_cache", False):
-        config.use_cache = False  # a recomputed block would add its keys to the cache twice (transformers does this)
+        # A recomputed block would add its keys to the cache twice (transformers does this)
+        config.use_cache = False
     chosen = {id(block) for block in blocks}
     apply_activation_checkpointing(
         model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda module: id(module) in chosen
@@ -67,9 +68,11 @@ def wrap_groups(model: torch.nn.Module, plugin: Any) -> list[torch.nn.Module]:
 
     try:
         policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
-    except ValueError as err:  # a block class the model does not have
+    # A block class the model does not have.
+    except ValueError as err:
         raise ShardingError(f"fsdp_transformer_layer_cls_to_wrap: {err}") from None
-    if policy is None:  # NO_WRAP
+    # NO_WRAP.
+    if policy is None:
         return []
     candidates = [
         module

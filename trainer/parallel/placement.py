@@ -58,7 +58,8 @@ def _slots(modules: list[torch.nn.Module]) -> Iterator[tuple[torch.nn.Module, st
                     yield module, name, kind, tensor
 
 
-Source = Optional[Callable[[torch.Tensor, torch.Tensor], None]]  # (new tensor, the one it replaces): fills it
+# (new tensor, the one it replaces): fills it.
+Source = Optional[Callable[[torch.Tensor, torch.Tensor], None]]
 
 
 def fill(modules: list[torch.nn.Module], device: torch.device, source: Source, *, upcast: set[int]) -> None:
@@ -92,11 +93,13 @@ def from_first_process(rank: int, world_size: int) -> Source:
 def initialise(model: torch.nn.Module, modules: list[torch.nn.Module], seed: int, *, device: torch.device) -> None:
     """The model's own initialisation of ``modules`` (just filled, children first), each under a seed of its own:
     the same numbers on every process, whatever their number."""
-    own = getattr(model, "_init_weights", None)  # a transformers model's, per module
+    # A transformers model's, per module.
+    own = getattr(model, "_init_weights", None)
     forked = [device] if device.type == "cuda" else []
     names = {id(module): name.replace("_checkpoint_wrapped_module.", "") for name, module in model.named_modules()}
     for module in modules:
-        name = names[id(module)]  # the module's name in the whole model, wherever its part starts
+        # The module's name in the whole model, wherever its part starts.
+        name = names[id(module)]
         holds = any(t is not None for t in (*module._parameters.values(), *module._buffers.values()))
         if own is None and not holds:
             continue

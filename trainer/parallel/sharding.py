@@ -119,20 +119,23 @@ def refuse_outputs_fsdp2_cannot_see(model: torch.nn.Module) -> None:
 
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            handle: list = []  # the hook's own handle, for it to remove itself
+            # The hook's own handle, for it to remove itself.
+            handle: list = []
             handle.append(module.register_forward_hook(_check_once(handle)))
 
 
 def _check_once(handle: list) -> Callable:
     def check(module: torch.nn.Module, inputs: Any, output: Any) -> None:
         if not (torch.is_grad_enabled() and module.training):
-            return  # an evaluation: no backward to miss
+            # An evaluation: no backward to miss.
+            return
         handle[0].remove()
         if _fsdp_finds(output) or not any(True for _ in _tensors_needing_grad(output, depth=0, seen=set())):
             return
         from torch.distributed.fsdp import FSDPModule
 
-        name = next(c for c in type(module).__mro__[1:] if c is not FSDPModule).__name__  # fully_shard's subclass
+        # fully_shard's subclass.
+        name = next(c for c in type(module).__mro__[1:] if c is not FSDPModule).__name__
         containers = "a dict, a tuple, a dataclass" if _walks_dataclasses() else "a dict, a tuple"
         raise ShardingError(
             f"{name}.forward returns a {type(output).__name__}, in which FSDP2 finds no tensor: no gradient would "

@@ -1,18 +1,6 @@
-"""Tensor parallelism: the processes of one tensor-parallel group each hold a slice of every large weight matrix
-(Megatron's column / row split) and run one forward together on the same batch.
-
-Where the split comes from:
-
-- **A transformers model's own plan** (``base_model_tp_plan`` in its config, ``_tp_plan`` on its head: Llama,
-  Mistral, Qwen, ... have one; GPT-2 has none): module name patterns and style names, ``"colwise"`` / ``"rowwise"``
-  and their variants, as transformers' own tensor-parallel training reads them. Each style becomes torch's
-  ``ColwiseParallel`` / ``RowwiseParallel`` and is applied module by module as the model is placed, so that no
-  process holds the whole model (``trainer.parallel.fsdp.shard``).
-- **Your own function** ``parallelize_fn(model, tp_mesh)``, passed to the Trainer, for any other model (torchtitan's
-  and Lightning's shape): it calls ``torch.distributed.tensor.parallel.parallelize_module`` on the modules it
-  splits. The model is whole on the device when it runs (a model built on meta is initialised first).
-
-FSDP then shards what each process holds over the data-parallel processes (2-D: ``TP 2 x FSDP 4``).
+"""Tensor parallelism: a transformers model's own plan (``base_model_tp_plan``) as torch's column / row styles,
+applied module by module as the model is placed, or the user's ``parallelize_fn(model, tp_mesh)``
+(docs/internals.md#tensor-parallelism, docs/parallelism.md).
 """
 
 from __future__ import annotations
@@ -25,7 +13,8 @@ import torch
 
 from trainer.errors import ShardingError
 
-ParallelizeFn = Callable[[torch.nn.Module, Any], Any]  # (model, the tensor-parallel mesh) -> anything
+# (model, the tensor-parallel mesh) -> anything.
+ParallelizeFn = Callable[[torch.nn.Module, Any], Any]
 
 
 def _styles() -> dict[str, Callable[[], Any]]:
@@ -110,6 +99,7 @@ def model_plan(model: torch.nn.Module) -> dict[str, str]:
         return dict(plan)
     config, prefix = getattr(model, "config", None), getattr(model, "base_model_prefix", "")
     base = dict(getattr(config, "base_model_tp_plan", None) or {})
-    if base and prefix and hasattr(model, prefix):  # a head model: its base model's plan, under its name
+    # A head model: its base model's plan, under its name.
+    if base and prefix and hasattr(model, prefix):
         base = {f"{prefix}.{name}": style for name, style in base.items()}
     return base

@@ -1,15 +1,5 @@
-"""What a job prints: one way to say a line (the main process, stdout) and one to warn (any rank, stderr), the
-start banner and the step line, each library warning once per job, and a progress bar no line breaks into.
-
-Every process of a job runs the same code, so a library warning (transformers' ``loss_type=None ...``) comes once
-per process, and one issued per save (accelerate's ``Removed shared tensor``) once per checkpoint. So: the
-libraries' log records below ERROR are left to the main process (errors still come from every rank), and each
-distinct record prints once per process.
-
-In a terminal the main process draws a progress bar on stderr; anything else written meanwhile (our step lines, a
-user's ``print``, a library's warning) would land in the middle of it. While the bar is up, stdout and stderr
-(and the logging handlers that hold them) go through a writer that collects whole lines, clears the bar, writes
-them, and redraws it. (tqdm's ``logging_redirect_tqdm`` moves logging handlers only, not prints.)
+"""What a job prints: a line from the main process (``say``) or any rank (``warn``), the banner, the step line,
+each library warning once per job, and a progress bar no line breaks into (docs/internals.md#the-console).
 """
 
 from __future__ import annotations
@@ -24,9 +14,12 @@ from typing import Any, Iterator, Optional, TextIO
 from tqdm.auto import tqdm
 
 LIBRARIES = ("transformers", "accelerate", "datasets", "torch")
-STEP_FIGURES = ("step", "epoch", "train_loss", "lr", "examples_per_s", "tokens_per_s", "mfu")  # the rest: a callback's
-_process = {"main": True, "quieted": False}  # this process's place in the job, set once it has joined
-_said_once: set[str] = set()  # lines said once per process
+# The rest: a callback's.
+STEP_FIGURES = ("step", "epoch", "train_loss", "lr", "examples_per_s", "tokens_per_s", "mfu")
+# This process's place in the job, set once it has joined.
+_process = {"main": True, "quieted": False}
+# Lines said once per process.
+_said_once: set[str] = set()
 
 
 def say(text: str, once: bool = False) -> None:
@@ -71,17 +64,21 @@ def joined(process_index: int) -> None:
         return
     _process["quieted"] = True
     once = OncePerProcess()
-    logging.lastResort.addFilter(once)  # where accelerate's records go when nobody configured logging
+    # Where accelerate's records go when nobody configured logging.
+    logging.lastResort.addFilter(once)
     if process_index != 0:
-        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # read when transformers sets up its logger
+        # Read when transformers sets up its logger.
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         for library in LIBRARIES:
             logging.getLogger(library).setLevel(logging.ERROR)
-    if "transformers" in sys.modules:  # its handler exists already; importing it here would cost half a second
+    # Its handler exists already; importing it here would cost half a second.
+    if "transformers" in sys.modules:
         from transformers.utils import logging as hf_logging
 
         if process_index != 0:
             hf_logging.set_verbosity_error()
-        for handler in hf_logging.get_logger().handlers:  # the library's root logger and its own handler
+        # The library's root logger and its own handler.
+        for handler in hf_logging.get_logger().handlers:
             handler.addFilter(once)
 
 
@@ -95,10 +92,12 @@ def step_line(metrics: dict[str, Any], total_steps: int) -> str:
     )
     if "tokens_per_s" in metrics:
         line += f" | {metrics['tokens_per_s']:,.0f} tokens/s"
-    if "mfu" in metrics:  # model FLOPs utilisation (trainer.mfu), a fraction
+    # Model FLOPs utilisation (trainer.mfu), a fraction.
+    if "mfu" in metrics:
         line += f" | MFU {100 * metrics['mfu']:.1f}%"
     for key, value in metrics.items():
-        if key not in STEP_FIGURES and key != "grad_norm":  # logged, not said: the line stays short
+        # Logged, not said: the line stays short.
+        if key not in STEP_FIGURES and key != "grad_norm":
             line += f" | {key} {value:.4g}" if isinstance(value, float) else f" | {key} {value}"
     return line
 
@@ -169,7 +168,8 @@ class AroundTheBar:
             self.stream.flush()
             self.bar.refresh(nolock=True)
 
-    def __getattr__(self, name: str):  # isatty, fileno, encoding...: the real stream's
+    # Isatty, fileno, encoding...: the real stream's.
+    def __getattr__(self, name: str):
         return getattr(self.stream, name)
 
 

@@ -48,7 +48,8 @@ class StepProfiler:
         self._start_before(step + 1)
 
     def on_train_end(self, trainer: Any, result: Any = None) -> None:
-        if self.profile is not None:  # stopped early, inside the window: what was traced is written
+        # Stopped early, inside the window: what was traced is written.
+        if self.profile is not None:
             self._write(trainer.global_step)
 
     def _start_before(self, step: int) -> None:
@@ -57,7 +58,8 @@ class StepProfiler:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        steps = self.last - self.first + 1  # a schedule, so that each step is a ProfilerStep span of its own
+        # A schedule, so that each step is a ProfilerStep span of its own.
+        steps = self.last - self.first + 1
         self.profile = torch.profiler.profile(
             activities=activities,
             schedule=torch.profiler.schedule(wait=0, warmup=0, active=steps, repeat=1),
@@ -71,7 +73,8 @@ class StepProfiler:
 
     def _write(self, step: int) -> None:
         profile, self.profile = self.profile, None
-        profile.stop()  # the trace is written once its last step ends (stopped early: here)
+        # The trace is written once its last step ends (stopped early: here)
+        profile.stop()
         steps = f"step {self.first}" if step == self.first else f"steps {self.first}-{step}"
         say(
             f"profile: {steps} traced on every rank, into {self.folder.parent}/rank<k>/trace.json (open one in "

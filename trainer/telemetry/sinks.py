@@ -1,17 +1,6 @@
-"""Where every process's figures are written: sinks behind one small protocol, as torchtitan's and Lightning
-Fabric's loggers are. A sink has ``log(values, step)`` and ``close(status, detail)``, the status ``finished``,
-``failed`` (detail: the exception) or ``preempted`` (detail: why); adding a tracker is one class here.
-
-- Each rank appends its own figures to ``<output_dir>/metrics/rank<k>.jsonl``, always.
-- With ``wandb_project`` set (or ``WANDB_PROJECT`` in the environment, as wandb's own convention), each rank also
-  logs to its own wandb run, ``<experiment>-rank<k>``, all in one group named after the experiment, so every
-  worker's loss, speed, memory and errors can be looked at on their own or side by side. Accelerate's trackers
-  cannot do this: they log from the main process only. wandb never stops training: no API key, no network or an
-  outage means one message and offline logging.
-- With ``tensorboard: true`` each rank writes TensorBoard events to ``<output_dir>/tensorboard/rank<k>`` (one log
-  dir, a run per rank).
-
-wandb is imported only when a project is set, TensorBoard only when asked for.
+"""Where every process's figures are written, behind one small protocol (``log``, ``close``): each rank's metrics
+file, its wandb run in the experiment's group, TensorBoard; adding a tracker is one class here
+(docs/internals.md#sinks, docs/metrics.md).
 """
 
 from __future__ import annotations
@@ -46,7 +35,8 @@ class MetricsFile:
         self._append({"step": step, "time": time.time(), "rank": self.rank, **values})
 
     def close(self, status: str, detail: Any = None) -> None:
-        if status == "failed" and not isinstance(detail, MetricsError):  # the file that cannot be written is the error
+        # The file that cannot be written is the error.
+        if status == "failed" and not isinstance(detail, MetricsError):
             self._append({"time": time.time(), "rank": self.rank, "error": _traceback(detail)})
         elif status == "preempted":
             self._append({"time": time.time(), "rank": self.rank, "preempted": detail})
@@ -55,7 +45,8 @@ class MetricsFile:
         try:
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
-        except OSError as err:  # a full disk, a read-only or vanished output_dir: said in one line, not a traceback
+        # A full disk, a read-only or vanished output_dir: said in one line, not a traceback.
+        except OSError as err:
             raise MetricsError(
                 f"cannot write the metrics of rank {self.rank} to {self.path}: "
                 f"{type(err).__name__}: {err.strerror or err}"
@@ -78,19 +69,23 @@ class TensorBoardRun:
         folder = Path(output_dir) / "tensorboard" / f"rank{rank}"
         try:
             self.writer = SummaryWriter(log_dir=str(folder), purge_step=resumed_at + 1 if resumed_at else None)
-        except OSError as err:  # <output_dir>/tensorboard is a file, a read-only folder, a full disk
+        # <output_dir>/tensorboard is a file, a read-only folder, a full disk.
+        except OSError as err:
             raise MetricsError(
                 f"tensorboard: true, but rank {rank} cannot write its events to {folder}: "
                 f"{type(err).__name__}: {err.strerror or err}"
             ) from None
 
     def log(self, values: dict[str, Any], step: int) -> None:
-        if self.writer is None:  # closed by a fit() before
+        # Closed by a fit() before.
+        if self.writer is None:
             return
         for name, value in values.items():
-            if isinstance(value, (int, float)):  # a figure said in words ("MFU": "41.5%") is the files' alone
+            # A figure said in words ("MFU": "41.5%") is the files' alone.
+            if isinstance(value, (int, float)):
                 self.writer.add_scalar(name, value, step)
-        self.writer.flush()  # logs are seconds apart: every figure on disk as soon as it is logged
+        # Logs are seconds apart: every figure on disk as soon as it is logged.
+        self.writer.flush()
 
     def close(self, status: str, detail: Any = None) -> None:
         writer, self.writer = self.writer, None
@@ -116,9 +111,11 @@ class WandbRun:
             "host": socket.gethostname(),
             "world_size": world,
         }
-        settings = {"silent": not accelerator.is_main_process}  # wandb's banners once per job, not once per rank
+        # Wandb's banners once per job, not once per rank.
+        settings = {"silent": not accelerator.is_main_process}
         if "WANDB_INIT_TIMEOUT" not in os.environ:
-            settings["init_timeout"] = 30  # wandb's 90 s is long for a job that will log offline anyway
+            # Wandb's 90 s is long for a job that will log offline anyway.
+            settings["init_timeout"] = 30
         init = dict(
             project=project,
             group=config.experiment_name,
@@ -134,14 +131,16 @@ class WandbRun:
         try:
             self.run = wandb.init(**init)
             return
-        except Exception as err:  # wandb.Error for a missing key or a timeout; anything else must not stop us either
+        # wandb.Error for a missing key or a timeout; anything else must not stop us either.
+        except Exception as err:
             if accelerator.is_main_process:
                 first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
                 warn(
                     f"wandb is unreachable ({first_line}); every rank logs offline under {config.output_dir}/wandb "
                     "(`wandb sync` uploads it later)"
                 )
-        wandb.teardown()  # the failed attempt's service still holds the run id
+        # The failed attempt's service still holds the run id.
+        wandb.teardown()
         try:
             self.run = wandb.init(**init, mode="offline")
         except Exception as err:
@@ -152,7 +151,8 @@ class WandbRun:
             return
         try:
             self.run.log(values, step=step)
-        except Exception as err:  # wandb must never stop training
+        # Wandb must never stop training.
+        except Exception as err:
             warn(f"wandb logging failed on rank {self.rank} ({err}); the metrics go on in <output_dir>/metrics")
             self.run = None
 
@@ -166,7 +166,8 @@ class WandbRun:
                 run.summary["error"] = f"{type(detail).__name__}: {detail}"
                 run.summary["traceback"] = _traceback(detail)
             elif status == "preempted":
-                run.mark_preempting()  # wandb's own state for it: to be resumed under the same id
+                # Wandb's own state for it: to be resumed under the same id.
+                run.mark_preempting()
             run.finish(exit_code=exit_code)
         except Exception as err:
             warn(f"wandb could not close rank {self.rank}'s run: {err}")
@@ -177,7 +178,8 @@ def open_sinks(run: Any, *, run_id: str, resumed_at: int = 0) -> list[Sink]:
     step a resumed run goes on from)."""
     config, rank = run.config, run.rank
     sinks: list[Sink] = [MetricsFile(config.output_dir, rank)]
-    project = config.wandb_project or os.environ.get("WANDB_PROJECT")  # wandb's own variable turns it on too
+    # Wandb's own variable turns it on too.
+    project = config.wandb_project or os.environ.get("WANDB_PROJECT")
     if project:
         sinks.append(WandbRun(run, project=project, run_id=run_id))
     if config.tensorboard:

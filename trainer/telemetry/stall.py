@@ -78,7 +78,8 @@ class StallReporter:
             (step, phase), blocks, changed = self.where, self.blocks, self._changed
             stalled_s = time.monotonic() - changed
             if self._launcher is not None and os.getppid() != self._launcher:
-                self._end_if_stuck(stalled_s)  # and no more store calls: the store went with the launcher
+                # And no more store calls: the store went with the launcher.
+                self._end_if_stuck(stalled_s)
                 continue
             if self._store is None:
                 continue
@@ -96,7 +97,8 @@ class StallReporter:
                 if stalled_s >= self.warning_s and reported != changed:
                     reported = changed
                     self._report(stalled_s)
-            except Exception:  # the store went away (the job is ending, or the launcher died): nothing to publish
+            # The store went away (the job is ending, or the launcher died): nothing to publish.
+            except Exception:
                 self._store = None
 
     def _end_if_stuck(self, stalled_s: float) -> None:
@@ -115,12 +117,14 @@ class StallReporter:
     def _report(self, stalled_s: float) -> None:
         notes = {}
         for rank in range(self.world):
-            if self._store.check([str(rank)]):  # get() would block on a rank that never published
+            # get() would block on a rank that never published.
+            if self._store.check([str(rank)]):
                 notes[rank] = json.loads(self._store.get(str(rank)))
         now = time.time()
         waiting = [r for r, n in notes.items() if now - n["since"] >= self.warning_s]
         if not waiting or self.rank != min(waiting):
-            return  # one report per stall
+            # One report per stall.
+            return
         warn(report(notes, self.world, now=now, stalled_s=stalled_s))
 
 

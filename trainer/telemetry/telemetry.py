@@ -29,10 +29,10 @@ class Telemetry:
         # MFU, where the model's FLOPs and the device's peak are known (trainer.telemetry.mfu).
         self.utilisation = utilisation
         self.window = LogWindow(run.device)
-        self.figures = LoggedFigures(reserved=(*STEP_FIGURES, "grad_norm"))  # trainer.log's, until the next log
+        # trainer.log's, until the next log.
+        self.figures = LoggedFigures(reserved=(*STEP_FIGURES, "grad_norm"))
         self.sinks: list[Any] = []
         self.log_history: list[dict[str, Any]] = []
-        self.utilisation: Any = None  # MFU, where the model's FLOPs and the device's peak are known (trainer.mfu)
 
     def open(self, run_id: str, *, step: int = 0) -> None:
         """This rank's sinks; ``run_id`` names its wandb run (a resume passes the checkpoint's: the run goes on from
@@ -75,9 +75,11 @@ class Telemetry:
             mfu = self.utilisation.of(metrics.get("tokens_per_s"), metrics["examples_per_s"])
             if mfu is not None:
                 metrics["mfu"] = global_view["global/mfu"] = mfu
-        if mine["grad_norm"] != NOT_MEASURED:  # before clipping, the same on every rank (NaN when not finite)
+        # Before clipping, the same on every rank (NaN when not finite)
+        if mine["grad_norm"] != NOT_MEASURED:
             metrics["grad_norm"] = global_view["global/grad_norm"] = mine["grad_norm"]
-        metrics.update(self.figures.take())  # trainer.log's: this rank's own
+        # trainer.log's: this rank's own.
+        metrics.update(self.figures.take())
         self.log_history.append(metrics)
         own.update({"rank/lr": metrics["lr"], "rank/epoch": metrics["epoch"], "rank/memory_gb": memory_gb(acc.device)})
         if acc.is_main_process:
@@ -91,7 +93,8 @@ class Telemetry:
         on_log(metrics=metrics)
         added = {key: value for key, value in metrics.items() if key not in self.figures.reserved}
         shown = global_view if acc.is_main_process else {}
-        self.write({**own, **shown, **added}, state.step)  # yours stored as the trainer's are
+        # Yours stored as the trainer's are.
+        self.write({**own, **shown, **added}, state.step)
         say(step_line(metrics, total_steps))
         return global_view
 
@@ -130,8 +133,10 @@ class Telemetry:
         except BaseException as err:
             try:
                 self.close("failed", err)
-            except Exception as also:  # the full disk that failed a checkpoint fails the metrics file too: the error
-                say(f"{also} (while ending the run after the error below)")  # that ended the run is the one raised
+            # The full disk that failed a checkpoint fails the metrics file too: the error.
+            except Exception as also:
+                # That ended the run is the one raised.
+                say(f"{also} (while ending the run after the error below)")
             raise
         self.close("finished")
 

@@ -40,8 +40,10 @@ WINDOW_FIELDS = (
     "first_bad",
     "grad_norm",
 )
-NOT_MEASURED = -1.0  # the row's grad_norm on a step that measured none (a norm is never negative)
-FOLD_EVERY = 1024  # losses kept before they are folded into one sum on the device (memory stays flat)
+# The row's grad_norm on a step that measured none (a norm is never negative)
+NOT_MEASURED = -1.0
+# Losses kept before they are folded into one sum on the device (memory stays flat)
+FOLD_EVERY = 1024
 
 
 class LogWindow:
@@ -66,11 +68,14 @@ class LogWindow:
             self._device_examples.append(examples)
         else:
             self.examples += examples
-        if len(self._losses) >= FOLD_EVERY:  # a long window: one sum per FOLD_EVERY steps keeps memory flat
+        # A long window: one sum per FOLD_EVERY steps keeps memory flat.
+        if len(self._losses) >= FOLD_EVERY:
             self._fold()
         self.micro_batches += 1
-        if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), torch.Tensor):  # dict, BatchEncoding
-            self.tokens += batch["input_ids"].numel()  # shape metadata: no device sync
+        # Dict, BatchEncoding.
+        if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), torch.Tensor):
+            # Shape metadata: no device sync.
+            self.tokens += batch["input_ids"].numel()
 
     def stepped(self) -> None:
         """One optimizer step done."""
@@ -112,9 +117,11 @@ class LogWindow:
             self.forward,
             float(stop),
         ]
-        lr_on_host = not torch.is_tensor(lr) or lr.device.type == "cpu"  # (a CPU tensor: no device to wait for)
+        # (a CPU tensor: no device to wait for)
+        lr_on_host = not torch.is_tensor(lr) or lr.device.type == "cpu"
         host_part = self._to_device(torch.tensor([*host, float(lr)] if lr_on_host else host, dtype=torch.float64))
-        examples = host_part[1:2] + self._folded_examples  # the device's counts (flattened batches) added
+        # The device's counts (flattened batches) added.
+        examples = host_part[1:2] + self._folded_examples
         host_part = torch.cat([host_part[:1], examples, host_part[2:]])
         device_lr = [] if lr_on_host else [lr.detach().reshape(1).double()]
         weight = self._folded_weight.view(1) + self._host_weight
@@ -151,8 +158,10 @@ class LogWindow:
     def restart(self) -> None:
         self._losses: list[torch.Tensor] = []
         self._steps: list[int] = []
-        self._weights: list[torch.Tensor] = []  # device counts (tokens); weights of 1 are counted on the host
-        self._device_examples: list[torch.Tensor] = []  # flattened batches' documents, counted on the device
+        # Device counts (tokens); weights of 1 are counted on the host.
+        self._weights: list[torch.Tensor] = []
+        # Flattened batches' documents, counted on the device.
+        self._device_examples: list[torch.Tensor] = []
         self._folded_examples = torch.zeros((), dtype=torch.float64, device=self._device)
         self._host_weight = 0
         self._folded = torch.zeros((), dtype=torch.float64, device=self._device)
@@ -175,7 +184,8 @@ def examples_in(batch: Any) -> int | torch.Tensor:
             and ids.dim() == 2
             and ids.shape[0] == 1
         ):
-            return (positions == 0).sum().clamp(min=1)  # (one row that does not start at 0 is one example)
+            # (one row that does not start at 0 is one example)
+            return (positions == 0).sum().clamp(min=1)
     return find_batch_size(batch)
 
 
@@ -184,7 +194,8 @@ class LoggedFigures:
     they are, on the device, and read only when the trainer logs (a host sync it makes anyway)."""
 
     def __init__(self, reserved: tuple[str, ...]):
-        self.reserved = reserved  # the trainer's own figures: a user's of the same name would hide them
+        # The trainer's own figures: a user's of the same name would hide them.
+        self.reserved = reserved
         self._sums: dict[str, Any] = {}
         self._counts: dict[str, int] = {}
 
@@ -270,6 +281,7 @@ def memory_gb(device: torch.device) -> float:
     """This process's memory: the CUDA allocator's peak on a GPU, the resident set size otherwise."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    import psutil  # accelerate's own dependency
+    # Accelerate's own dependency.
+    import psutil
 
     return psutil.Process().memory_info().rss / 2**30

@@ -45,7 +45,8 @@ def check_launch(
             broadcast_object_list(token)
         me["sees"], me["cannot_write"] = _probe_shared(Path(output_dir), token[0], rank=rank, state=state)
     me["wandb"] = _wandb_problem() if uses_wandb and state.local_process_index == 0 else None
-    everyone = gather_object([me]) if world > 1 else [me]  # every rank answering is the reachability check
+    # Every rank answering is the reachability check.
+    everyone = gather_object([me]) if world > 1 else [me]
     if state.is_main_process:
         for other in everyone:
             print(f"rank {other['rank']:>3} | local rank {other['local_rank']} | {other['host']} | {other['device']}")
@@ -89,7 +90,8 @@ def _probe_shared(output_dir: Path, token: str, rank: int, *, state) -> tuple[in
         (probe / f"rank{rank}").unlink()
     state.wait_for_everyone()
     try:
-        probe.rmdir()  # one rank per filesystem succeeds
+        # One rank per filesystem succeeds.
+        probe.rmdir()
     except OSError:
         pass
     return seen, failed

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from trainer.telemetry.sinks import read_metrics
 
-PANELS = (  # (title, y label, per-rank key, main-process keys drawn over the ranks)
+# (title, y label, per-rank key, main-process keys drawn over the ranks)
+PANELS = (
     ("loss", "loss", "rank/loss", ("global/train_loss", "eval/loss")),
     ("throughput", "examples / s", "rank/examples_per_s", ()),
     # Step time is wall time, equal on every rank (the gradient all-reduce waits for the slowest): the forward
@@ -34,7 +35,8 @@ def plot(output_dir: str | Path, out: str | Path | None = None) -> Path:
         import matplotlib
     except ImportError:
         raise SystemExit('trainer.plot needs matplotlib: pip install "accelerate-ddp-trainer[plot]"') from None
-    matplotlib.use("Agg")  # no display needed
+    # No display needed.
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     ranks = read_metrics(output_dir)
@@ -65,9 +67,10 @@ def plot(output_dir: str | Path, out: str | Path | None = None) -> Path:
 
 def panels(ranks: dict[int, list[dict]]) -> list[tuple[str, str, str | None, tuple[str, ...]]]:
     """The built-in panels, the gradient norm's when it was logged, and one for each figure a user logged."""
+    # Numbers only: "MFU": "41.5%" is not drawn.
     keys = {
         key for rows in ranks.values() for row in rows for key, value in row.items() if isinstance(value, (int, float))
-    }  # numbers only: "MFU": "41.5%" is not drawn
+    }
     found = list(PANELS)
     if "global/grad_norm" in keys:
         found.append(("gradient norm", "norm before clipping", None, ("global/grad_norm",)))

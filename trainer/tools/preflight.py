@@ -53,7 +53,8 @@ def describe_config(
         return [], [f"config file {path} is empty: write one with `accelerate config --config_file {path}`"], None
     try:
         config = load_config_from_file(path)
-    except Exception as err:  # invalid YAML, an unknown distributed_type, a key of the wrong kind: what accelerate says
+    # Invalid YAML, an unknown distributed_type, a key of the wrong kind: what accelerate says.
+    except Exception as err:
         said = " ".join(line.strip() for line in str(err).strip().splitlines()) or type(err).__name__
         return [], [f"config file {path} cannot be read by accelerate: {said[:300]}"], None
     machines = num_machines or config.num_machines
@@ -76,7 +77,8 @@ def describe_config(
     ]
     dynamo = (getattr(config, "dynamo_config", None) or {}).get("dynamo_backend")
     if (refused := refusal_of_the_file(kind, config.mixed_precision, dynamo)) is not None:
-        return lines, [refused], processes  # what the launch would say, and nothing it would not reach
+        # What the launch would say, and nothing it would not reach.
+        return lines, [refused], processes
     problems: Problems = []
     section = {k.removeprefix("parallelism_config_"): v for k, v in (config.parallelism_config or {}).items()}
     sizes = {name: int(value) for name, value in section.items() if name.endswith("_size")}
@@ -154,7 +156,8 @@ def mesh_lines(layout: Layout, per_machine: int, processes: int) -> list[str]:
         f"  model: {layout.describe()}: each process holds 1/{layout.shard * layout.tp} of the weights, "
         "gradients and optimizer state"
     ]
-    replica = layout.shard * layout.tp  # consecutive processes: one replica, sharded (and split) among them
+    # Consecutive processes: one replica, sharded (and split) among them.
+    replica = layout.shard * layout.tp
     for machine in range(min(processes // max(per_machine, 1), 4)):
         first, last = machine * per_machine, (machine + 1) * per_machine - 1
         replicas = sorted({rank // replica for rank in range(first, last + 1)})
