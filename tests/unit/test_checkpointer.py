@@ -15,7 +15,7 @@ import torch
 from trainer import EarlyStopping, TrainConfig, Trainer
 from trainer.checkpoint.best import KeepBest
 from trainer.checkpoint.manager import Checkpointer
-from trainer.checkpoint.parts import AccelerateState, CallbackStates, ModelPart
+from trainer.checkpoint.parts import AccelerateState, CallbackStates, ModelPart, kept_stager
 from trainer.checkpoint.policy import RunSetup
 from trainer.launch.run import Run
 from trainer.loop.callbacks import stateful
@@ -118,3 +118,19 @@ def test_save_async_writes_the_same_checkpoint_under_ddp(tmp_path, background):
     folder = checkpoints.save(1, wait=not background)
     checkpoints.wait()
     assert checkpoints.last == folder and (folder / "shards" / ".metadata").is_file()
+
+
+def test_the_background_saves_stager_outlives_the_close_dcp_gives_it_after_each_save():
+    """torch 2.11 and 2.12's async_save close the stager they are given after each save; a closed DefaultStager
+    fails the next save with KeyError (its type table emptied). The kept one stages again into the same copies."""
+    from torch.distributed.checkpoint.staging import StagingOptions
+
+    # The GPU's options less what a CPU cannot do (pinned memory, copies without blocking).
+    stager = kept_stager(StagingOptions(False, False, False, False))
+    state = {"model": {"w": torch.arange(4.0)}, "step": 1}
+    first = stager.stage(state)
+    stager.close()
+    state["model"]["w"] += 1
+    second = stager.stage(state)
+    assert torch.equal(second["model"]["w"], torch.arange(4.0) + 1) and second["step"] == 1
+    assert second["model"]["w"].data_ptr() == first["model"]["w"].data_ptr()

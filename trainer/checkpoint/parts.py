@@ -60,12 +60,12 @@ class ModelPart:
         the first save and refilled by the next, copied without blocking (DCP's default allocates fresh pageable
         memory at every save, which the step waits for). On the CPU, DCP's default: pinning gains nothing there."""
         if self._stager is None and self.device != "cpu" and torch.cuda.is_available():
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            from torch.distributed.checkpoint.staging import StagingOptions
 
             options = StagingOptions(
                 use_pinned_memory=True, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=True
             )
-            self._stager = DefaultStager(options)
+            self._stager = kept_stager(options)
         return self._stager
 
     def load(self, folder: Path, state: dict[str, Any]) -> None:
@@ -187,3 +187,17 @@ class CallbackStates:
         for name, callback in self.named(self.callbacks).items():
             if name in saved:
                 callback.load_state_dict(saved[name])
+
+
+def kept_stager(options: Any) -> Any:
+    """A DCP ``DefaultStager`` that stays open across saves: torch 2.11 and 2.12 close the stager they are given
+    after every save (its copies and type table emptied, so the next save fails with ``KeyError``); this one's
+    copies are kept until it is garbage, with the Trainer. Only one save is in flight at a time (``BackgroundSaves``),
+    so refilling them never races a write."""
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    class KeptStager(DefaultStager):
+        def close(self) -> None:
+            pass
+
+    return KeptStager(options)
