@@ -31,8 +31,9 @@ class ModelPart:
         self.model, self.optimizer, self.main = model, optimizer, run.main
         # Where loaded tensors go (not "cpu:0").
         self.device = "cpu" if run.device.type == "cpu" else str(run.device)
-        # On a GPU, save_async's pinned copies, made at the first save, kept for the next.
+        # On a GPU, save_async's pinned copies, made at the first save, kept for the next (kept_stager).
         self._stager: Any = None
+        self._stager_chosen = False
 
     def save(self, folder: Path, *, in_background: bool = False) -> None:
         """The shards into ``folder/shards`` (unless ``in_background``: ``save_async`` writes them)."""
@@ -59,13 +60,13 @@ class ModelPart:
         """On a GPU, one stager for every background save, as torchtitan keeps one: pinned CPU copies allocated at
         the first save and refilled by the next, copied without blocking (DCP's default allocates fresh pageable
         memory at every save, which the step waits for). On the CPU, DCP's default: pinning gains nothing there."""
-        if self._stager is None and self.device != "cpu" and torch.cuda.is_available():
+        if not self._stager_chosen and self.device != "cpu" and torch.cuda.is_available():
             from torch.distributed.checkpoint.staging import StagingOptions
 
             options = StagingOptions(
                 use_pinned_memory=True, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=True
             )
-            self._stager = kept_stager(options)
+            self._stager, self._stager_chosen = kept_stager(options), True
         return self._stager
 
     def load(self, folder: Path, state: dict[str, Any]) -> None:
@@ -190,14 +191,18 @@ class CallbackStates:
 
 
 def kept_stager(options: Any) -> Any:
-    """A DCP ``DefaultStager`` that stays open across saves: torch 2.11 and 2.12 close the stager they are given
-    after every save (its copies and type table emptied, so the next save fails with ``KeyError``); this one's
-    copies are kept until it is garbage, with the Trainer. Only one save is in flight at a time (``BackgroundSaves``),
-    so refilling them never races a write."""
-    from torch.distributed.checkpoint.staging import DefaultStager
+    """A DCP ``DefaultStager`` to keep for every background save, or None (DCP's default, a new one each save) where
+    a stager does not survive its first save: torch 2.11's closes itself at the end of each (its copies and type
+    table emptied: the next save fails with ``KeyError``). Tried on a tiny state first, as that fault shows at once.
+    One save is in flight at a time (``BackgroundSaves``), so refilling the kept copies never races a write."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    class KeptStager(DefaultStager):
-        def close(self) -> None:
-            pass
-
-    return KeptStager(options)
+    probe, tiny = DefaultStager(StagingOptions(False, False, False, False)), {"t": torch.zeros(1), "kind": int}
+    try:
+        probe.stage(tiny)
+        probe.stage(tiny)
+    except Exception:
+        return None
+    finally:
+        probe.close()
+    return DefaultStager(options)
