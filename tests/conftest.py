@@ -163,15 +163,10 @@ def python(script: Path, *args: str, **kw):
     return run([sys.executable, str(script), *map(str, args)], **kw)
 
 
-def accelerate_launch(
-    script: Path,
-    *args: str,
-    config: str = "multi_gpu.yaml",
-    num_processes: int | None = None,
-    run_args: tuple[str, ...] | list[str] = (),
-    **kw,
-):
-    """``accelerate launch --config_file accelerate_configs/<config> [run_args] script args``."""
+def launch_command(
+    script: Path, *args: str, config: str = "multi_gpu.yaml", run_args: tuple[str, ...] | list[str] = ()
+) -> list[str]:
+    """``accelerate launch --config_file accelerate_configs/<config> [run_args] script args``, as a command."""
     cmd = [
         sys.executable,
         "-m",
@@ -182,9 +177,21 @@ def accelerate_launch(
         str(free_port()),
         *run_args,
     ]
+    return [*cmd, str(script), *map(str, args)]
+
+
+def accelerate_launch(
+    script: Path,
+    *args: str,
+    config: str = "multi_gpu.yaml",
+    num_processes: int | None = None,
+    run_args: tuple[str, ...] | list[str] = (),
+    **kw,
+):
+    """``accelerate launch --config_file accelerate_configs/<config> [run_args] script args``, run."""
     if num_processes is not None:
-        cmd += ["--num_processes", str(num_processes)]
-    return run([*cmd, str(script), *map(str, args)], **kw)
+        run_args = [*run_args, "--num_processes", str(num_processes)]
+    return run(launch_command(script, *args, config=config, run_args=run_args), **kw)
 
 
 def torchrun(script: Path, *args: str, nproc: int = 2, run_args: tuple[str, ...] | list[str] = (), **kw):

@@ -26,8 +26,8 @@ from conftest import (
     SCENARIOS,
     accelerate_launch,
     clean_env,
-    free_port,
     job_exits,
+    launch_command,
     python,
     split_jobs,
     torchrun,
@@ -497,22 +497,7 @@ def test_save_async_under_ddp_killed_during_a_background_write_leaves_the_last_c
     while step 8's checkpoint is being written in the background (its commit held back 2 s); step 4, committed
     before, is latest and whole, the unfinished write is never taken for a checkpoint, and the rerun ends bit for bit
     where the uninterrupted run did."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(ROOT / "accelerate_configs" / "multi_gpu.yaml"),
-        "--main_process_port",
-        str(free_port()),
-        str(SCENARIOS),
-        "resume",
-        "--output_dir",
-        str(tmp_path),
-        "--save_async",
-        "--slow_background_write",
-        "2",
-    ]
+    cmd = launch_command(SCENARIOS, "resume", "--output_dir", tmp_path, "--save_async", "--slow_background_write", 2)
     import psutil  # accelerate's own dependency
 
     job = subprocess.Popen(cmd, env=clean_env(), stdout=subprocess.PIPE, text=True, start_new_session=True)
