@@ -15,13 +15,14 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from trainer.launch.agreement import host_group  # noqa: E402
 from trainer.launch.preemption import PreemptionWatch  # noqa: E402
+from trainer.launch.run import host_group  # noqa: E402
 
 STEPS, ROUNDS = 1000, 5
 
@@ -49,7 +50,10 @@ def main() -> None:
         return times
 
     results = {"without": [], "every step": [], "paced": []}
-    with PreemptionWatch(("SIGTERM",), 180, host_group(dist.get_world_size(), 1800.0)) as watch:
+    # What the watch reads of the job's Run: the configured signals, the grace, the host (gloo) group.
+    config = SimpleNamespace(signal_names=("SIGTERM",), preemption_grace_s=180)
+    run = SimpleNamespace(config=config, host=host_group(dist.get_world_size(), 1800.0))
+    with PreemptionWatch(run) as watch:
         for _ in range(ROUNDS):
             results["without"] += steps(lambda step: None)
             watch.pace(float("inf"))  # a check every step
