@@ -175,3 +175,41 @@ def test_a_checkpoint_written_before_the_registry_still_reads(tmp_path):
     (folder / "trainer_state.json").write_text(json.dumps(flat))
     read = integrity.read_state(folder)
     assert read["train"]["global_step"] == 4 and read["run"]["world_size"] == 2 and read["sharding"] == "FSDP2"
+
+
+@pytest.mark.parametrize("latest", ["names the link", "is missing"])
+def test_a_step_folder_that_is_a_link_is_never_taken_counted_or_pruned_around(tmp_path, capsys, latest):
+    """``ln -s <another run>/checkpoints/step-12 checkpoints/step-99``: neither ``latest`` naming it nor the fallback
+    when ``latest`` is gone takes it, keep_last neither counts it nor prunes around it, and the other run's checkpoint
+    is left as it was."""
+    other = commit(tmp_path / "other" / "checkpoints", 12)
+    root = tmp_path / "run" / "checkpoints"
+    commit(root, 8, keep_last=2)
+    commit(root, 12, keep_last=2)
+    (root / "step-00000099").symlink_to(other)
+    if latest == "names the link":
+        (root / "latest").write_text("step-00000099")
+        assert store.newest_whole_checkpoint(root) == root / "step-00000012"
+        said = capsys.readouterr().err
+        assert "step-00000099 is not to be trusted: it is a symbolic link" in said, said
+    else:
+        (root / "latest").unlink()
+        assert store.latest_checkpoint(root) == root / "step-00000012"
+    assert integrity.complete_checkpoints(root) == [root / "step-00000008", root / "step-00000012"]
+    commit(root, 16, keep_last=2)
+    assert [p.name for p in integrity.complete_checkpoints(root)] == ["step-00000012", "step-00000016"]
+    assert integrity.verify(other) == other, "the other run's checkpoint is untouched"
+    with pytest.raises(CheckpointError, match="is a symbolic link .* Pass the folder it names as resume=<path>"):
+        store.resume_point(root, str(root / "step-00000099"))
+
+
+def test_a_latest_pointer_that_is_a_link_is_not_read_nor_printed(tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    root = tmp_path / "checkpoints"
+    commit(root, 4)
+    (root / "latest").unlink()
+    (root / "latest").symlink_to(secret)
+    with pytest.raises(CheckpointError, match="pointer .* is a symbolic link") as refused:
+        store.latest_checkpoint(root)
+    assert "root:x" not in str(refused.value)

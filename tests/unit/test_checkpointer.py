@@ -5,6 +5,7 @@ a resume that puts every part back, and a checkpoint the trainer wrote before ev
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 import sys
 from pathlib import Path
@@ -12,15 +13,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import EarlyStopping, TrainConfig, Trainer
+from trainer import CheckpointError, EarlyStopping, TrainConfig, Trainer
+from trainer.checkpoint import integrity
 from trainer.checkpoint.best import KeepBest
 from trainer.checkpoint.manager import Checkpointer
 from trainer.checkpoint.parts import AccelerateState, CallbackStates, ModelPart, kept_stager
 from trainer.checkpoint.policy import RunSetup
+from trainer.checkpoint.safe_dcp import read_sharded_weights
+from trainer.errors import ShardingError
 from trainer.launch.run import Run
 from trainer.loop.callbacks import stateful
+from trainer.loop.microbatch import MicroBatchSplit
 from trainer.loop.state import TrainState
 from trainer.optim import build as optim
+from trainer.parallel.placement import whole_on_device
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 
@@ -144,3 +150,131 @@ def test_a_stager_is_kept_across_background_saves_only_where_it_stages_again(mon
 
     monkeypatch.setattr(DefaultStager, "_stage", as_torch_2_11_stages)
     assert kept_stager(options) is None
+
+
+def saved_checkpoint(tmp_path: Path, callbacks: list = ()) -> Path:
+    """Step 1 of a run of one process (a Linear model), committed."""
+    run = Run.join(TrainConfig(output_dir=str(tmp_path), resume="auto"))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    checkpoints, state, built = parts_of(run, model, list(callbacks))
+    checkpoints.start()
+    step(model, built)
+    state.stepped(1)
+    return checkpoints.save(1)
+
+
+def resign(folder: Path) -> None:
+    """The manifest rewritten to match the files as they are now (so a crafted checkpoint looks whole)."""
+    state = json.loads((folder / "trainer_state.json").read_text())
+    files = {p.relative_to(folder).as_posix(): p for p in folder.rglob("*") if p.name != "trainer_state.json"}
+    state["files"] = {name: p.stat().st_size for name, p in files.items() if p.is_file()}
+    state["crc32"] = {name: integrity.crc32(p) for name, p in files.items() if p.is_file()}
+    (folder / "trainer_state.json").write_text(json.dumps(state))
+
+
+def resume_from(tmp_path: Path, folder: Path, callbacks: list = ()) -> Checkpointer:
+    run = Run.join(TrainConfig(output_dir=str(tmp_path), resume=str(folder)))
+    return parts_of(run, torch.nn.Linear(4, 3), list(callbacks))[0]
+
+
+@pytest.mark.parametrize("where", ["another run's shard", "../ to another run's shard", "/etc/passwd"])
+def test_a_crafted_index_that_places_tensors_outside_the_checkpoint_is_refused(tmp_path, where):
+    """DCP's index (shards/.metadata, unpickled with DCP's own classes, its storage paths changed, re-signed): the
+    export's reader and a resume refuse it before reading a byte outside the checkpoint's own shards."""
+    other = saved_checkpoint(tmp_path / "other")
+    folder = saved_checkpoint(tmp_path / "run")
+    target = {
+        "another run's shard": str(other / "shards" / "__0_0.distcp"),
+        "../ to another run's shard": "../../../other/checkpoints/step-00000001/shards/__0_0.distcp",
+        "/etc/passwd": "../../../../../../../../etc/passwd",
+    }[where]
+    index = pickle.loads((folder / "shards" / ".metadata").read_bytes())
+    for info in index.storage_data.values():
+        info.relative_path = target
+    (folder / "shards" / ".metadata").write_bytes(pickle.dumps(index))
+    resign(folder)
+    refusal = "not within a file of its own shards folder: the checkpoint is refused"
+    with pytest.raises(CheckpointError, match=refusal):
+        read_sharded_weights(folder)
+    with pytest.raises(CheckpointError, match=refusal):
+        resume_from(tmp_path / "again", folder).start()
+
+
+def test_a_crafted_part_state_is_refused_by_name_before_it_is_used(tmp_path):
+    """trainer_state.json edited and re-signed: keep_best's record with a step that is no number, auto_microbatch's
+    pieces 0 or "abc" (it would cut each micro-batch into 0 pieces) are refused before anything uses them."""
+    folder = saved_checkpoint(tmp_path / "run")
+    state = json.loads((folder / "trainer_state.json").read_text())
+    state["best"] = {"figure": "eval_loss", "value": 0.5, "step": "abc"}
+    (folder / "trainer_state.json").write_text(json.dumps(state))
+    resign(folder)
+    with pytest.raises(CheckpointError, match=r"the 'best' state in trainer_state.json cannot be used"):
+        resume_from(tmp_path / "again", folder).start()
+    split = object.__new__(MicroBatchSplit)
+    for pieces in (0, "abc", 3, -2):
+        with pytest.raises(ValueError, match="auto_microbatch writes 1, 2, 4"):
+            split.load_state_dict({"pieces": pieces})
+    split.load_state_dict({"pieces": 4})
+    assert split.pieces == 4
+
+
+def test_random_states_that_cannot_be_loaded_safely_are_said_and_nothing_runs(tmp_path, capsys):
+    """accelerate skips random states it cannot load without a word; the run says it goes on with fresh ones."""
+    folder = saved_checkpoint(tmp_path / "run")
+    marker = tmp_path / "ran"
+    (folder / "random_states_0.pkl").write_bytes(pickle.dumps({"random_state": Path.touch, "at": marker}))
+    resign(folder)
+    assert resume_from(tmp_path / "again", folder).start() is None
+    said = capsys.readouterr().err
+    assert "random_states_0.pkl cannot be loaded safely" in said and "fresh random states" in said, said
+    assert not marker.exists()
+
+
+def test_a_ddp_checkpoint_written_before_dcp_that_lacks_a_tensor_is_refused_by_name(tmp_path):
+    """model.safetensors without one weight (re-signed): the model would keep that weight's fresh initialisation."""
+    from safetensors.torch import load_file, save_file
+
+    sys.path.insert(0, str(DATA.parent))
+    from legacy_job import config_of, model_and_data
+
+    checkpoint = tmp_path / "checkpoints" / "step-00000002"
+    shutil.copytree(DATA / "ddp-checkpoint-v1", checkpoint)
+    weights = load_file(checkpoint / "model.safetensors")
+    del weights["transformer.h.0.mlp.c_fc.weight"]
+    save_file(weights, checkpoint / "model.safetensors", metadata={"format": "pt"})
+    resign(checkpoint)
+    model, rows = model_and_data()
+    with pytest.raises(CheckpointError, match="model.safetensors lacks transformer.h.0.mlp.c_fc.weight"):
+        Trainer(model, config_of(str(tmp_path), str(checkpoint), batch_size=4), train_data=rows)
+
+
+class NanoGPTLike(torch.nn.Module):
+    """As nanoGPT builds its GPT: ``_init_weights`` applied to Linear and Embedding only (LayerNorm keeps its own)."""
+
+    def __init__(self, scale: bool = False):
+        super().__init__()
+        self.wte, self.ln, self.head = torch.nn.Embedding(16, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 16)
+        self.scale = torch.nn.Parameter(torch.ones(8)) if scale else None
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: torch.nn.Module) -> None:
+        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, torch.nn.Linear):
+            torch.nn.init.zeros_(module.bias)
+
+
+def test_a_model_built_on_meta_that_is_not_a_transformers_model_is_initialised_as_its_own_code_would():
+    """Each module's reset_parameters, then the model's _init_weights: its LayerNorm is ones and zeros, not whatever
+    memory held (1e29 and a NaN loss at step 1 before); a tensor neither writes is refused by name."""
+    with torch.device("meta"):
+        model = NanoGPTLike()
+    whole_on_device(model, torch.device("cpu"), seed=0)
+    assert torch.equal(model.ln.weight, torch.ones(8)) and torch.equal(model.ln.bias, torch.zeros(8))
+    assert torch.equal(model.head.bias, torch.zeros(16)) and 0.01 < float(model.head.weight.detach().std()) < 0.03
+    assert 0.01 < float(model.wte.weight.detach().std()) < 0.03
+    with torch.device("meta"):
+        unwritten = NanoGPTLike(scale=True)
+    with pytest.raises(ShardingError, match="left scale unwritten"):
+        whole_on_device(unwritten, torch.device("cpu"), seed=0)

@@ -76,4 +76,12 @@ class KeepBest:
         return self.best
 
     def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
+        number = (int, float)
+        if state is not None and not (
+            isinstance(state, dict)
+            and type(state.get("step")) is int
+            and isinstance(state.get("value"), number)
+            and isinstance(state.get("figure"), str)
+        ):
+            raise ValueError(f"the keep_best record is {state!r}, not {{'figure': name, 'value': number, 'step': n}}")
         self.best = state

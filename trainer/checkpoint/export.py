@@ -6,12 +6,14 @@ gathered one at a time, never the whole model anywhere; a PEFT model's adapter, 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Optional
 
 import torch
+from safetensors import SafetensorError
 
 from trainer.checkpoint import integrity
 from trainer.checkpoint.hf_files import (
@@ -29,6 +31,9 @@ from trainer.checkpoint.safe_dcp import SHARDS, sharded_weights
 from trainer.errors import ExportError
 from trainer.hf import peft_model
 from trainer.parallel.gradients import whole
+
+# What writing an export meets on a read-only or full disk (safetensors' own error is not an OSError).
+WRITE_ERRORS = (OSError, SafetensorError)
 
 
 def export_model(model: torch.nn.Module, directory: Path, *, run: Any, merged: bool = False) -> None:
@@ -48,22 +53,54 @@ def export_model(model: torch.nn.Module, directory: Path, *, run: Any, merged: b
     if peft_model(model):
         wanted = list(state) if merged else saved_by_peft(model, list(state))
         tensors = _gathered(state, wanted, main=run.main)
-        if run.main:
-            with replacing(directory) as staging:
-                if merged:
-                    write_merged(model, tensors, staging)
-                else:
-                    # PEFT writes its adapter's tensors of them.
-                    model.save_pretrained(staging, state_dict=tensors)
-        run.barrier()
+        with _written_by_main(directory, run) as (target, failed):
+            try:
+                if target is not None and merged:
+                    write_merged(model, tensors, target)
+                # PEFT writes its adapter's tensors of them.
+                elif target is not None:
+                    model.save_pretrained(target, state_dict=tensors)
+            except WRITE_ERRORS as err:
+                failed.append(err)
         return
     state = once_each(state, model)
     entries = [(name, tensor.numel() * tensor.element_size()) for name, tensor in state.items()]
-    with replacing(directory) if run.main else contextlib.nullcontext(directory) as target:
-        write_streamed(
-            entries, lambda names: _gathered(state, names, main=run.main), target, model=model, main=run.main
-        )
+    with _written_by_main(directory, run) as (target, failed):
+        fetch = lambda names: _gathered(state, names, main=run.main)  # noqa: E731
+        try:
+            # Every rank gathers each tensor; the main process writes them unless it cannot.
+            write_streamed(entries, fetch, target or directory, model=model, main=target is not None)
+        except WRITE_ERRORS as err:
+            failed.append(err)
+
+
+@contextlib.contextmanager
+def _written_by_main(directory: Path, run: Any) -> Iterator[tuple[Optional[Path], list[BaseException]]]:
+    """The folder the main process writes an export into (None elsewhere, and where it cannot be made), and a list
+    for what failed; then every rank raises the main process's failure as one ``ExportError``, so that none waits
+    for a peer that left (the folder as it was before)."""
+    failed: list[BaseException] = []
+    with contextlib.ExitStack() as stack:
+        target = None
+        if run.main:
+            try:
+                target = stack.enter_context(replacing(directory))
+            except OSError as err:
+                failed.append(err)
+        yield target, failed
+        run.main_decides(lambda: _refuse_failed(directory, failed))
+    # The export in its place (replacing's end) before any rank returns.
     run.barrier()
+
+
+def _refuse_failed(directory: Path, failed: list[BaseException]) -> None:
+    if not failed:
+        return
+    err = failed[0]
+    full = getattr(err, "errno", None) == errno.ENOSPC or "No space left on device" in str(err)
+    free = shutil.disk_usage(directory.parent if directory.parent.exists() else ".").free
+    why = f"the disk is full ({free / 2**20:.1f} MB free)" if full else getattr(err, "strerror", None) or str(err)
+    raise ExportError(f"cannot write the export into {directory}: {why}; it was left as it was before")
 
 
 def _gathered(state: dict[str, Any], names: list[str], *, main: bool) -> dict[str, torch.Tensor]:
@@ -114,8 +151,8 @@ def export(folder: Path, directory: Path, *, replace: bool = False, merged: bool
         # New, empty, or --replace.
         with replacing(directory, whole=True) as staging:
             written = _write(folder, staging, merged)
-    except OSError as err:
-        raise ExportError(f"cannot write the export into {directory}: {err.strerror or err}") from None
+    except WRITE_ERRORS as err:
+        _refuse_failed(directory, [err])
     return directory / written.name
 
 

@@ -80,13 +80,20 @@ def write_streamed(
         if len(files) == 1
         else [f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)]
     )
+    failed: list[Exception] = []
     if main:
         directory.mkdir(parents=True, exist_ok=True)
     for tensors_of, file in zip(files, names, strict=True):
         tensors = fetch(tensors_of)
-        if main:
-            save_file(tensors, str(directory / file), metadata={"format": "pt"})
+        # After a failed write the main process still fetches (a sharded model's gathers are collective).
+        if main and not failed:
+            try:
+                save_file(tensors, str(directory / file), metadata={"format": "pt"})
+            except Exception as err:
+                failed.append(err)
         del tensors
+    if failed:
+        raise failed[0]
     if not main:
         return directory / names[0]
     if model is not None:

@@ -22,6 +22,12 @@ def verify(path: Path, contents: bool = True) -> Path:
     """Check that ``path`` is a whole checkpoint: every file its manifest lists is there with its size, and (with
     ``contents``) holds what was written (its CRC-32)."""
     state_file = path / STATE_FILE
+    if path.is_symlink():
+        raise CheckpointError(
+            f"checkpoint {path} is not to be trusted: it is a symbolic link (to {os.readlink(path)}), and a "
+            f"checkpoint holds its own files; none was read. Pass the folder it names as resume=<path> if it is "
+            f"a checkpoint you trust{others(path)}"
+        )
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist{others(path)}")
     if not state_file.is_file():
@@ -130,7 +136,8 @@ def others(path: Path) -> str:
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
-    """Committed checkpoint folders, oldest first (``.tmp-*`` folders are unfinished writes)."""
+    """Committed checkpoint folders, oldest first (``.tmp-*`` folders are unfinished writes). A ``step-N`` that is a
+    link is none of this run's: never a candidate, never counted or pruned by keep_last."""
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and STEP_FOLDER.fullmatch(p.name))
+    return sorted(p for p in root.iterdir() if STEP_FOLDER.fullmatch(p.name) and p.is_dir() and not p.is_symlink())

@@ -11,6 +11,7 @@ folder (``trainer.checkpoint.parts``). Where and how a checkpoint is committed, 
 from __future__ import annotations
 
 import contextlib
+import functools
 import pickle
 import shutil
 from pathlib import Path
@@ -87,33 +88,40 @@ class Checkpointer:
             }
         )
         staging = staging_folder(self.root, step)
-        if run.main:
-            # Left by a crash during an earlier save.
-            if staging.exists():
-                shutil.rmtree(staging)
-            staging.mkdir(parents=True)
-        run.barrier()
+
+        def make_staging() -> None:
+            try:
+                # Left by a crash during an earlier save.
+                if staging.exists():
+                    shutil.rmtree(staging)
+                staging.mkdir(parents=True)
+            except OSError as err:
+                raise write_failed(staging, self.root, err) from None
+
+        # Every rank learns whether the folder could be made (a read-only disk), then writes into it.
+        run.main_decides(make_staging)
         in_background = self.background is not None and not wait
-        try:
-            for part in self.parts.values():
-                if callable(getattr(part, "save", None)):
-                    part.save(staging, in_background=in_background)
-                    # The folder exists, each part's files are on disk.
-                    run.barrier()
-        # torch.distributed.checkpoint's failure is a BaseException, not an Exception.
-        except BaseException as err:
-            # KeyboardInterrupt, SystemExit: not a failed write.
-            if not isinstance(err, Exception) and root_cause(err)[0] is None:
-                raise
-            raise write_failed(staging, self.root, err) from None
+        for part in self.parts.values():
+            if callable(getattr(part, "save", None)):
+                # Every rank's files are on disk, or every rank says the first rank's failure.
+                failed = agreed_failure(run, functools.partial(part.save, staging, in_background=in_background))
+                if failed is not None:
+                    rank = failed[0] if run.world > 1 else None
+                    raise write_failed(staging, self.root, failed[1], rank=rank) from None
         keep_last = run.config.keep_last
         if in_background:
             future = self.parts["model"].save_async(staging, self.background.group)
             self.background.start(future, staging, lambda: store.commit(staging, state, keep_last))
             return store.final_folder(self.root, step)
-        if run.main:
-            store.commit(staging, state, keep_last)
-        run.barrier()
+
+        def commit() -> None:
+            try:
+                store.commit(staging, state, keep_last)
+            except OSError as err:
+                raise write_failed(staging, self.root, err) from None
+
+        # Every rank learns whether it was committed.
+        run.main_decides(commit)
         self.last = store.final_folder(self.root, step)
         return self.last
 
@@ -212,6 +220,18 @@ class Checkpointer:
         """Every registered part but those in ``skip`` back from checkpoint ``path`` (its ``state``): the files
         first (a failure to fit is said as one line), then the plain data. ``refused``: this run's settings cannot
         go on with the saved optimizer state, so the model's weights alone are loaded (for evaluate and predict)."""
+        failed = agreed_failure(self.run, lambda: self._load_parts(path, state, skip=skip, refused=refused))
+        if failed is not None:
+            rank, err = failed
+            # Said by the first process: which rank could not load what.
+            where = f" (rank {rank})" if self.run.world > 1 else ""
+            if isinstance(err, Refusal):
+                raise type(err)(f"{err}{where}") from None
+            raise CheckpointError(f"checkpoint {path} could not be loaded{where}: {err}") from None
+
+    def _load_parts(
+        self, path: Path, state: dict[str, Any], *, skip: tuple[str, ...], refused: Optional[CheckpointError]
+    ) -> None:
         try:
             for name, part in self.parts.items():
                 if name == "model" and refused is not None:
@@ -237,4 +257,34 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {path} does not fit this run: {detail}") from err
         for name, part in self.parts.items():
             if name in state and name not in skip and callable(getattr(part, "load_state_dict", None)):
-                part.load_state_dict(state[name])
+                try:
+                    part.load_state_dict(state[name])
+                # Written by hand or damaged: said before anything uses it.
+                except (TypeError, ValueError, LookupError, AttributeError) as err:
+                    raise CheckpointError(
+                        f"checkpoint {path}: the {name!r} state in {integrity.STATE_FILE} cannot be used "
+                        f"({type(err).__name__}: {err}). Resume from another checkpoint (resume=<path>)"
+                    ) from None
+
+
+def agreed_failure(run: Any, attempt: Callable[[], None]) -> Optional[tuple[int, BaseException]]:
+    """``attempt()`` on every rank, then the first failing rank and its failure, on every rank (this rank's own
+    exception where it failed, else the failing rank's in words), or None: no rank goes on into a collective
+    while another has stopped (a file refused on one rank only would otherwise hang the job)."""
+    mine: Optional[BaseException] = None
+    try:
+        attempt()
+    # torch.distributed.checkpoint's failure is a BaseException, not an Exception.
+    except BaseException as err:
+        # KeyboardInterrupt, SystemExit: not a failed write or read.
+        if not isinstance(err, Exception) and root_cause(err)[0] is None:
+            raise
+        mine = err
+    words = None if mine is None else str(mine) if isinstance(mine, Refusal) else f"{type(mine).__name__}: {mine}"
+    said = run.gather(words)
+    failing = [rank for rank, text in enumerate(said) if text is not None]
+    if not failing:
+        return None
+    if mine is not None and failing[0] == run.rank:
+        return run.rank, mine
+    return failing[0], CheckpointError(said[failing[0]])

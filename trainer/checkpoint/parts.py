@@ -18,6 +18,7 @@ import torch
 
 from trainer.checkpoint.hf_files import MODEL_FILE, save_model_config
 from trainer.checkpoint.safe_dcp import SHARDS, read_shards
+from trainer.telemetry.console import warn
 
 # DDP's optimizer file in a checkpoint written before every strategy wrote DCP (with MODEL_FILE).
 OPTIMIZER_FILE = "optimizer.bin"
@@ -109,6 +110,7 @@ def read_before_dcp(model: torch.nn.Module, optimizer: Any, folder: Path) -> Non
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
+        get_model_state_dict,
         get_optimizer_state_dict,
         set_model_state_dict,
         set_state_dict,
@@ -116,6 +118,15 @@ def read_before_dcp(model: torch.nn.Module, optimizer: Any, folder: Path) -> Non
 
     options = StateDictOptions(full_state_dict=True)
     weights = load_file(folder / MODEL_FILE)
+    # set_model_state_dict of a whole state keeps a tensor the file lacks as it is: every name is checked here.
+    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+    expected = set(get_model_state_dict(model)) - aliases
+    if expected != set(weights) - aliases:
+        missing, extra = sorted(expected - set(weights)), sorted(set(weights) - expected - aliases)
+        raise ValueError(
+            f"{MODEL_FILE} lacks {', '.join(missing) or 'nothing'} and holds {', '.join(extra) or 'nothing'} "
+            "beyond this model's tensors"
+        )
     if optimizer is None:
         return set_model_state_dict(model, weights, options=options)
     saved = torch.load(folder / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
@@ -150,8 +161,19 @@ class AccelerateState:
 
     def load(self, folder: Path, state: dict[str, Any]) -> None:
         from accelerate.checkpointing import load_accelerator_state
+        from accelerate.utils import load
 
         acc = self.accelerator
+        # accelerate skips random states it cannot load with no word; a missing file is a rank the checkpoint had not.
+        randoms = folder / f"random_states_{acc.process_index}.pkl"
+        try:
+            if randoms.is_file():
+                load(randoms, map_location="cpu")
+        except Exception as err:
+            warn(
+                f"{randoms} cannot be loaded safely ({type(err).__name__}; nothing in it was run): this process goes "
+                "on with fresh random states, so dropout and sampling differ from an uninterrupted run"
+            )
         load_accelerator_state(
             str(folder),
             models=[],

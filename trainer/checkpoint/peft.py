@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -90,20 +90,39 @@ def _meta_model(folder: Path) -> torch.nn.Module:
     """The checkpoint's PEFT model, every tensor on the meta device: the base model's class and config from its
     ``config.json``, the adapters from their configs."""
     import transformers
-    from peft import PeftConfig, get_peft_model
+    from peft import get_peft_model
 
-    config = transformers.AutoConfig.from_pretrained(str(folder))
-    architecture = (config.architectures or [""])[0]
+    try:
+        # A config.json naming code of its own (auto_map) is refused, never run.
+        config = transformers.AutoConfig.from_pretrained(str(folder), trust_remote_code=False)
+    except (ValueError, LookupError, OSError, TypeError) as err:
+        raise ExportError(
+            f"checkpoint {folder}: its config.json is not a transformers config this export can build "
+            f"({type(err).__name__}: {' '.join(str(err).split())[:300]}); nothing in it was run"
+        ) from None
+    architecture = str((config.architectures or [""])[0])
     model_class = getattr(transformers, architecture, None)
-    if model_class is None:
+    # Only a model class: a config naming any other attribute of transformers (a function) is not called.
+    if not (isinstance(model_class, type) and issubclass(model_class, transformers.PreTrainedModel)):
         raise ExportError(
             f"checkpoint {folder} holds a PEFT adapter over a {architecture or 'model with no class'} "
-            "(its config.json), which transformers does not name: load the checkpoint with the "
+            "(its config.json), which is not a transformers model class: load the checkpoint with the "
             "Trainer and call save_pretrained"
         )
     with torch.device("meta"):
         base = model_class(config)
-        model = get_peft_model(base, PeftConfig.from_pretrained(str(folder)))
+        model = get_peft_model(base, _adapter_config(folder))
         for extra in sorted(p.parent for p in folder.glob(f"*/{ADAPTER_CONFIG}")):
-            model.add_adapter(extra.name, PeftConfig.from_pretrained(str(extra)))
+            model.add_adapter(extra.name, _adapter_config(extra))
     return model
+
+
+def _adapter_config(folder: Path) -> Any:
+    from peft import PeftConfig
+
+    try:
+        return PeftConfig.from_pretrained(str(folder))
+    except (ValueError, LookupError, OSError, TypeError) as err:
+        raise ExportError(
+            f"{folder / ADAPTER_CONFIG} is not an adapter config PEFT can read ({type(err).__name__}: {err})"
+        ) from None

@@ -6,11 +6,12 @@ anything else by name; the values DCP keeps as pickled bytes (an optimizer's set
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import pickle
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -46,15 +47,30 @@ def read_shards(state: dict[str, Any], folder: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
     reader = safe_reader(folder)
-    try:
+    with _first_failure(folder):
         dcp.load(state, storage_reader=reader, planner=_safe_planner())
-    # A BaseException: said as the first failure, for CheckpointError.
-    except dcp.api.CheckpointException as err:
+
+
+@contextlib.contextmanager
+def _first_failure(folder: Path) -> Iterator[None]:
+    """DCP's failure (a BaseException holding every rank's exception and traceback) as the first rank's exception:
+    a ``CheckpointError`` as it is (a shard that is no plain tensor too), any other as a ``RuntimeError`` of one
+    line."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as err:
         first = next(iter(err.failures.values()), err)
         # (exception, its traceback)
         first = first[0] if isinstance(first, tuple) else first
         if isinstance(first, CheckpointError):
             raise first from None
+        if isinstance(first, pickle.UnpicklingError):
+            raise CheckpointError(
+                f"checkpoint {folder}: a file of its {SHARDS} cannot be loaded safely "
+                f"({' '.join(str(first).split())[:300]}); nothing in it was run"
+            ) from None
         raise RuntimeError(f"{type(first).__name__}: {first}") from err
 
 
@@ -85,7 +101,8 @@ def sharded_weights(
         import torch.distributed.checkpoint as dcp
 
         state = {prefix + name: torch.empty(shapes[name].size, dtype=shapes[name].properties.dtype) for name in names}
-        dcp.load(state, storage_reader=safe_reader(folder), planner=_safe_planner(), no_dist=True)
+        with _first_failure(folder):
+            dcp.load(state, storage_reader=safe_reader(folder), planner=_safe_planner(), no_dist=True)
         return {name.removeprefix(prefix): tensor for name, tensor in state.items()}
 
     entries = [(name, entry.size.numel() * entry.properties.dtype.itemsize) for name, entry in shapes.items()]
@@ -117,6 +134,26 @@ class _IndexUnpickler(pickle.Unpickler):
         )
 
 
+def _stored_inside(shards: Path, storage: Any) -> None:
+    """Every tensor and value DCP's index places is a slice of a file of ``shards`` itself, within its size: a
+    crafted index (``../other-run/...``, ``/etc/passwd``) is refused before any of it is read."""
+    sizes: dict[str, int] = {}
+    for info in (storage or {}).values():
+        name = getattr(info, "relative_path", None)
+        plain = isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+        file = shards / name if plain else None
+        if file is not None and name not in sizes and file.is_file() and not file.is_symlink():
+            sizes[name] = file.stat().st_size
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        fits = isinstance(offset, int) and isinstance(length, int) and 0 <= offset and 0 <= length
+        if not plain or name not in sizes or not fits or offset + length > sizes[name]:
+            raise CheckpointError(
+                f"checkpoint {shards.parent}: {SHARDS}/.metadata places data at {name!r} (bytes {offset!r}, "
+                f"length {length!r}), which is not within a file of its own {SHARDS} folder: the checkpoint is "
+                "refused, and nothing outside it was read"
+            )
+
+
 def _is_dtype(name: str) -> bool:
     return isinstance(getattr(torch, name, None), torch.dtype)
 
@@ -135,6 +172,7 @@ def _safe_classes() -> tuple[type, type]:
                     metadata = _IndexUnpickler(file).load()
                 except CheckpointError as refusal:
                     raise CheckpointError(f"checkpoint {path.parent.parent}: {refusal}") from None
+            _stored_inside(path.parent, getattr(metadata, "storage_data", None))
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id

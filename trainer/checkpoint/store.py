@@ -91,6 +91,12 @@ def best_checkpoint(root: Path, record: Optional[dict[str, Any]]) -> Optional[Pa
 def pointed_at(pointer: Path) -> str:
     """The folder a pointer (``latest``, ``best``) names: only ever a ``step-<digits>`` folder beside it, so a
     pointer that was edited, damaged or left by another run can lead nowhere else (``../other-run/...``)."""
+    # What a link leads to is none of this run's to read, nor to print.
+    if pointer.is_symlink():
+        raise CheckpointError(
+            f"the {pointer.name} pointer {pointer} is a symbolic link (to {os.readlink(pointer)}), not the file "
+            f"this trainer writes; it was not read"
+        )
     try:
         raw = pointer.read_bytes()
     except OSError as err:
@@ -109,7 +115,7 @@ def pointed_at(pointer: Path) -> str:
 def latest_checkpoint(root: Path) -> Optional[Path]:
     """The checkpoint the pointer names, checked to be whole; None when nothing was ever committed."""
     pointer = root / POINTER_FILE
-    if not pointer.is_file():
+    if not pointer.is_file() and not pointer.is_symlink():
         found = complete_checkpoints(root)
         # The pointer went missing: the newest committed folder is still a complete checkpoint.
         if found:
@@ -203,8 +209,11 @@ def write_failed(staging: Path, root: Path, err: BaseException, *, rank: Optiona
     failing, err = root_cause(err)
     rank = rank if rank is not None else failing
     free = shutil.disk_usage(root).free
-    full = isinstance(err, OSError) and err.errno == errno.ENOSPC or free < (1 << 20) or "iostream error" in str(err)
-    why = f"the disk is full ({free / 2**20:.1f} MB free at {root})" if full else f"{type(err).__name__}: {err}"
+    full = isinstance(err, OSError) and err.errno == errno.ENOSPC or free < (1 << 20)
+    full = full or any(words in str(err) for words in ("iostream error", "No space left on device"))
+    # Another rank's failure comes in words (trainer.checkpoint.manager.agreed_failure).
+    said = str(err) if isinstance(err, CheckpointError) else f"{type(err).__name__}: {err}"
+    why = f"the disk is full ({free / 2**20:.1f} MB free at {root})" if full else said
     why += f" (rank {rank})" if rank is not None else ""
     pointer = root / POINTER_FILE
     kept = "none was written before"

@@ -63,7 +63,11 @@ class MicroBatchSplit:
         return {"pieces": self.pieces}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.pieces = int(state.get("pieces", 1))
+        pieces = state.get("pieces", 1)
+        # 1, 2, 4, ...: what ran_out() writes; anything else was written by hand.
+        if type(pieces) is not int or pieces < 1 or pieces & (pieces - 1):
+            raise ValueError(f"pieces is {pieces!r}, where auto_microbatch writes 1, 2, 4, ...")
+        self.pieces = pieces
 
     def ran_out(self, where: str, step: int, batch: Any) -> bool:
         """Whether any rank ran out of memory (``where``: this rank's "forward" / "backward", "" if it did not) since

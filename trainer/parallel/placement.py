@@ -72,6 +72,9 @@ def fill(modules: list[torch.nn.Module], device: torch.device, source: Source, *
             new = torch.empty(tensor.shape, dtype=dtype, device=device)
             if source is not None:
                 source(new, tensor)
+            # Left for initialise: NaN until written, so that one it leaves unwritten is found by name.
+            elif new.is_floating_point():
+                new.fill_(float("nan"))
             if kind == "_parameters":
                 new = torch.nn.Parameter(new, requires_grad=tensor.requires_grad)
             made[id(tensor)] = new
@@ -92,16 +95,18 @@ def from_first_process(rank: int, world_size: int) -> Source:
 
 def initialise(model: torch.nn.Module, modules: list[torch.nn.Module], seed: int, *, device: torch.device) -> None:
     """The model's own initialisation of ``modules`` (just filled, children first), each under a seed of its own:
-    the same numbers on every process, whatever their number."""
-    # A transformers model's, per module.
+    the same numbers on every process, whatever their number. A transformers model's ``_init_weights`` per module;
+    any other model's modules their ``reset_parameters()``, then its ``_init_weights`` where it has one (nanoGPT's).
+    A tensor none of them wrote is refused by name."""
     own = getattr(model, "_init_weights", None)
+    by_transformers = any(kind.__name__ == "PreTrainedModel" for kind in type(model).__mro__)
     forked = [device] if device.type == "cuda" else []
     names = {id(module): name.replace("_checkpoint_wrapped_module.", "") for name, module in model.named_modules()}
     for module in modules:
         # The module's name in the whole model, wherever its part starts.
         name = names[id(module)]
         holds = any(t is not None for t in (*module._parameters.values(), *module._buffers.values()))
-        if own is None and not holds:
+        if not by_transformers and not holds:
             continue
         if own is None and not hasattr(module, "reset_parameters"):
             raise ShardingError(
@@ -112,10 +117,21 @@ def initialise(model: torch.nn.Module, modules: list[torch.nn.Module], seed: int
         with torch.random.fork_rng(devices=forked, device_type=device.type):
             torch.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
             with torch.no_grad():
+                if not by_transformers and hasattr(module, "reset_parameters"):
+                    module.reset_parameters()
                 if own is not None:
                     own(module)
-                else:
-                    module.reset_parameters()
+    unwritten = [
+        f"{names[id(module)]}.{attribute}".lstrip(".")
+        for module, attribute, _, tensor in _slots(modules)
+        if tensor.is_floating_point() and bool(tensor.isnan().any())
+    ]
+    if unwritten:
+        raise ShardingError(
+            f"the model was built on the meta device, and its initialisation (each module's reset_parameters(), "
+            f"then the model's _init_weights) left {', '.join(unwritten[:3])}{', ...' if len(unwritten) > 3 else ''} "
+            "unwritten: initialise it there, or build the model on the CPU"
+        )
 
 
 FROM_META, FROM_FIRST = "meta", "first process"
