@@ -372,8 +372,10 @@ def stop(args) -> None:
 class Remembers:
     """A user's callback with state (a count and a tensor): it gets both back at a resume."""
 
-    def __init__(self):
+    def __init__(self, fail_load_rank: int = -1):
         self.seen, self.total = 0, torch.zeros(1)
+        # This rank's load_state_dict raises (a user's callback that cannot take what was saved).
+        self.fail_load_rank = fail_load_rank
 
     def on_evaluate(self, trainer, metrics) -> None:
         self.seen += 1
@@ -383,6 +385,8 @@ class Remembers:
         return {"seen": self.seen, "total": self.total}
 
     def load_state_dict(self, state: dict) -> None:
+        if int(os.environ.get("RANK", "0")) == self.fail_load_rank:
+            raise KeyError("Remembers cannot take this state")
         self.seen, self.total = state["seen"], state["total"]
 
 
@@ -404,7 +408,7 @@ def patience(args) -> None:
         lr=0.0,
         resume="auto",
     )
-    stopping, remembers = EarlyStopping(monitor="eval_loss", patience=3), Remembers()
+    stopping, remembers = EarlyStopping(monitor="eval_loss", patience=3), Remembers(args.fail_load_rank)
     callbacks = [stopping, remembers] + ([SignalAfter(args.signal_at, 1, "SIGUSR1")] if args.signal_at else [])
     trainer = Trainer(
         TinyClassifier(), config, train_data=Examples(48), eval_data=Examples(9, seed=1), callbacks=callbacks
@@ -626,6 +630,7 @@ if __name__ == "__main__":
     parser.add_argument("--kill_in_save_at", type=int, default=0)
     parser.add_argument("--forbid_unsafe_load", action="store_true")
     parser.add_argument("--output_dir", default="runs/scenario")
+    parser.add_argument("--fail_load_rank", type=int, default=-1)
     parser.add_argument("--signal_at", type=int, default=0)
     parser.add_argument("--signal_rank", type=int, default=1)
     parser.add_argument("--signal", default="SIGUSR1")

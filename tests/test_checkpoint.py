@@ -517,3 +517,68 @@ def test_save_async_under_ddp_killed_during_a_background_write_leaves_the_last_c
     assert f"resumed from {checkpoints / 'step-00000004'}: step 4" in again.stdout
     assert result_line(again.stdout)["global_step"] == 18
     assert_bit_identical(final_weights(reference), final_weights(tmp_path))
+
+
+def resigned(folder: Path) -> None:
+    """The manifest rewritten to match the files as they are now: a crafted file looks like what was written."""
+    state = json.loads((folder / "trainer_state.json").read_text())
+    for name in state["files"]:
+        state["files"][name] = (folder / name).stat().st_size
+        state["crc32"][name] = f"{zlib.crc32((folder / name).read_bytes()):08x}"
+    (folder / "trainer_state.json").write_text(json.dumps(state))
+
+
+def trainer_lines(output: str) -> list[str]:
+    """The trainer's lines of every rank, as the launcher tees them (``[rank0]: trainer: ...``)."""
+    return [line for line in output.splitlines() if line.partition("]: ")[2].startswith("trainer: ")]
+
+
+def test_a_refusal_on_one_rank_ends_every_rank_and_names_that_rank_and_a_failed_export_is_one_line(tmp_path):
+    """Two ranks and stateful callbacks. The run's final export cannot be written (its folder blocked, as on a
+    read-only disk): one line, every rank exits, the checkpoints stay. Then a resume where one rank alone cannot
+    load its part (a crafted callback_states_1.pt or _0.pt, refused unloaded; a callback whose load_state_dict
+    raises on rank 1): every rank ends at once, and the line names the rank and the file. Each hung before, rank 0
+    training on or waiting in the next collective."""
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / ".final.writing").write_text("not a folder")
+    ended = accelerate_launch(SCENARIOS, "patience", "--output_dir", base, expect_ok=False, timeout=180)
+    said = trainer_lines(ended.stderr)
+    expected = f"[rank0]: trainer: cannot write the export into {base / 'final'}: File exists; it was left as it was"
+    assert said == [f"{expected} before"], ended.stderr
+    assert "[rank0]: Traceback" not in ended.stderr and "[rank1]: Traceback" not in ended.stderr, ended.stderr
+    latest = base / "checkpoints" / (base / "checkpoints" / "latest").read_text()
+    cases = {
+        "callback_states_1.pt crafted": ("callback_states_1.pt", -1, "rank 1"),
+        "callback_states_0.pt crafted": ("callback_states_0.pt", -1, "rank 0"),
+        "a callback's load_state_dict raises on rank 1": (None, 1, "rank 1"),
+    }
+    for case, (crafted, fail_load_rank, rank) in cases.items():
+        out = tmp_path / case.split()[0]
+        shutil.copytree(base / "checkpoints", out / "checkpoints")
+        folder = out / "checkpoints" / latest.name
+        if crafted:
+            torch.save({"Remembers": Path("/etc/passwd")}, folder / crafted)
+            resigned(folder)
+        started = time.monotonic()
+        result = accelerate_launch(
+            SCENARIOS, "patience", "--output_dir", out, "--fail_load_rank", fail_load_rank, expect_ok=False, timeout=120
+        )
+        assert time.monotonic() - started < 100, case
+        said = trainer_lines(result.stderr)
+        assert len(said) == 1 and f"({rank})" in said[0], (case, result.stderr)
+        assert (crafted or "Remembers cannot take this state") in said[0], (case, said)
+        assert "BEGIN" not in result.stdout, "no rank went on to train"
+
+
+def test_a_checkpoint_folder_that_cannot_be_made_is_one_line_on_every_rank(tmp_path):
+    """The first save's folder cannot be made (a file in its place, as a read-only checkpoints/ refuses it; root
+    ignores permissions): one line naming the checkpoint, every rank exits, no traceback (a raw OSError from the
+    main process's mkdir before, outside the save's handling, the other rank waiting)."""
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / ".tmp-step-00000002").write_text("not a folder")
+    result = accelerate_launch(SCENARIOS, "patience", "--output_dir", tmp_path, expect_ok=False, timeout=120)
+    said = trainer_lines(result.stderr)
+    assert len(said) == 1 and "could not write checkpoint step-00000002: NotADirectoryError" in said[0], said
+    assert said[0].endswith("The unfinished folder was removed; none was written before."), said
+    assert "[rank0]: Traceback" not in result.stderr and "[rank1]: Traceback" not in result.stderr, result.stderr
