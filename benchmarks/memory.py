@@ -255,13 +255,14 @@ def main() -> None:
         f"MiB, built | peak {where} MiB, after a step | vs DDP |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    parameters = 0
     for processes in args.processes:
         ddp_total = ddp_peak = None
         for kind in args.kinds:
             measured = run(kind, processes, args)
             if measured is None:
                 continue
-            rank0 = measured["ranks"][0]
+            rank0, parameters = measured["ranks"][0], measured["parameters"]
             total = rank0["weights"] + rank0["gradients"] + rank0["optimizer"]
             peak, built = max(r["peak"] for r in measured["ranks"]), max(r["built"] for r in measured["ranks"])
             ddp_total, ddp_peak = ddp_total or total, ddp_peak or peak
@@ -272,7 +273,7 @@ def main() -> None:
                 flush=True,
             )
     print(
-        f"(tensors: rank 0 of each run; peaks: the largest over the ranks; {args.model} {measured['parameters']:,} "
+        f"(tensors: rank 0 of each run; peaks: the largest over the ranks; {args.model} {parameters:,} "
         "parameters; the first kind of each row group is the baseline)"
     )
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from scenarios import DropoutClassifier
 
 from trainer import PREEMPTED_EXIT
@@ -469,19 +469,29 @@ def test_a_compiled_model_checkpoints_resumes_and_exports_plain_weights(tmp_path
 def test_a_ddp_checkpoint_written_before_dcp_resumes_bit_identical_under_ddp_and_fsdp2(tmp_path):
     """tests/data/ddp-checkpoint-v1: step 2 of tests/legacy_job.py (2 processes), written as DDP checkpoints were
     before every strategy wrote DCP (model.safetensors, optimizer.bin); resumed on 2 processes it reaches that run's
-    own end, tests/data/ddp-checkpoint-v1-final.safetensors, bit for bit, as DDP and as FSDP2 (one launch)."""
-    job, runs = ROOT / "tests" / "legacy_job.py", {"ddp": ["--ddp"], "fsdp": []}
+    own end, tests/data/ddp-checkpoint-v1-final.safetensors, bit for bit, as DDP and as FSDP2 (one launch). The same
+    checkpoint without one weight (re-signed) is refused by name under FSDP2, as under DDP (it kept that weight's
+    fresh initialisation before, and ended 0.077 away from the uninterrupted run)."""
+    job, runs = ROOT / "tests" / "legacy_job.py", {"ddp": ["--ddp"], "fsdp": [], "lacking": []}
     for name in runs:
         shutil.copytree(
             ROOT / "tests" / "data" / "ddp-checkpoint-v1", tmp_path / name / "checkpoints" / "step-00000002"
         )
+    lacking = tmp_path / "lacking" / "checkpoints" / "step-00000002"
+    weights = load_file(lacking / "model.safetensors")
+    del weights["transformer.h.0.mlp.c_fc.weight"]
+    save_file(weights, lacking / "model.safetensors", metadata={"format": "pt"})
+    resigned(lacking)
     jobs = [
         [str(job), str(tmp_path / name), "--resume", str(tmp_path / name / "checkpoints" / "step-00000002"), *flags]
         for name, flags in runs.items()
     ]
-    outputs = split_jobs(accelerate_launch(JOBS, json.dumps(jobs), config="fsdp.yaml", num_processes=2).stdout)
+    launched = accelerate_launch(JOBS, json.dumps(jobs), config="fsdp.yaml", num_processes=2, expect_ok=False)
+    assert job_exits(launched.stderr, 3) == [0, 0, 1], launched.stderr
+    assert "model.safetensors lacks transformer.h.0.mlp.c_fc.weight" in split_jobs(launched.stderr)[2]
+    assert not (tmp_path / "lacking" / "final").exists()
     expected = load_file(ROOT / "tests" / "data" / "ddp-checkpoint-v1-final.safetensors")
-    for name, output in zip(runs, outputs, strict=True):
+    for name, output in zip(["ddp", "fsdp"], split_jobs(launched.stdout), strict=False):
         folder = tmp_path / name
         assert f"resumed from {folder / 'checkpoints' / 'step-00000002'}: step 2, epoch 0, batch 4" in output, name
         assert ("FSDP2 over 2 processes" in output) == (name == "fsdp"), output
