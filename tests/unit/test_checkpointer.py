@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import pickle
+import resource
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -310,3 +312,44 @@ def test_a_crafted_config_in_a_checkpoint_is_refused_by_the_export_and_runs_noth
     with pytest.raises(ExportError, match=f"{folder}"):
         export(folder, tmp_path / "merged", merged=True)
     assert not (tmp_path / "ran").exists() and not (tmp_path / "merged").exists()
+
+
+def test_an_export_onto_a_full_disk_is_one_line_and_leaves_no_partial_export(tmp_path):
+    """safetensors' own error on a full disk is no OSError (it was a raw SafetensorError): here the disk fills at
+    8 kB (RLIMIT_FSIZE, as a small tmpfs would; root ignores permissions, not this)."""
+    run = Run.join(TrainConfig(output_dir=str(tmp_path / "run")))
+    model = torch.nn.Linear(64, 64)
+    checkpoints, state, built = parts_of(run, model, [])
+    checkpoints.start()
+    folder = checkpoints.save(1)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (8192, hard))
+    try:
+        with pytest.raises(ExportError, match=r"cannot write the export into .*File too large.*left as it was before"):
+            export(folder, tmp_path / "exported")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+    assert not (tmp_path / "exported").exists() and not (tmp_path / ".exported.writing").exists()
+
+
+def test_a_shard_whose_tensor_is_a_crafted_pickle_is_one_line_in_the_export(tmp_path):
+    """A tensor's bytes in ``__0_0.distcp`` replaced by a pickle naming a global (re-signed, the index pointing
+    within the file): the export refuses it in one line, as a resume does (a raw CheckpointException before)."""
+    import io
+
+    folder = saved_checkpoint(tmp_path / "run")
+    shard = folder / "shards" / "__0_0.distcp"
+    crafted = io.BytesIO()
+    torch.save({"weight": Path("/etc/passwd")}, crafted)
+    offset = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes() + crafted.getvalue())
+    index = pickle.loads((folder / "shards" / ".metadata").read_bytes())
+    for key, info in index.storage_data.items():
+        if key.fqn.startswith("model."):
+            info.offset, info.length = offset, len(crafted.getvalue())
+    (folder / "shards" / ".metadata").write_bytes(pickle.dumps(index))
+    resign(folder)
+    with pytest.raises(CheckpointError, match="a file of its shards cannot be loaded safely .* nothing in it was run"):
+        export(folder, tmp_path / "exported")

@@ -106,8 +106,8 @@ class Checkpointer:
                 # Every rank's files are on disk, or every rank says the first rank's failure.
                 failed = agreed_failure(run, functools.partial(part.save, staging, in_background=in_background))
                 if failed is not None:
-                    rank = failed[0] if run.world > 1 else None
-                    raise write_failed(staging, self.root, failed[1], rank=rank) from None
+                    rank, err, alone = failed
+                    raise write_failed(staging, self.root, err, rank=rank if alone else None) from None
         keep_last = run.config.keep_last
         if in_background:
             future = self.parts["model"].save_async(staging, self.background.group)
@@ -222,12 +222,9 @@ class Checkpointer:
         go on with the saved optimizer state, so the model's weights alone are loaded (for evaluate and predict)."""
         failed = agreed_failure(self.run, lambda: self._load_parts(path, state, skip=skip, refused=refused))
         if failed is not None:
-            rank, err = failed
-            # Said by the first process: which rank could not load what.
-            where = f" (rank {rank})" if self.run.world > 1 else ""
-            if isinstance(err, Refusal):
-                raise type(err)(f"{err}{where}") from None
-            raise CheckpointError(f"checkpoint {path} could not be loaded{where}: {err}") from None
+            rank, err, alone = failed
+            # Said by the first process: which rank could not load what, where the others could.
+            raise type(err)(f"{err} (rank {rank})" if alone else str(err)) from None
 
     def _load_parts(
         self, path: Path, state: dict[str, Any], *, skip: tuple[str, ...], refused: Optional[CheckpointError]
@@ -255,22 +252,30 @@ class Checkpointer:
             # torch's size-mismatch report spans many lines.
             detail = " ".join(str(err).split())[:2000]
             raise CheckpointError(f"checkpoint {path} does not fit this run: {detail}") from err
+        # A callback's own load_state_dict, say: one line all the same.
+        except Exception as err:
+            if isinstance(err, Refusal):
+                raise
+            raise CheckpointError(f"checkpoint {path} could not be loaded: {type(err).__name__}: {err}") from err
         for name, part in self.parts.items():
             if name in state and name not in skip and callable(getattr(part, "load_state_dict", None)):
                 try:
                     part.load_state_dict(state[name])
                 # Written by hand or damaged: said before anything uses it.
                 except (TypeError, ValueError, LookupError, AttributeError) as err:
+                    if isinstance(err, Refusal):
+                        raise
                     raise CheckpointError(
                         f"checkpoint {path}: the {name!r} state in {integrity.STATE_FILE} cannot be used "
                         f"({type(err).__name__}: {err}). Resume from another checkpoint (resume=<path>)"
                     ) from None
 
 
-def agreed_failure(run: Any, attempt: Callable[[], None]) -> Optional[tuple[int, BaseException]]:
-    """``attempt()`` on every rank, then the first failing rank and its failure, on every rank (this rank's own
-    exception where it failed, else the failing rank's in words), or None: no rank goes on into a collective
-    while another has stopped (a file refused on one rank only would otherwise hang the job)."""
+def agreed_failure(run: Any, attempt: Callable[[], None]) -> Optional[tuple[int, BaseException, bool]]:
+    """``attempt()`` on every rank, then on every rank the first failing rank, its failure (this rank's own
+    exception where it failed, else a ``CheckpointError`` of the failing rank's words) and whether some rank did
+    not fail; None when none failed. No rank goes on into a collective while another has stopped (a file refused
+    on one rank only would otherwise hang the job)."""
     mine: Optional[BaseException] = None
     try:
         attempt()
@@ -285,6 +290,7 @@ def agreed_failure(run: Any, attempt: Callable[[], None]) -> Optional[tuple[int,
     failing = [rank for rank, text in enumerate(said) if text is not None]
     if not failing:
         return None
+    alone = len(failing) < len(said)
     if mine is not None and failing[0] == run.rank:
-        return run.rank, mine
-    return failing[0], CheckpointError(said[failing[0]])
+        return run.rank, mine, alone
+    return failing[0], CheckpointError(said[failing[0]]), alone

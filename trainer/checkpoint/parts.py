@@ -10,6 +10,7 @@ back into any strategy and process count, so a DDP checkpoint resumes under FSDP
 
 from __future__ import annotations
 
+import pickle
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable
@@ -206,7 +207,11 @@ class CallbackStates:
         file = file if file.is_file() else folder / "callback_states_0.pt"
         if not file.is_file():
             return
-        saved = torch.load(file, map_location=self.device, weights_only=True)
+        try:
+            saved = torch.load(file, map_location=self.device, weights_only=True)
+        # Named: each rank reads a file of its own.
+        except pickle.UnpicklingError as err:
+            raise pickle.UnpicklingError(f"{file.name}: {err}") from None
         for name, callback in self.named(self.callbacks).items():
             if name in saved:
                 callback.load_state_dict(saved[name])

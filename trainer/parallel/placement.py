@@ -121,10 +121,11 @@ def initialise(model: torch.nn.Module, modules: list[torch.nn.Module], seed: int
                     module.reset_parameters()
                 if own is not None:
                     own(module)
+    floating = [(module, attribute, t) for module, attribute, _, t in _slots(modules) if t.is_floating_point()]
+    # One host read for them all (on a GPU each would wait for the device).
+    nan = torch.stack([t.isnan().any() for *_, t in floating]).tolist() if floating else []
     unwritten = [
-        f"{names[id(module)]}.{attribute}".lstrip(".")
-        for module, attribute, _, tensor in _slots(modules)
-        if tensor.is_floating_point() and bool(tensor.isnan().any())
+        f"{names[id(m)]}.{attribute}".lstrip(".") for (m, attribute, _), bad in zip(floating, nan, strict=True) if bad
     ]
     if unwritten:
         raise ShardingError(
