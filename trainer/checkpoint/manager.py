@@ -21,6 +21,7 @@ from trainer.checkpoint import integrity, store
 from trainer.checkpoint.background import BackgroundSaves
 from trainer.checkpoint.best import KeepBest
 from trainer.checkpoint.policy import RunSetup, group_settings, random_states
+from trainer.checkpoint.safe_dcp import refused_pickle
 from trainer.checkpoint.store import checkpoint_root, root_cause, staging_folder, write_failed
 from trainer.errors import CheckpointError, Refusal
 from trainer.telemetry.console import say
@@ -237,7 +238,7 @@ class Checkpointer:
                     part.load(path, state)
         # torch.load(weights_only=True) refused it, or it ends early.
         except (pickle.UnpicklingError, EOFError) as err:
-            detail = " ".join(str(err).split())[:600]
+            detail = refused_pickle(err)
             raise CheckpointError(
                 f"checkpoint {path} holds a file that cannot be loaded safely (nothing in it was "
                 f"run): {type(err).__name__}: {detail}. Resume from another checkpoint "

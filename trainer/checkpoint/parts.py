@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 
 from trainer.checkpoint.hf_files import MODEL_FILE, save_model_config
-from trainer.checkpoint.safe_dcp import SHARDS, read_shards
+from trainer.checkpoint.safe_dcp import SHARDS, read_shards, refused_pickle
 from trainer.telemetry.console import warn
 
 # DDP's optimizer file in a checkpoint written before every strategy wrote DCP (with MODEL_FILE).
@@ -211,7 +211,7 @@ class CallbackStates:
             saved = torch.load(file, map_location=self.device, weights_only=True)
         # Named: each rank reads a file of its own.
         except pickle.UnpicklingError as err:
-            raise pickle.UnpicklingError(f"{file.name}: {err}") from None
+            raise pickle.UnpicklingError(f"{file.name}: {refused_pickle(err)}") from None
         for name, callback in self.named(self.callbacks).items():
             if name in saved:
                 callback.load_state_dict(saved[name])

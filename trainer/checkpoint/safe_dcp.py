@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import pickle
+import re
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -69,7 +70,7 @@ def _first_failure(folder: Path) -> Iterator[None]:
         if isinstance(first, pickle.UnpicklingError):
             raise CheckpointError(
                 f"checkpoint {folder}: a file of its {SHARDS} cannot be loaded safely "
-                f"({' '.join(str(first).split())[:300]}); nothing in it was run"
+                f"({refused_pickle(first)}); nothing in it was run"
             ) from None
         raise RuntimeError(f"{type(first).__name__}: {first}") from err
 
@@ -152,6 +153,14 @@ def _stored_inside(shards: Path, storage: Any) -> None:
                 f"length {length!r}), which is not within a file of its own {SHARDS} folder: the checkpoint is "
                 "refused, and nothing outside it was read"
             )
+
+
+def refused_pickle(err: BaseException) -> str:
+    """What ``torch.load(weights_only=True)`` refused, in a few words (its message is mostly advice to load the
+    file unsafely): ``Unsupported global: GLOBAL pathlib.PosixPath was not an allowed global by default``."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(err))
+    why = text.split("WeightsUnpickler error: ", 1)[-1] if "WeightsUnpickler error: " in text else text
+    return " ".join(why.split(". ")[0].split())[:300]
 
 
 def _is_dtype(name: str) -> bool:
