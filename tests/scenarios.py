@@ -14,6 +14,7 @@ noisy         every rank logs the same library warnings at every step, and the m
 faults        one bad input (--fault): an unused parameter, a loss_fn returning float / None / a vector, no eval
 too_small     fewer training examples than processes
 world_guard   a plain Accelerator on a CPU host under a 2-process launch: the trainer's guard must stop it
+nanogpt_meta  a model built as nanoGPT builds its GPT, on the meta device: its LayerNorm as placed, then 2 steps
 """
 
 from __future__ import annotations
@@ -586,6 +587,41 @@ def world_guard(args) -> None:
     check_world_size(Accelerator())  # without cpu=True each process believes it is alone
 
 
+class NanoGPTLike(TinyClassifier):
+    """Built as nanoGPT builds its GPT: its ``_init_weights`` applied to the Linear layers only, its LayerNorm
+    keeping its own initialisation (ones and zeros)."""
+
+    def __init__(self):
+        torch.nn.Module.__init__(self)
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, 32), torch.nn.LayerNorm(32), torch.nn.ReLU(), torch.nn.Linear(32, 3)
+        )
+        self.apply(self._init_weights)
+
+    def forward(self, x, labels):
+        # A dict: FSDP2 finds the tensors in it.
+        logits = self.net(x)
+        return {"logits": logits, "loss": torch.nn.functional.cross_entropy(logits, labels)}
+
+    def _init_weights(self, module: torch.nn.Module) -> None:
+        if isinstance(module, torch.nn.Linear):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            torch.nn.init.zeros_(module.bias)
+
+
+def nanogpt_meta(args) -> None:
+    """NanoGPTLike built on the meta device: its weights as placed (the LayerNorm's whole), then 2 steps."""
+    with torch.device("meta"):
+        model = NanoGPTLike()
+    config = TrainConfig(output_dir=args.output_dir, max_steps=2, batch_size=4, log_every=1)
+    trainer = Trainer(model, config, train_data=Examples(16))
+    norm = trainer.unwrapped_model.net[1]
+    weight, bias = (getattr(t, "full_tensor", lambda t=t: t)().detach() for t in (norm.weight, norm.bias))
+    placed = {"norm_ones": bool(torch.equal(weight, torch.ones(32))), "norm_zeros": bool(torch.equal(bias, 0 * bias))}
+    result = trainer.fit()
+    say("NANOGPT " + json.dumps({**placed, "loss": result["train_loss"]}))
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument(
@@ -604,6 +640,7 @@ if __name__ == "__main__":
             "noisy",
             "faults",
             "outputs",
+            "nanogpt_meta",
         ],
     )
     parser.add_argument("--resume", default="auto", type=lambda v: None if v == "none" else v)

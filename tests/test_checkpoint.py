@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -471,7 +472,9 @@ def test_a_ddp_checkpoint_written_before_dcp_resumes_bit_identical_under_ddp_and
     before every strategy wrote DCP (model.safetensors, optimizer.bin); resumed on 2 processes it reaches that run's
     own end, tests/data/ddp-checkpoint-v1-final.safetensors, bit for bit, as DDP and as FSDP2 (one launch). The same
     checkpoint without one weight (re-signed) is refused by name under FSDP2, as under DDP (it kept that weight's
-    fresh initialisation before, and ended 0.077 away from the uninterrupted run)."""
+    fresh initialisation before, and ended 0.077 away from the uninterrupted run). And in the same launch, a model
+    built as nanoGPT builds its GPT on meta, sharded, starts with its LayerNorm's own ones and zeros (whatever
+    memory held before: around 1e29 for nanoGPT's own GPT, and a NaN loss at step 1)."""
     job, runs = ROOT / "tests" / "legacy_job.py", {"ddp": ["--ddp"], "fsdp": [], "lacking": []}
     for name in runs:
         shutil.copytree(
@@ -486,8 +489,13 @@ def test_a_ddp_checkpoint_written_before_dcp_resumes_bit_identical_under_ddp_and
         [str(job), str(tmp_path / name), "--resume", str(tmp_path / name / "checkpoints" / "step-00000002"), *flags]
         for name, flags in runs.items()
     ]
+    # In the same launch: a model built as nanoGPT builds its GPT, on meta, sharded.
+    jobs.append([str(SCENARIOS), "nanogpt_meta", "--output_dir", str(tmp_path / "nanogpt")])
     launched = accelerate_launch(JOBS, json.dumps(jobs), config="fsdp.yaml", num_processes=2, expect_ok=False)
-    assert job_exits(launched.stderr, 3) == [0, 0, 1], launched.stderr
+    assert job_exits(launched.stderr, 4) == [0, 0, 1, 0], launched.stderr
+    lines = split_jobs(launched.stdout)[3].splitlines()
+    placed = [json.loads(line.removeprefix("NANOGPT ")) for line in lines if line.startswith("NANOGPT ")]
+    assert [(row["norm_ones"], row["norm_zeros"]) for row in placed] == [(True, True)] * 2, placed
     assert "model.safetensors lacks transformer.h.0.mlp.c_fc.weight" in split_jobs(launched.stderr)[2]
     assert not (tmp_path / "lacking" / "final").exists()
     expected = load_file(ROOT / "tests" / "data" / "ddp-checkpoint-v1-final.safetensors")
@@ -543,16 +551,23 @@ def trainer_lines(output: str) -> list[str]:
     return [line for line in output.splitlines() if line.partition("]: ")[2].startswith("trainer: ")]
 
 
-def test_a_refusal_on_one_rank_ends_every_rank_and_names_that_rank_and_a_failed_export_is_one_line(tmp_path):
-    """Two ranks and stateful callbacks. The run's final export cannot be written (its folder blocked, as on a
-    read-only disk): one line, every rank exits, the checkpoints stay. Then a resume where one rank alone cannot
-    load its part (a crafted callback_states_1.pt or _0.pt, refused unloaded; a callback whose load_state_dict
-    raises on rank 1): every rank ends at once, and the line names the rank and the file. Each hung before, rank 0
-    training on or waiting in the next collective."""
-    base = tmp_path / "base"
-    base.mkdir()
+@pytest.fixture(scope="module")
+def patience_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The patience case (2 ranks, stateful callbacks, checkpoints of steps 8 and 10) whose final export cannot be
+    written (its folder blocked by a file, as a read-only disk refuses it; root ignores permissions)."""
+    base = tmp_path_factory.mktemp("patience")
     (base / ".final.writing").write_text("not a folder")
-    ended = accelerate_launch(SCENARIOS, "patience", "--output_dir", base, expect_ok=False, timeout=180)
+    return base, accelerate_launch(SCENARIOS, "patience", "--output_dir", base, expect_ok=False, timeout=180)
+
+
+def test_a_refusal_on_one_rank_ends_every_rank_and_names_that_rank_and_a_failed_export_is_one_line(
+    tmp_path, patience_run
+):
+    """The run's final export cannot be written: one line, every rank exits, the checkpoints stay. Then a resume
+    where one rank alone cannot load its part (a crafted callback_states_1.pt or _0.pt, refused unloaded; a
+    callback whose load_state_dict raises on rank 1): every rank ends at once, and the line names the rank and the
+    file. Each hung before, rank 0 training on or waiting in the next collective."""
+    base, ended = patience_run
     said = trainer_lines(ended.stderr)
     expected = f"[rank0]: trainer: cannot write the export into {base / 'final'}: File exists; it was left as it was"
     assert said == [f"{expected} before"], ended.stderr
@@ -592,3 +607,44 @@ def test_a_checkpoint_folder_that_cannot_be_made_is_one_line_on_every_rank(tmp_p
     assert len(said) == 1 and "could not write checkpoint step-00000002: NotADirectoryError" in said[0], said
     assert said[0].endswith("The unfinished folder was removed; none was written before."), said
     assert "[rank0]: Traceback" not in result.stderr and "[rank1]: Traceback" not in result.stderr, result.stderr
+
+
+def test_crafted_checkpoints_on_two_ranks_read_nothing_outside_and_say_what_they_refuse(tmp_path, patience_run):
+    """One launch of several jobs (tests/jobs.py) from copies of the patience run's checkpoints. A step folder
+    linked to another run's checkpoint, named by latest: resume auto goes on from this run's own newest, the link
+    never taken nor pruned. keep_best's record edited, an index placing tensors in another run's shard: one line
+    from every rank, exit 1. Rank 1's random states unloadable: said by rank 1, the run goes on. And a model built
+    as nanoGPT builds its GPT, on meta, starts with its LayerNorm's ones and zeros (whatever memory held before)."""
+    base = patience_run[0] / "checkpoints"
+    other = tmp_path / "other" / "checkpoints" / "step-00000008"
+    shutil.copytree(base / "step-00000008", other)
+    cases = ["link", "best", "random states", "index"]
+    for case in cases:
+        shutil.copytree(base, tmp_path / case / "checkpoints")
+    linked = tmp_path / "link" / "checkpoints"
+    (linked / "step-00000099").symlink_to(other)
+    (linked / "latest").write_text("step-00000099")
+    edited = tmp_path / "best" / "checkpoints" / "step-00000010"
+    state = json.loads((edited / "trainer_state.json").read_text())
+    state["best"] = {"figure": "eval_loss", "value": 1.0, "step": "abc"}
+    (edited / "trainer_state.json").write_text(json.dumps(state))
+    resigned(edited)
+    randoms = tmp_path / "random states" / "checkpoints" / "step-00000010"
+    torch.save({"random_state": Path("/etc/passwd")}, randoms / "random_states_1.pkl")
+    resigned(randoms)
+    indexed = tmp_path / "index" / "checkpoints" / "step-00000010"
+    index = pickle.loads((indexed / "shards" / ".metadata").read_bytes())
+    for info in index.storage_data.values():
+        info.relative_path = str(other / "shards" / "__0_0.distcp")
+    (indexed / "shards" / ".metadata").write_bytes(pickle.dumps(index))
+    resigned(indexed)
+    jobs = [[str(SCENARIOS), "patience", "--output_dir", str(tmp_path / case)] for case in cases]
+    launched = accelerate_launch(JOBS, json.dumps(jobs), num_processes=2, expect_ok=False)
+    assert job_exits(launched.stderr, 4) == [0, 1, 0, 1], launched.stderr[-3000:]
+    out, err = split_jobs(launched.stdout), split_jobs(launched.stderr)
+    assert "step-00000099 is not to be trusted: it is a symbolic link" in err[0], err[0]
+    assert f"resumed from {linked / 'step-00000010'}: step 10" in out[0], out[0]
+    assert (linked / "step-00000099").is_symlink() and (other / "trainer_state.json").is_file()
+    assert "the 'best' state in trainer_state.json cannot be used" in err[1], err[1]
+    assert err[2].count("random_states_1.pkl cannot be loaded safely") == 1 and "random_states_0" not in err[2]
+    assert "not within a file of its own shards folder: the checkpoint is refused" in err[3], err[3]
