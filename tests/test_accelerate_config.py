@@ -12,7 +12,7 @@ import pytest
 
 from trainer.launch.accelerate_config import DEEPSPEED, FP8, MEGATRON, XLA
 
-from conftest import SCENARIOS, accelerate_config, free_port, run, run_together
+from conftest import JOBS, ROOT, SCENARIOS, accelerate_config, free_port, job_exits, run, run_together, split_jobs
 
 GPUS = {"Which type of machine": "multi-GPU", "How many GPU(s)": "2"}
 FSDP = {**GPUS, "FullyShardedDataParallel": "yes"}
@@ -101,9 +101,14 @@ REFUSED = {  # answers, what the preflight says, what the launch's one trainer: 
 
 def test_answers_the_trainer_does_not_run_stop_the_preflight_and_the_launch_in_one_line(tmp_path):
     paths = {name: tmp_path / f"{i}.yaml" for i, name in enumerate(REFUSED)}
-    for name, (answers, said, _) in REFUSED.items():
+    for name, (answers, _, _) in REFUSED.items():
         accelerate_config(paths[name], answers)
-        verdict = preflight(paths[name])
+    # Every preflight in one process (tests/jobs.py): each is `python -m trainer.check --config_file FILE`.
+    check = str(ROOT / "trainer" / "check.py")
+    jobs = [[check, "--config_file", str(paths[name])] for name in REFUSED]
+    checked = run([sys.executable, str(JOBS), json.dumps(jobs)], expect_ok=False)
+    assert all(job_exits(checked.stderr, len(REFUSED))), checked.stderr
+    for (name, (_, said, _)), verdict in zip(REFUSED.items(), split_jobs(checked.stdout), strict=True):
         assert "PROBLEM: " in verdict and said in verdict, (name, verdict)
     launches = run_together(
         [

@@ -547,8 +547,9 @@ def resigned(folder: Path) -> None:
 
 
 def trainer_lines(output: str) -> list[str]:
-    """The trainer's lines of every rank, as the launcher tees them (``[rank0]: trainer: ...``)."""
-    return [line for line in output.splitlines() if line.partition("]: ")[2].startswith("trainer: ")]
+    """The trainer's lines of every rank: its warnings, and a refusal as the launcher prefixes it (``[rank0]: ``)."""
+    lines = output.splitlines()
+    return [line for line in lines if line.startswith("trainer: ") or line.partition("]: ")[2].startswith("trainer: ")]
 
 
 @pytest.fixture(scope="module")
@@ -560,91 +561,145 @@ def patience_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     return base, accelerate_launch(SCENARIOS, "patience", "--output_dir", base, expect_ok=False, timeout=180)
 
 
-def test_a_refusal_on_one_rank_ends_every_rank_and_names_that_rank_and_a_failed_export_is_one_line(
-    tmp_path, patience_run
-):
-    """The run's final export cannot be written: one line, every rank exits, the checkpoints stay. Then a resume
-    where one rank alone cannot load its part (a crafted callback_states_1.pt or _0.pt, refused unloaded; a
-    callback whose load_state_dict raises on rank 1): every rank ends at once, and the line names the rank and the
-    file. Each hung before, rank 0 training on or waiting in the next collective."""
+# Resumes of copies of the patience run's checkpoints, each with one thing wrong: name -> (what was done to the
+# latest checkpoint, exit status). Where a file is crafted, the manifest is re-signed so that the checkpoint looks
+# whole.
+DAMAGED = {
+    "callback_states_1.pt crafted": 1,
+    "callback_states_0.pt crafted": 1,
+    "a callback's load_state_dict raises on rank 1": 1,
+    "a step folder linked to another run's, named by latest": 0,
+    "keep_best's record edited": 1,
+    "rank 1's random states unloadable": 0,
+    "an index placing tensors in another run's shard": 1,
+    "no checkpoint, the first save's folder blocked": 1,
+}
+
+
+@pytest.fixture(scope="module")
+def damaged(patience_run, tmp_path_factory) -> dict[str, tuple[Path, int, str, str]]:
+    """Every case of DAMAGED in one launch of 2 processes (tests/jobs.py): name -> (its output_dir, exit status,
+    stdout, stderr). A case that left one rank waiting would time the launch out (120 s)."""
+    root, base = tmp_path_factory.mktemp("damaged"), patience_run[0] / "checkpoints"
+    other = root / "other" / "checkpoints" / "step-00000008"
+    shutil.copytree(base / "step-00000008", other)
+    folders, jobs = {}, []
+    for i, name in enumerate(DAMAGED):
+        out = folders[name] = root / f"case{i}"
+        args = ["--fail_load_rank", "1"] if "load_state_dict raises" in name else []
+        jobs.append([str(SCENARIOS), "patience", "--output_dir", str(out), *args])
+        if name.startswith("no checkpoint"):
+            (out / "checkpoints").mkdir(parents=True)
+            (out / "checkpoints" / ".tmp-step-00000002").write_text("not a folder")
+            continue
+        shutil.copytree(base, out / "checkpoints")
+        latest = out / "checkpoints" / "step-00000010"
+        if name.endswith(".pt crafted"):
+            torch.save({"Remembers": Path("/etc/passwd")}, latest / name.split()[0])
+        elif name.startswith("a step folder linked"):
+            (out / "checkpoints" / "step-00000099").symlink_to(other)
+            (out / "checkpoints" / "latest").write_text("step-00000099")
+        elif name.startswith("keep_best"):
+            state = json.loads((latest / "trainer_state.json").read_text())
+            state["best"] = {"figure": "eval_loss", "value": 1.0, "step": "abc"}
+            (latest / "trainer_state.json").write_text(json.dumps(state))
+        elif name.startswith("rank 1's random states"):
+            torch.save({"random_state": Path("/etc/passwd")}, latest / "random_states_1.pkl")
+        elif name.startswith("an index"):
+            index = pickle.loads((latest / "shards" / ".metadata").read_bytes())
+            for info in index.storage_data.values():
+                info.relative_path = str(other / "shards" / "__0_0.distcp")
+            (latest / "shards" / ".metadata").write_bytes(pickle.dumps(index))
+        resigned(latest)
+    launched = accelerate_launch(JOBS, json.dumps(jobs), num_processes=2, expect_ok=False, timeout=120)
+    exits = job_exits(launched.stderr, len(DAMAGED))
+    outs, errs = split_jobs(launched.stdout), split_jobs(launched.stderr)
+    return {name: (folders[name], *ran) for name, *ran in zip(DAMAGED, exits, outs, errs, strict=True)}
+
+
+def test_a_failed_export_is_one_line_from_every_rank_and_leaves_the_checkpoints(patience_run):
+    """The run's final export cannot be written: one line, every rank exits, the checkpoints whole (a raw OSError
+    from the main process's mkdir before, and the other rank's raw gloo traceback)."""
     base, ended = patience_run
     said = trainer_lines(ended.stderr)
     expected = f"[rank0]: trainer: cannot write the export into {base / 'final'}: File exists; it was left as it was"
     assert said == [f"{expected} before"], ended.stderr
     assert "[rank0]: Traceback" not in ended.stderr and "[rank1]: Traceback" not in ended.stderr, ended.stderr
-    latest = base / "checkpoints" / (base / "checkpoints" / "latest").read_text()
-    cases = {
-        "callback_states_1.pt crafted": ("callback_states_1.pt", -1, "rank 1"),
-        "callback_states_0.pt crafted": ("callback_states_0.pt", -1, "rank 0"),
-        "a callback's load_state_dict raises on rank 1": (None, 1, "rank 1"),
-    }
-    for case, (crafted, fail_load_rank, rank) in cases.items():
-        out = tmp_path / case.split()[0]
-        shutil.copytree(base / "checkpoints", out / "checkpoints")
-        folder = out / "checkpoints" / latest.name
-        if crafted:
-            torch.save({"Remembers": Path("/etc/passwd")}, folder / crafted)
-            resigned(folder)
-        started = time.monotonic()
-        result = accelerate_launch(
-            SCENARIOS, "patience", "--output_dir", out, "--fail_load_rank", fail_load_rank, expect_ok=False, timeout=120
-        )
-        assert time.monotonic() - started < 100, case
-        said = trainer_lines(result.stderr)
-        assert len(said) == 1 and f"({rank})" in said[0], (case, result.stderr)
-        assert (crafted or "Remembers cannot take this state") in said[0], (case, said)
-        assert "BEGIN" not in result.stdout, "no rank went on to train"
+    assert (base / "checkpoints" / "latest").read_text() == "step-00000010" and not (base / "final").exists()
 
 
-def test_a_checkpoint_folder_that_cannot_be_made_is_one_line_on_every_rank(tmp_path):
-    """The first save's folder cannot be made (a file in its place, as a read-only checkpoints/ refuses it; root
-    ignores permissions): one line naming the checkpoint, every rank exits, no traceback (a raw OSError from the
-    main process's mkdir before, outside the save's handling, the other rank waiting)."""
-    (tmp_path / "checkpoints").mkdir()
-    (tmp_path / "checkpoints" / ".tmp-step-00000002").write_text("not a folder")
-    result = accelerate_launch(SCENARIOS, "patience", "--output_dir", tmp_path, expect_ok=False, timeout=120)
-    said = trainer_lines(result.stderr)
-    assert len(said) == 1 and "could not write checkpoint step-00000002: NotADirectoryError" in said[0], said
-    assert said[0].endswith("The unfinished folder was removed; none was written before."), said
-    assert "[rank0]: Traceback" not in result.stderr and "[rank1]: Traceback" not in result.stderr, result.stderr
+@pytest.mark.parametrize("name", list(DAMAGED))
+def test_a_damaged_resume_ends_as_it_should_on_every_rank_in_one_line(damaged, name):
+    """Each case's exit status and its one line. One rank alone refusing (a crafted callback_states_1.pt or _0.pt,
+    a callback raising on rank 1) hung the job before, rank 0 training on or waiting in the next collective: every
+    rank now ends at once, the line naming that rank and the file."""
+    out, status, stdout, stderr = damaged[name]
+    assert status == DAMAGED[name], (name, stderr[-3000:])
+    said = trainer_lines(stderr)
+    assert "[rank0]: Traceback" not in stderr and "[rank1]: Traceback" not in stderr, (name, stderr[-3000:])
+    if status:
+        assert len(said) == 1, (name, said)
+    # Refused while resuming: no rank went on to train.
+    assert ("BEGIN" in stdout) == (status == 0 or name.startswith("no checkpoint")), (name, stdout[-2000:])
+    latest = out / "checkpoints" / "step-00000010"
+    expected = {
+        "callback_states_1.pt crafted": "callback_states_1.pt: Unsupported global: GLOBAL pathlib.PosixPath",
+        "callback_states_0.pt crafted": "callback_states_0.pt: Unsupported global: GLOBAL pathlib.PosixPath",
+        "a callback's load_state_dict raises on rank 1": "'Remembers cannot take this state' (rank 1)",
+        "a step folder linked to another run's, named by latest": "step-00000099 is not to be trusted: it is a symb",
+        "keep_best's record edited": f"checkpoint {latest}: the 'best' state in trainer_state.json cannot be used",
+        "rank 1's random states unloadable": "random_states_1.pkl cannot be loaded safely",
+        "an index placing tensors in another run's shard": "not within a file of its own shards folder: the checkpo",
+        "no checkpoint, the first save's folder blocked": "could not write checkpoint step-00000002: NotADirectoryE",
+    }[name]
+    assert len([line for line in said if expected in line]) == 1, (name, said)
+    if name.endswith(".pt crafted"):
+        assert said[0].endswith(f"(rank {name[16]})"), said
+    if name.startswith("a step folder linked"):
+        assert f"resumed from {latest}: step 10" in stdout, stdout
+        assert (out / "checkpoints" / "step-00000099").is_symlink(), "not pruned"
+    if name.startswith("no checkpoint"):
+        assert said[0].endswith("The unfinished folder was removed; none was written before."), said
 
 
-def test_crafted_checkpoints_on_two_ranks_read_nothing_outside_and_say_what_they_refuse(tmp_path, patience_run):
-    """One launch of several jobs (tests/jobs.py) from copies of the patience run's checkpoints. A step folder
-    linked to another run's checkpoint, named by latest: resume auto goes on from this run's own newest, the link
-    never taken nor pruned. keep_best's record edited, an index placing tensors in another run's shard: one line
-    from every rank, exit 1. Rank 1's random states unloadable: said by rank 1, the run goes on. And a model built
-    as nanoGPT builds its GPT, on meta, starts with its LayerNorm's ones and zeros (whatever memory held before)."""
-    base = patience_run[0] / "checkpoints"
-    other = tmp_path / "other" / "checkpoints" / "step-00000008"
-    shutil.copytree(base / "step-00000008", other)
-    cases = ["link", "best", "random states", "index"]
-    for case in cases:
-        shutil.copytree(base, tmp_path / case / "checkpoints")
-    linked = tmp_path / "link" / "checkpoints"
-    (linked / "step-00000099").symlink_to(other)
-    (linked / "latest").write_text("step-00000099")
-    edited = tmp_path / "best" / "checkpoints" / "step-00000010"
-    state = json.loads((edited / "trainer_state.json").read_text())
-    state["best"] = {"figure": "eval_loss", "value": 1.0, "step": "abc"}
-    (edited / "trainer_state.json").write_text(json.dumps(state))
-    resigned(edited)
-    randoms = tmp_path / "random states" / "checkpoints" / "step-00000010"
-    torch.save({"random_state": Path("/etc/passwd")}, randoms / "random_states_1.pkl")
-    resigned(randoms)
-    indexed = tmp_path / "index" / "checkpoints" / "step-00000010"
-    index = pickle.loads((indexed / "shards" / ".metadata").read_bytes())
-    for info in index.storage_data.values():
-        info.relative_path = str(other / "shards" / "__0_0.distcp")
-    (indexed / "shards" / ".metadata").write_bytes(pickle.dumps(index))
-    resigned(indexed)
-    jobs = [[str(SCENARIOS), "patience", "--output_dir", str(tmp_path / case)] for case in cases]
-    launched = accelerate_launch(JOBS, json.dumps(jobs), num_processes=2, expect_ok=False)
-    assert job_exits(launched.stderr, 4) == [0, 1, 0, 1], launched.stderr[-3000:]
-    out, err = split_jobs(launched.stdout), split_jobs(launched.stderr)
-    assert "step-00000099 is not to be trusted: it is a symbolic link" in err[0], err[0]
-    assert f"resumed from {linked / 'step-00000010'}: step 10" in out[0], out[0]
-    assert (linked / "step-00000099").is_symlink() and (other / "trainer_state.json").is_file()
-    assert "the 'best' state in trainer_state.json cannot be used" in err[1], err[1]
-    assert err[2].count("random_states_1.pkl cannot be loaded safely") == 1 and "random_states_0" not in err[2]
-    assert "not within a file of its own shards folder: the checkpoint is refused" in err[3], err[3]
+def crafted_adapter_checkpoint(root: Path, crafted: str) -> Path:
+    """A committed checkpoint of a PEFT GPT-2 whose config.json or adapter_config.json was edited (``crafted``)."""
+    from transformers import GPT2Config
+
+    from trainer.checkpoint import store
+
+    staging = store.staging_folder(root, 1)
+    staging.mkdir(parents=True)
+    config = GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=2).to_dict()
+    config["architectures"] = ["GPT2LMHeadModel"]
+    adapter = {"peft_type": "LORA", "r": 2, "target_modules": ["c_attn"], "task_type": "CAUSAL_LM"}
+    if crafted == "auto_map and its code":
+        # A model type transformers does not have: only the checkpoint's own code could build it.
+        config.update(model_type="evil", auto_map={"AutoConfig": "evil.EvilConfig"})
+        (staging / "evil.py").write_text(f"open({str(root.parent / 'ran')!r}, 'w')\n")
+    elif crafted == "a function for a class":
+        config["architectures"] = ["pipeline"]
+    else:
+        adapter["peft_type"] = "EVIL"
+    (staging / "config.json").write_text(json.dumps(config))
+    (staging / "adapter_config.json").write_text(json.dumps(adapter))
+    save_file({"x": torch.zeros(1)}, staging / "model.safetensors")
+    return store.commit(staging, {"train": {"global_step": 1, "epoch": 0, "batches_into_epoch": 1}}, keep_last=1)
+
+
+def test_a_crafted_config_in_a_checkpoint_is_one_line_from_the_export_and_runs_nothing(tmp_path):
+    """``python -m trainer.export <ckpt> <dir> --merged`` (three in one process, tests/jobs.py) builds the base
+    model from the checkpoint's config.json: code it names (auto_map) is refused, not asked about on stdin (a raw
+    EOFError, or one ``y`` from running it); an architecture that is no model class (``pipeline``) is not called (a
+    raw TypeError); an adapter config PEFT cannot read (a raw KeyError): one line naming the checkpoint each."""
+    cases = ["auto_map and its code", "a function for a class", "an unknown peft_type"]
+    folders = [crafted_adapter_checkpoint(tmp_path / str(i) / "checkpoints", case) for i, case in enumerate(cases)]
+    export = ROOT / "trainer" / "export.py"
+    jobs = [[str(export), str(folder), str(folder.parent.parent / "merged"), "--merged"] for folder in folders]
+    result = python(JOBS, json.dumps(jobs), expect_ok=False)
+    assert job_exits(result.stderr, 3) == [1, 1, 1], result.stderr
+    for case, folder, said in zip(cases, folders, split_jobs(result.stderr), strict=True):
+        lines = trainer_lines(said)
+        assert len(lines) == 1 and str(folder) in lines[0] and "Traceback" not in said, (case, said)
+        assert not (folder.parent.parent / "merged").exists(), case
+    assert not any(tmp_path.glob("*/ran")), "the checkpoint's code ran"

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from trainer import CheckpointError, EarlyStopping, TrainConfig, Trainer
-from trainer.checkpoint import integrity, store
+from trainer.checkpoint import integrity
 from trainer.checkpoint.best import KeepBest
 from trainer.checkpoint.export import export
 from trainer.checkpoint.manager import Checkpointer
@@ -237,7 +237,7 @@ def test_random_states_that_cannot_be_loaded_safely_are_said_and_nothing_runs(tm
 
 def test_a_ddp_checkpoint_written_before_dcp_that_lacks_a_tensor_is_refused_by_name(tmp_path):
     """model.safetensors without one weight (re-signed): the model would keep that weight's fresh initialisation."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     sys.path.insert(0, str(DATA.parent))
     from legacy_job import config_of, model_and_data
@@ -282,36 +282,6 @@ def test_a_model_built_on_meta_that_is_not_a_transformers_model_is_initialised_a
         unwritten = NanoGPTLike(scale=True)
     with pytest.raises(ShardingError, match="left scale unwritten"):
         whole_on_device(unwritten, torch.device("cpu"), seed=0)
-
-
-@pytest.mark.parametrize("crafted", ["auto_map and its code", "a function for a class", "an unknown peft_type"])
-def test_a_crafted_config_in_a_checkpoint_is_refused_by_the_export_and_runs_nothing(tmp_path, crafted):
-    """``python -m trainer.export <ckpt> <dir> --merged`` builds the base model from the checkpoint's config.json:
-    code it names (auto_map) is refused, not asked about on stdin; an architecture that is no model class
-    (``pipeline``) is not called; an adapter config PEFT cannot read is one line."""
-    from transformers import GPT2Config
-
-    staging = store.staging_folder(tmp_path / "checkpoints", 1)
-    staging.mkdir(parents=True)
-    config = GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=2).to_dict()
-    config["architectures"] = ["GPT2LMHeadModel"]
-    adapter = {"peft_type": "LORA", "r": 2, "target_modules": ["c_attn"], "task_type": "CAUSAL_LM"}
-    if crafted == "auto_map and its code":
-        # A model type transformers does not have: only the checkpoint's own code could build it.
-        config.update(model_type="evil", auto_map={"AutoConfig": "evil.EvilConfig"})
-        (staging / "evil.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w')\n")
-    elif crafted == "a function for a class":
-        config["architectures"] = ["pipeline"]
-    else:
-        adapter["peft_type"] = "EVIL"
-    (staging / "config.json").write_text(json.dumps(config))
-    (staging / "adapter_config.json").write_text(json.dumps(adapter))
-    save_file({"x": torch.zeros(1)}, staging / "model.safetensors")
-    train = {"global_step": 1, "epoch": 0, "batches_into_epoch": 1}
-    folder = store.commit(staging, {"train": train}, keep_last=1)
-    with pytest.raises(ExportError, match=f"{folder}"):
-        export(folder, tmp_path / "merged", merged=True)
-    assert not (tmp_path / "ran").exists() and not (tmp_path / "merged").exists()
 
 
 def test_an_export_onto_a_full_disk_is_one_line_and_leaves_no_partial_export(tmp_path):
