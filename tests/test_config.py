@@ -29,6 +29,7 @@ def test_overrides_win_over_the_file(tmp_path):
     "text, culprit",
     [
         ("learning_rate: 0.1\n", "unknown key 'learning_rate'"),
+        ("zzz: 1\n", "unknown key 'zzz'. The keys are TrainConfig's fields: help(trainer.TrainConfig)."),
         ("batchsize: 4\n", "Did you mean: batch_size"),
         ("lerning_rate: 0.1\n", "Did you mean: lr, "),  # transformers' name, misspelt: ours first
         ("batch_size: 0\n", "batch_size must be >= 1"),
@@ -64,9 +65,13 @@ def test_overrides_win_over_the_file(tmp_path):
     ],
 )
 def test_bad_yaml_names_the_culprit(tmp_path, text, culprit):
+    """Each message names the file too (``lr: fast`` did not), and is one short line: the closest keys, not all
+    53 of them (900 characters before)."""
+    path = write(tmp_path, text)
     with pytest.raises(ConfigError, match=None) as err:
-        TrainConfig.from_yaml(write(tmp_path, text))
-    assert culprit in str(err.value)
+        TrainConfig.from_yaml(path)
+    assert culprit in str(err.value) and str(err.value).startswith(str(path)), str(err.value)
+    assert len(str(err.value)) < 300 + len(str(path)) and "\n" not in str(err.value), str(err.value)
 
 
 def test_bad_override_names_the_key(tmp_path):

@@ -162,7 +162,13 @@ class TrainConfig:
         if not isinstance(values, dict):
             raise ConfigError(f"{source}: expected a mapping of TrainConfig keys, got {type(values).__name__}")
         check_keys(cls, values, source)
-        return cls(**values)
+        try:
+            return cls(**values)
+        # A value of the wrong type or range: said with the file it came from.
+        except ConfigError as err:
+            if source == "config":
+                raise
+            raise ConfigError(f"{source}: {err}") from None
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> "TrainConfig":

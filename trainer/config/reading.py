@@ -45,7 +45,10 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from None
     except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+        # One line: where, and what PyYAML found there (not its picture of the line).
+        mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None) or str(err)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}: not valid YAML{where}: {' '.join(str(problem).split())}") from None
     if values is None:
         raise ConfigError(
             f"{path} is empty: list the TrainConfig keys that differ from the defaults, or do not pass a config file"
@@ -99,8 +102,10 @@ def check_keys(cls: type, values: dict[str, Any], source: str) -> None:
             close = difflib.get_close_matches(str(key).lower(), list(names), n=3, cutoff=0.5)
             # Another trainer's name: ours.
             close = list(dict.fromkeys(names[name] for name in close))
-            hint = f" Did you mean: {', '.join(close)}?" if close else ""
-            raise ConfigError(f"{source}: unknown key '{key}'.{hint} Valid keys: {', '.join(valid)}")
+            # The closest keys when there are some; else where all of them are listed (53 keys in a line: unread).
+            every = "The keys are TrainConfig's fields: help(trainer.TrainConfig)."
+            hint = f"Did you mean: {', '.join(close)}?" if close else every
+            raise ConfigError(f"{source}: unknown key '{key}'. {hint}")
 
 
 def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
