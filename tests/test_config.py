@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from trainer import ConfigError, TrainConfig
+
+from conftest import JOBS, ROOT, job_exits, python, split_jobs
 
 
 def write(tmp_path, text):
@@ -147,3 +151,20 @@ def test_a_setting_of_the_accelerate_config_names_the_file_that_sets_it(key, fil
     (tmp_path / "run.yaml").write_text(f"{key}: true\n")
     with pytest.raises(ConfigError, match=f"run.yaml: '{key}' is not a TrainConfig key"):
         TrainConfig.from_yaml(tmp_path / "run.yaml")
+
+
+def test_the_main_jobs_config_mistakes_are_one_line_naming_the_file(tmp_path):
+    """``python examples/gpt2.py --config run.yaml`` with a misspelt key and a wrong value (two runs in one process,
+    tests/jobs.py): one ``trainer:`` line each, naming the file, exit 1."""
+    texts = {"misspelt": "batchsize: 4\n", "wrong value": "lr: fast\n"}
+    files = {name: tmp_path / f"{i}.yaml" for i, name in enumerate(texts)}
+    for name, text in texts.items():
+        files[name].write_text(text)
+    jobs = [[str(ROOT / "examples" / "gpt2.py"), "--config", str(path)] for path in files.values()]
+    result = python(JOBS, json.dumps(jobs), expect_ok=False)
+    assert job_exits(result.stderr, 2) == [1, 1], result.stderr
+    said = [[line for line in out.splitlines() if line.startswith("trainer: ")] for out in split_jobs(result.stderr)]
+    assert said == [
+        [f"trainer: {files['misspelt']}: unknown key 'batchsize'. Did you mean: batch_size?"],
+        [f"trainer: {files['wrong value']}: lr must be float, got 'fast' (str)"],
+    ], result.stderr
