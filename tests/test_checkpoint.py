@@ -626,6 +626,8 @@ def test_a_failed_export_is_one_line_from_every_rank_and_leaves_the_checkpoints(
     assert said == [f"{expected} before"], ended.stderr
     assert "[rank0]: Traceback" not in ended.stderr and "[rank1]: Traceback" not in ended.stderr, ended.stderr
     assert (base / "checkpoints" / "latest").read_text() == "step-00000010" and not (base / "final").exists()
+    # Said at the start, on the banner: the run may end before max_steps.
+    assert "| early stopping on eval_loss (patience 3 evaluations)" in ended.stdout, ended.stdout
 
 
 @pytest.mark.parametrize("name", list(DAMAGED))

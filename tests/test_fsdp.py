@@ -914,6 +914,8 @@ def test_an_average_of_the_weights_is_sharded_evaluated_exported_and_resumed_bit
     average, weights = read_sharded_weights(checkpoint / "ema", part="ema"), read_sharded_weights(checkpoint)
     assert best["weights"] == {name: average[name].flatten().tolist() for name in best["weights"]}
     assert best["weights"] != {name: weights[name].flatten().tolist() for name in best["weights"]}
+    # The banner says so before the first step: final/ will not be the last step's weights.
+    assert "| EMA of the weights (decay 0.5 from step 2) in evaluations and final/" in result.stdout
 
 
 def test_a_micro_batch_out_of_memory_on_any_rank_is_cut_in_pieces_with_the_same_updates(fsdp):

@@ -103,6 +103,8 @@ def test_keep_best_keeps_the_best_evaluations_checkpoint_apart_from_keep_last(ru
     best = tmp_path / "checkpoints" / "step-00000004"
     assert f"BEST rank0 {best} " in output and f"BEST rank1 {best} " in output
     assert '"figure": "eval_peak", "value": 0.0, "step": 4' in output
+    # Said at the start, on the banner.
+    assert "| keep_best eval_peak (max); final/ holds that checkpoint's weights" in output, output
     # load_best_at_end (keep_best's default): the model fit() ends with is the best evaluation's, and it says so.
     assert (
         "load_best_at_end: final/ holds the weights of step 4, the best evaluation (eval_peak 0), not those of "

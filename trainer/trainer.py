@@ -294,6 +294,6 @@ class Trainer:
 
     def describe(self) -> str:
         """What ``fit()`` is about to do, as it says at its start: the launch, the global batch, steps, optimizer."""
-        share = examples_per_process(self.data.train)
-        words = dict(share=share, weighs=self.steps.weighing.counts_tokens, words=self.optimization.words)
+        share, weighs = examples_per_process(self.data.train), self.steps.weighing.counts_tokens
+        words = dict(share=share, weighs=weighs, words=self.optimization.words, callbacks=self.callbacks)
         return banner(self.strategy.describe(), self.config, self.state, total_steps=self.total_steps, **words)

@@ -111,11 +111,12 @@ def banner(
     share: Optional[int],
     weighs: bool,
     words: str,
+    callbacks: Any = (),
 ) -> str:
     """What a run is about to do, said once at the start of ``fit()``: the launch and what sharding did
     (``Strategy.describe``), the global batch and how its loss is weighed (``share``: the examples a process
     reads per epoch; fewer than a step takes, each step takes them all), the steps, the optimizer and schedule
-    (``words``)."""
+    (``words``), and what else changes what the run ends with (``what_else``)."""
     batch, accumulation, processes, reader = config.batch_size, config.gradient_accumulation_steps, *launch[2:]
     global_batch, short = batch * processes * accumulation, ""
     if share is not None and share < batch * accumulation:
@@ -134,8 +135,27 @@ def banner(
         f"= {global_batch} global{weighs}",
         short,
         f"{state.steps_per_epoch or 'unknown'} optimizer steps per epoch, {total_steps} in all ({until}); {words}",
+        what_else(config, callbacks),
     )
     return "trainer | " + "\n        | ".join(line for line in lines if line)
+
+
+def what_else(config: Any, callbacks: Any) -> str:
+    """The banner's words for what makes final/ differ from the last step's weights, or the run end early:
+    an average of the weights, keep_best, early stopping ('' when none is on)."""
+    said = []
+    if config.ema_decay is not None:
+        start = f" from step {config.ema_start_step}" if config.ema_start_step else ""
+        uses = " and ".join(use for use, on in (("evaluations", config.ema_eval), ("final/", config.ema_final)) if on)
+        uses = uses or "neither evaluations nor final/"
+        said.append(f"EMA of the weights (decay {config.ema_decay:g}{start}) in {uses}")
+    if config.keep_best:
+        ends = "; final/ holds that checkpoint's weights" if config.load_best_at_end is not False else ""
+        said.append(f"keep_best {config.keep_best} ({config.keep_best_mode}){ends}")
+    for callback in callbacks:
+        if type(callback).__name__ == "EarlyStopping":
+            said.append(f"early stopping on {callback.monitor} (patience {callback.patience} evaluations)")
+    return "; ".join(said)
 
 
 class AroundTheBar:
