@@ -19,7 +19,7 @@ from trainer.errors import ShardingError
 from trainer.launch.mesh import Layout, requested_layout
 from trainer.parallel.tensor_parallel import tensor_parallel
 
-from conftest import ROOT, accelerate_launch, clean_env, run
+from conftest import ROOT, SCENARIOS, accelerate_launch, clean_env, run
 
 pytestmark = pytest.mark.xdist_group("mesh")
 RAGGED = ROOT / "tests" / "ragged_lm.py"
@@ -286,3 +286,21 @@ def test_the_preflight_prints_the_mesh_per_machine_and_refuses_one_that_does_not
         "parallelism_config: dp_replicate_size 2 x dp_shard_size 4 x tp_size 1 = 8 processes, but the launch "
         "has 16: make the product the number of processes" in describe_config(str(wrong), launched=True)[1]
     )
+
+
+def test_a_mesh_flag_accelerate_would_drop_stops_the_launch_in_one_line(tmp_path):
+    """``accelerate launch --config_file fsdp.yaml --parallelism_config_tp_size 2``: accelerate passes the flag on
+    only with a parallelism_config section in the file, so the job trained plain FSDP2 and exited 0 before."""
+    result = accelerate_launch(
+        SCENARIOS,
+        "job",
+        "--output_dir",
+        tmp_path,
+        config="fsdp.yaml",
+        num_processes=2,
+        run_args=["--parallelism_config_tp_size", "2"],
+        expect_ok=False,
+    )
+    said = [line for line in result.stderr.splitlines() if "trainer: " in line]
+    assert len(said) == 1 and "the launch asks for --parallelism_config_tp_size 2, which accelerate passes" in said[0]
+    assert "FSDP2 over 2 processes" not in result.stdout, "nothing trained"

@@ -45,6 +45,8 @@ _LAUNCHED = {"ACCELERATE_USE_DEEPSPEED": DEEPSPEED, "ACCELERATE_USE_MEGATRON_LM"
 
 def refusal_of_the_launch() -> Optional[str]:
     """Why this process's launch cannot run, from what ``accelerate launch`` set, or None."""
+    if (dropped := dropped_mesh_flags()) is not None:
+        return dropped
     for variable, message in _LAUNCHED.items():
         if os.environ.get(variable, "false").lower() == "true":
             return message
@@ -52,6 +54,36 @@ def refusal_of_the_launch() -> Optional[str]:
         return FP8
     sharded = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
     return refusal_of_dynamo(os.environ.get("ACCELERATE_DYNAMO_BACKEND"), sharded)
+
+
+def dropped_mesh_flags(launcher: Optional[list[str]] = None) -> Optional[str]:
+    """``accelerate launch --parallelism_config_tp_size 2`` (or another mesh flag) on a config file without a
+    ``parallelism_config`` section: accelerate passes such flags on to no process, so the run would train another
+    mesh without a word. Read from the launcher's command line (this process's parent's: ``accelerate launch``
+    runs the workers' agent in its own process); None when it passed them on, or cannot be read."""
+    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true":
+        return None
+    if launcher is None:
+        try:
+            with open(f"/proc/{os.getppid()}/cmdline", "rb") as file:
+                launcher = [arg.decode(errors="replace") for arg in file.read().split(b"\0")]
+        except OSError:
+            return None
+    # The launcher's own options: those before the training script (the script's own arguments follow it).
+    script = next((i for i, arg in enumerate(launcher) if i > 1 and arg.endswith(".py")), len(launcher))
+    asked = [
+        arg if "=" in arg or i + 1 >= script else f"{arg} {launcher[i + 1]}"
+        for i, arg in enumerate(launcher[:script])
+        if arg.startswith("--parallelism_config_") and "accelerate" in " ".join(launcher[:3])
+    ]
+    if not asked:
+        return None
+    return (
+        f"the launch asks for {', '.join(asked)}, which accelerate passes on to the processes only with a "
+        "parallelism_config section in the config file: the run would train another mesh without a word. Put the "
+        "mesh in the config file's parallelism_config (accelerate_configs/hsdp.yaml has the section; "
+        "docs/parallelism.md the command for each mesh)"
+    )
 
 
 def refusal_of_the_file(
