@@ -231,15 +231,13 @@ def unwritable_metrics(root: Path, main: bool) -> None:
 
 
 def misspelt_figures(root: Path, main: bool) -> None:
-    """keep_best and EarlyStopping watching a figure evaluate() does not give: refused at the first evaluation."""
+    """keep_best and EarlyStopping watching a figure evaluate() does not give: refused before the first step."""
     eval_data = Examples(9, seed=1)
-    printed, got = captured(
-        lambda: trainer_for(root / "misspelt_best", eval_data=eval_data, eval_every=3, keep_best="eval_los").fit()
-    )
-    report("misspelt_keep_best", printed, got, main)
+    best = trainer_for(root / "misspelt_best", eval_data=eval_data, eval_every=3, keep_best="eval_los")
+    report("misspelt_keep_best", *captured(best.fit), main, steps=best.global_step)
     stopping = trainer_for(root / "misspelt_stopping", eval_data=eval_data, eval_every=3)
     stopping.callbacks.append(EarlyStopping("eval_accuracy"))
-    report("misspelt_early_stopping", *captured(stopping.fit), main)
+    report("misspelt_early_stopping", *captured(stopping.fit), main, steps=stopping.global_step)
 
 
 class AddsAFigure:

@@ -114,7 +114,10 @@ def test_an_unwritable_metrics_file_is_one_line_on_each_rank(cases):
         assert f"cannot write the metrics of rank {rank} to " in line and "IsADirectoryError" in line, line
 
 
-def test_a_misspelt_figure_to_keep_or_watch_is_one_line_at_the_first_evaluation(cases):
+def test_a_misspelt_figure_to_keep_or_watch_is_one_line_before_the_first_step(cases):
+    """Found from one batch of the eval set before training (it cost eval_every steps before: GPU time lost to a
+    typo, said at the first evaluation)."""
+    assert '"steps": 0' in cases["misspelt_keep_best"] and '"steps": 0' in cases["misspelt_early_stopping"], cases
     assert (
         "REFUSED keep_best is 'eval_los', but evaluate() gives eval_loss, eval_examples: set keep_best to one "
         "of them" in cases["misspelt_keep_best"]

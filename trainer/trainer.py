@@ -26,7 +26,7 @@ from trainer.checkpoint.store import best_checkpoint
 from trainer.config import TrainConfig
 from trainer.data.loaders import Loaders, batches_per_epoch, examples_per_process, start_epoch
 from trainer.data.streams import StreamPositions
-from trainer.errors import ConfigError, DataError, peer_loss_in_a_line
+from trainer.errors import DataError, peer_loss_in_a_line
 from trainer.launch.preemption import PreemptionWatch, stop
 from trainer.launch.run import Run
 from trainer.loop import callbacks as hooks
@@ -193,11 +193,11 @@ class Trainer:
         ``skipped_steps``, ``stopped`` (None, or why it stopped early) and, with eval data, ``evaluate()``'s figures.
         A preemption signal on any rank stops every rank after the same step, with a checkpoint, raising
         ``trainer.Preempted`` (exit status 75): run it again with ``resume="auto"`` to continue."""
-        if self.data.train is None:
-            raise ConfigError("fit(): this Trainer was built with train_data=None, for evaluate() and predict() alone")
+        self.data.require_train()
         if self.cannot_train_on is not None:
             raise self.cannot_train_on
         say(self.describe())
+        self.evaluator.check_figures(self.keep_best.figure, self.callbacks)
         self.should_stop, self.stop_reason, self.stopped = False, None, None
         if self.state.step >= self.total_steps:
             say(FINISHED.format(step=self.state.step, total=self.total_steps))

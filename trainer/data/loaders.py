@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 from trainer.data.columns import ready_columns
 from trainer.data.samplers import ResumableSampler, ShardSampler
 from trainer.data.streams import StreamShard
-from trainer.errors import DataError
+from trainer.errors import ConfigError, DataError
 from trainer.telemetry.console import say
 
 
@@ -48,6 +48,10 @@ class Loaders:
         stream = getattr(self.train, "dataset", None)
         # The training data as a stream, whose position checkpoints hold (trainer.data.streams).
         self.stream = stream if isinstance(stream, StreamShard) else None
+
+    def require_train(self) -> None:
+        if self.train is None:
+            raise ConfigError("fit(): this Trainer was built with train_data=None, for evaluate() and predict() alone")
 
     def of(self, data: Any, *, name: str, evaluation: bool = True) -> DataLoader:
         """This process's loader of ``data`` (``name``: how the user passed it), for training or ``evaluation``; an

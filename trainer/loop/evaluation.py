@@ -8,8 +8,9 @@ the launch's autocast; the sums are reduced once at the end. A sharded model's f
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 from accelerate.utils import find_batch_size
@@ -17,7 +18,7 @@ from torch.utils.data import DataLoader
 
 from trainer.data.loaders import named_sets
 from trainer.data.samplers import in_lockstep
-from trainer.errors import DataError, EvaluationError
+from trainer.errors import ConfigError, DataError, EvaluationError
 from trainer.hf import generates
 from trainer.loop.losses import LossFn, checked, model_loss
 from trainer.loop.prediction import PredictFn, model_logits, predict
@@ -63,23 +64,44 @@ class Evaluator:
             raise EvaluationError("evaluate() needs eval_data: pass eval_data=... to the Trainer, or a data set here")
         metrics = {}
         for name, loader in loaders.items():
-            with self._in_eval_mode():
-                figures = evaluate(
-                    self.model,
-                    loader,
-                    run=self.run,
-                    loss_fn=self.loss_fn,
-                    metrics_fn=self.metrics_fn,
-                    autocast=self.autocast,
-                    tokens=self.tokens,
-                    lockstep=self.lockstep,
-                )
-            if self.loss_fn is model_loss and generates(self.model):
-                figures["eval_perplexity"] = perplexity(figures["eval_loss"])
-            figures = {key.replace("eval_", f"eval_{name}_", 1) if name else key: v for key, v in figures.items()}
+            figures = self._figures(name, loader)
             say(f"eval at step {step}: " + ", ".join(f"{k} {v:.6g}" for k, v in figures.items()))
             metrics.update(figures)
         return metrics
+
+    def check_figures(self, keep_best: Optional[str], callbacks: Any) -> None:
+        """Before the first step: the figure keep_best and each callback's ``monitor`` (EarlyStopping's) name are
+        among those evaluate() gives, and ``metrics_fn`` gives one number per example, found from one batch of
+        each eval set (every rank; the random state left as it was), not ``eval_every`` steps into the run."""
+        # Who names a figure, the figure, and the fix: in the words of the check at an evaluation.
+        wanted = [("keep_best is", keep_best, "set keep_best to one of them")] if keep_best else []
+        for callback in callbacks:
+            if isinstance(monitor := getattr(callback, "monitor", None), str):
+                wanted.append((f"{type(callback).__name__} watches", monitor, "set its monitor to one of them"))
+        if not self.data.eval or not wanted and self.metrics_fn is None:
+            return
+        device = self.run.device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+            names = [key for name, loader in self.data.eval.items() for key in self._figures(name, first(loader))]
+        for who, figure, fix in wanted:
+            if figure not in names:
+                raise ConfigError(f"{who} {figure!r}, but evaluate() gives {', '.join(names)}: {fix}")
+
+    def _figures(self, name: str, loader: Any) -> dict[str, float]:
+        with self._in_eval_mode():
+            figures = evaluate(
+                self.model,
+                loader,
+                run=self.run,
+                loss_fn=self.loss_fn,
+                metrics_fn=self.metrics_fn,
+                autocast=self.autocast,
+                tokens=self.tokens,
+                lockstep=self.lockstep,
+            )
+        if self.loss_fn is model_loss and generates(self.model):
+            figures["eval_perplexity"] = perplexity(figures["eval_loss"])
+        return {key.replace("eval_", f"eval_{name}_", 1) if name else key: v for key, v in figures.items()}
 
     def loaders(self, data: Any) -> dict[str, DataLoader]:
         """Each set of ``data`` (a data set, or a dict of named ones: ``named_sets``) as this process's loader."""
@@ -184,6 +206,16 @@ def evaluate(
     metrics = {"eval_loss": loss_total / weight_total if weight_total else math.nan, "eval_examples": int(examples)}
     metrics.update({f"eval_{name}": total / examples for name, total in zip(names, metric_totals, strict=True)})
     return metrics
+
+
+def first(loader: Any) -> Any:
+    """The first batch of ``loader`` alone (none where this process's share is empty), as a loader."""
+
+    class First:
+        def __iter__(self) -> Iterator[Any]:
+            return itertools.islice(iter(loader), 1)
+
+    return First()
 
 
 def perplexity(loss: float) -> float:
