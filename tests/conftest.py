@@ -271,3 +271,15 @@ def accelerate_config(path, answers: dict[str, str], expect_ok: bool = True) -> 
     child.close()
     assert (child.exitstatus == 0) == expect_ok, (asked, last_words)
     return asked if expect_ok else asked + [("stopped", last_words[0] if last_words else "")]
+
+
+def resign(folder: Path) -> None:
+    """Checkpoint ``folder``'s manifest rewritten to match its files as they are now (their sizes and CRC-32), so
+    that a crafted file looks like what was written and only the trainer's own checks can refuse it."""
+    import zlib
+
+    state = json.loads((folder / "trainer_state.json").read_text())
+    files = [p for p in sorted(folder.rglob("*")) if p.is_file() and p.name != "trainer_state.json"]
+    state["files"] = {p.relative_to(folder).as_posix(): p.stat().st_size for p in files}
+    state["crc32"] = {p.relative_to(folder).as_posix(): f"{zlib.crc32(p.read_bytes()):08x}" for p in files}
+    (folder / "trainer_state.json").write_text(json.dumps(state))

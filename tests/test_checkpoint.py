@@ -30,6 +30,7 @@ from conftest import (
     job_exits,
     launch_command,
     python,
+    resign,
     split_jobs,
     torchrun,
 )
@@ -484,7 +485,7 @@ def test_a_ddp_checkpoint_written_before_dcp_resumes_bit_identical_under_ddp_and
     weights = load_file(lacking / "model.safetensors")
     del weights["transformer.h.0.mlp.c_fc.weight"]
     save_file(weights, lacking / "model.safetensors", metadata={"format": "pt"})
-    resigned(lacking)
+    resign(lacking)
     jobs = [
         [str(job), str(tmp_path / name), "--resume", str(tmp_path / name / "checkpoints" / "step-00000002"), *flags]
         for name, flags in runs.items()
@@ -535,15 +536,6 @@ def test_save_async_under_ddp_killed_during_a_background_write_leaves_the_last_c
     assert f"resumed from {checkpoints / 'step-00000004'}: step 4" in again.stdout
     assert result_line(again.stdout)["global_step"] == 18
     assert_bit_identical(final_weights(reference), final_weights(tmp_path))
-
-
-def resigned(folder: Path) -> None:
-    """The manifest rewritten to match the files as they are now: a crafted file looks like what was written."""
-    state = json.loads((folder / "trainer_state.json").read_text())
-    for name in state["files"]:
-        state["files"][name] = (folder / name).stat().st_size
-        state["crc32"][name] = f"{zlib.crc32((folder / name).read_bytes()):08x}"
-    (folder / "trainer_state.json").write_text(json.dumps(state))
 
 
 def trainer_lines(output: str) -> list[str]:
@@ -610,7 +602,7 @@ def damaged(patience_run, tmp_path_factory) -> dict[str, tuple[Path, int, str, s
             for info in index.storage_data.values():
                 info.relative_path = str(other / "shards" / "__0_0.distcp")
             (latest / "shards" / ".metadata").write_bytes(pickle.dumps(index))
-        resigned(latest)
+        resign(latest)
     launched = accelerate_launch(JOBS, json.dumps(jobs), num_processes=2, expect_ok=False, timeout=120)
     exits = job_exits(launched.stderr, len(DAMAGED))
     outs, errs = split_jobs(launched.stdout), split_jobs(launched.stderr)

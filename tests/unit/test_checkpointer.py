@@ -17,7 +17,6 @@ import torch
 from safetensors.torch import save_file
 
 from trainer import CheckpointError, EarlyStopping, TrainConfig, Trainer
-from trainer.checkpoint import integrity
 from trainer.checkpoint.best import KeepBest
 from trainer.checkpoint.export import export
 from trainer.checkpoint.manager import Checkpointer
@@ -31,6 +30,8 @@ from trainer.loop.microbatch import MicroBatchSplit
 from trainer.loop.state import TrainState
 from trainer.optim import build as optim
 from trainer.parallel.placement import whole_on_device
+
+from conftest import resign
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 
@@ -166,15 +167,6 @@ def saved_checkpoint(tmp_path: Path, callbacks: list = ()) -> Path:
     step(model, built)
     state.stepped(1)
     return checkpoints.save(1)
-
-
-def resign(folder: Path) -> None:
-    """The manifest rewritten to match the files as they are now (so a crafted checkpoint looks whole)."""
-    state = json.loads((folder / "trainer_state.json").read_text())
-    files = {p.relative_to(folder).as_posix(): p for p in folder.rglob("*") if p.name != "trainer_state.json"}
-    state["files"] = {name: p.stat().st_size for name, p in files.items() if p.is_file()}
-    state["crc32"] = {name: integrity.crc32(p) for name, p in files.items() if p.is_file()}
-    (folder / "trainer_state.json").write_text(json.dumps(state))
 
 
 def resume_from(tmp_path: Path, folder: Path, callbacks: list = ()) -> Checkpointer:
