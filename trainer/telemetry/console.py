@@ -152,8 +152,9 @@ def what_else(config: Any, callbacks: Any) -> str:
     if config.keep_best:
         ends = "; final/ holds that checkpoint's weights" if config.load_best_at_end is not False else ""
         said.append(f"keep_best {config.keep_best} ({config.keep_best_mode}){ends}")
+    # EarlyStopping, or any callback that watches a figure with a patience.
     for callback in callbacks:
-        if type(callback).__name__ == "EarlyStopping":
+        if isinstance(getattr(callback, "monitor", None), str) and hasattr(callback, "patience"):
             said.append(f"early stopping on {callback.monitor} (patience {callback.patience} evaluations)")
     return "; ".join(said)
 
