@@ -6,7 +6,9 @@ multi-CPU answers are in tests/test_hosts.py."""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -193,3 +195,35 @@ def test_two_machines_meet_as_accelerate_launch_does_whatever_rendezvous_backend
     assert "trainer | 2 process(es) on 2 machine(s)" in launches[0].stdout, launches[0].stdout
     report = json.loads((tmp_path / "out" / "result.json").read_text())
     assert report["world_size"] == 2 and report["result"]["eval_loss"] < report["before"]["eval_loss"]
+
+
+def test_the_accelerate_configs_ship_with_the_package_and_a_project_outside_the_clone_gets_them(tmp_path):
+    """A project that installed the trainer with pip has no clone, so no accelerate_configs/ (it had to copy the
+    folder before). The wheel holds every config; ``python -m trainer.configs`` (run outside the clone, four times
+    in one process) lists them, writes one into the project, never over a file, and gives a shipped one's path."""
+    import zipfile
+
+    pytest.importorskip("setuptools")
+    configs = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
+    # Built from a copy of the project's files (the build leaves a build/ folder where it runs).
+    source = tmp_path / "source"
+    for name in run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT).stdout.splitlines():
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, source / name, follow_symlinks=False)
+    run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", tmp_path, source])
+    with zipfile.ZipFile(next(tmp_path.glob("*.whl"))) as wheel:
+        for config in configs:
+            assert wheel.read(f"trainer/accelerate_configs/{config.name}") == config.read_bytes(), config.name
+    command = str(ROOT / "trainer" / "configs.py")
+    jobs = [[command], [command, "fsdp.yaml"], [command, "fsdp"], [command, "multi_gpu", "--path"]]
+    project = tmp_path / "project"
+    project.mkdir()
+    result = run([sys.executable, str(JOBS), json.dumps(jobs)], expect_ok=False, cwd=project)
+    assert job_exits(result.stderr, 4) == [0, 0, 1, 0], result.stderr
+    listed, wrote, again, path = split_jobs(result.stdout)
+    assert [line.split()[0] for line in listed.splitlines()] == [config.name for config in configs], listed
+    assert "fsdp.yaml        FSDP2 on one machine" in listed
+    copy = project / "accelerate_configs" / "fsdp.yaml"
+    assert copy.read_bytes() == (ROOT / "accelerate_configs" / "fsdp.yaml").read_bytes(), wrote
+    assert "trainer: accelerate_configs/fsdp.yaml already exists: edit it, or pass --to" in split_jobs(result.stderr)[2]
+    assert Path(path.strip()).read_bytes() == (ROOT / "accelerate_configs" / "multi_gpu.yaml").read_bytes()
