@@ -205,11 +205,13 @@ def test_the_accelerate_configs_ship_with_the_package_and_a_project_outside_the_
 
     pytest.importorskip("setuptools")
     configs = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
-    # Built from a copy of the project's files (the build leaves a build/ folder where it runs).
-    source = tmp_path / "source"
-    for name in run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT).stdout.splitlines():
-        (source / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / name, source / name, follow_symlinks=False)
+    # Built from a copy of what the build reads (it leaves a build/ folder where it runs); the package's link to the
+    # configs copied as a link.
+    source, pycache = tmp_path / "source", shutil.ignore_patterns("__pycache__")
+    for folder in ("trainer", "accelerate_configs"):
+        shutil.copytree(ROOT / folder, source / folder, symlinks=True, ignore=pycache)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, source / name)
     run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", tmp_path, source])
     with zipfile.ZipFile(next(tmp_path.glob("*.whl"))) as wheel:
         for config in configs:
