@@ -224,8 +224,10 @@ class Checkpointer:
         failed = agreed_failure(self.run, lambda: self._load_parts(path, state, skip=skip, refused=refused))
         if failed is not None:
             rank, err, alone = failed
-            # Said by the first process: which rank could not load what, where the others could.
-            raise type(err)(f"{err} (rank {rank})" if alone else str(err)) from None
+            # The same words on every rank, said once by the first process: which rank could not load what, where
+            # the others could (a refusal of its own kind; anything else, DCP's failure say, as a CheckpointError).
+            kind = type(err) if isinstance(err, Refusal) else CheckpointError
+            raise kind(f"{err} (rank {rank})" if alone else str(err), job_wide=True) from None
 
     def _load_parts(
         self, path: Path, state: dict[str, Any], *, skip: tuple[str, ...], refused: Optional[CheckpointError]
