@@ -431,7 +431,8 @@ def patience(args) -> None:
 
 
 def best(args) -> None:
-    """keep_best on a figure that peaks at step 4 whatever the model does; keep_last=1."""
+    """keep_best on a figure that peaks at step 4 whatever the model does; keep_last=1. With --signal_at 3, rank 1
+    alone is signalled after step 3: the evaluation due at step 4 gives way to the preemption's checkpoint."""
     trainer = None
 
     def peak(model, batch):
@@ -450,7 +451,15 @@ def best(args) -> None:
         keep_best_mode="max",
         resume=args.resume,
     )
-    trainer = Trainer(TinyClassifier(), config, train_data=Examples(48), eval_data=Examples(9, seed=1), metrics_fn=peak)
+    signal_at = [SignalAfter(args.signal_at, 1, "SIGUSR1")] if args.signal_at else []
+    trainer = Trainer(
+        TinyClassifier(),
+        config,
+        train_data=Examples(48),
+        eval_data=Examples(9, seed=1),
+        metrics_fn=peak,
+        callbacks=signal_at,
+    )
     trainer.fit()
     say(f"BEST rank{trainer.accelerator.process_index} {trainer.best_checkpoint} {json.dumps(trainer.best)}")
 

@@ -14,7 +14,7 @@ import torch
 
 from trainer import PREEMPTED_EXIT
 
-from conftest import JOBS, SCENARIOS, accelerate_launch, split_jobs
+from conftest import JOBS, SCENARIOS, accelerate_launch, job_exits, split_jobs
 
 pytestmark = pytest.mark.xdist_group("stopping")  # four of its runs share one launch: run it once
 
@@ -24,6 +24,8 @@ RUNS = {
     "early_stopping": ["stop"],
     "best": ["best"],
     "best_again": ["best", "--max_steps", "14"],
+    "best_cut": ["best", "--signal_at", "3"],  # preempted at step 4, before its evaluation
+    "best_cut_again": ["best"],
 }
 
 
@@ -33,7 +35,9 @@ def runs(tmp_path_factory) -> dict[str, tuple[str, Path]]:
     out = tmp_path_factory.mktemp("stopping")
     folders = {name: out / name.removesuffix("_again") for name in RUNS}
     jobs = [[str(SCENARIOS), *args, "--output_dir", str(folders[name])] for name, args in RUNS.items()]
-    outputs = split_jobs(accelerate_launch(JOBS, json.dumps(jobs)).stdout)
+    launched = accelerate_launch(JOBS, json.dumps(jobs), expect_ok=False)
+    assert job_exits(launched.stderr, len(RUNS)) == [PREEMPTED_EXIT if name == "best_cut" else 0 for name in RUNS]
+    outputs = split_jobs(launched.stdout)
     return {name: (output, folders[name]) for name, output in zip(RUNS, outputs, strict=True)}
 
 
@@ -70,10 +74,11 @@ def test_early_stopping_ends_a_run_whose_eval_loss_does_not_improve(runs):
 
 
 def test_early_stopping_and_a_users_callback_keep_their_state_across_a_preemption(tmp_path):
-    """EarlyStopping(patience=3) had waited 2 evaluations (steps 4 and 6 after step 2's best) when the job was
-    preempted at step 6: resumed, it stops after 1 more evaluation (step 8's, agreed at the log of step 10), not 3
-    more (which a patience started again from zero would take: step 16). A user's callback with state_dict gets its
-    count and its tensor back."""
+    """EarlyStopping(patience=3) had waited 1 evaluation (step 4's after step 2's best) when the job was preempted
+    at step 6, before step 6's evaluation (the ranks agree on a signal before an evaluation): resumed, it runs step
+    6's evaluation first and stops after 1 more (step 8's, agreed at the log of step 10), as the uninterrupted run
+    does, not 3 more (which a patience started again from zero would take). A user's callback with state_dict gets
+    its count and its tensor back."""
     preempted = accelerate_launch(SCENARIOS, "patience", "--output_dir", tmp_path, "--signal_at", 5, expect_ok=False)
     assert "trainer: preempted (SIGUSR1) at step 6 of 40" in preempted.stdout, preempted.stdout[-2000:]
     assert f"exitcode  : {PREEMPTED_EXIT}" in preempted.stderr
@@ -86,10 +91,11 @@ def test_early_stopping_and_a_users_callback_keep_their_state_across_a_preemptio
     assert begin["rank0"] == begin["rank1"]
     assert {key: begin["rank0"][key] for key in ("step", "waited", "best_step", "seen")} == {
         "step": 6,
-        "waited": 2,
+        "waited": 1,
         "best_step": 2,
-        "seen": 3,
+        "seen": 2,
     }
+    assert "step 6's evaluation, put off by the preemption for its checkpoint, runs first" in resumed.stdout
     assert begin["rank0"]["total"] > 0, "the callback's tensor came back too"
     stopped = [json.loads(line.split(" ", 2)[2]) for line in resumed.stdout.splitlines() if line.startswith("STOPPED ")]
     assert len(stopped) == 2 and all(result["global_step"] == 10 for result in stopped), stopped
@@ -121,6 +127,33 @@ def test_keep_best_keeps_the_best_evaluations_checkpoint_apart_from_keep_last(ru
         "step-00000014",
     ]
     assert_same_weights(tmp_path / "final" / "model.safetensors", best)
+
+
+def eval_steps(output_dir: Path) -> list[int | str]:
+    """The steps evaluated, as the main process's metrics file has them, and where a run was preempted."""
+    rows = [json.loads(line) for line in (output_dir / "metrics" / "rank0.jsonl").read_text().splitlines()]
+    return [
+        "preempted" if "preempted" in row else row["step"] for row in rows if "eval/peak" in row or "preempted" in row
+    ]
+
+
+def test_a_signal_before_a_due_evaluation_checkpoints_first_and_the_resumed_run_evaluates_first(runs):
+    """Rank 1 signalled after step 3; step 4 owes an evaluation and a checkpoint. The ranks agree on the signal
+    before the evaluation, not after it (a long evaluation can outlast the launcher's grace): the preemption's
+    checkpoint of step 4 is committed unevaluated. Resumed, step 4's evaluation runs before step 5, and step 4's
+    checkpoint is saved again holding it, so keep_best picks and keeps what the uninterrupted run did."""
+    cut, output_dir = runs["best_cut"]
+    assert "trainer: preempted (SIGUSR1) at step 4 of 10" in cut, cut[-3000:]
+    again, _ = runs["best_cut_again"]
+    assert "step 4's evaluation, put off by the preemption for its checkpoint, runs first" in again, again[-3000:]
+    assert eval_steps(output_dir) == [2, "preempted", 4, 6, 8, 10]
+    assert eval_steps(runs["best"][1])[:5] == [2, 4, 6, 8, 10]
+    best = output_dir / "checkpoints" / "step-00000004"
+    assert f"BEST rank0 {best} " in again and f"BEST rank1 {best} " in again
+    assert (output_dir / "checkpoints" / "best").read_text() == "step-00000004"
+    state = json.loads((best / "trainer_state.json").read_text())
+    assert state["best"] == {"figure": "eval_peak", "value": 0.0, "step": 4} and not state["train"]["evaluation_owed"]
+    assert "load_best_at_end: final/ holds the weights of step 4, the best evaluation (eval_peak 0)" in again
 
 
 def test_a_damaged_best_checkpoint_leaves_final_the_last_steps_weights_and_says_so(runs, tmp_path):

@@ -33,7 +33,7 @@ from trainer.loop import callbacks as hooks
 from trainer.loop.evaluation import Evaluator, MetricsFn
 from trainer.loop.losses import LossFn, model_loss
 from trainer.loop.prediction import PredictFn
-from trainer.loop.state import TrainState
+from trainer.loop.state import TrainerView, TrainState
 from trainer.loop.step import StepRunner
 from trainer.optim import build as optim
 from trainer.optim.ema import WeightAverage
@@ -47,7 +47,7 @@ FINISHED = "already finished at step {step} of {total}: nothing to train; raise 
 NO_BATCH = "train_data gave some process no batch in epoch {epoch}: the stream is empty, or too short for every process"
 
 
-class Trainer:
+class Trainer(TrainerView):
     """Trains ``model`` on ``train_data`` across however many processes were launched: DDP, or the model sharded
     over them (FSDP2, HSDP, tensor parallelism) as the launch's accelerate config asks. ``config.batch_size`` is per
     process; ``train_data`` a Dataset, a stream or a DataLoader (None: ``evaluate`` and ``predict`` alone); the
@@ -170,22 +170,10 @@ class Trainer:
         export_model(self.unwrapped_model, directory, run=self.run, merged=merged)
         return directory
 
-    unwrapped_model = property(
-        lambda self: self.strategy.unwrap(self.model), doc="The plain module (no DDP wrapper), the same on every rank."
-    )
     best_checkpoint = property(
         lambda self: best_checkpoint(self.checkpoints.root, self.keep_best.best),
         doc="With ``keep_best``: the checkpoint of the best evaluation so far (``load_checkpoint`` it), else None.",
     )
-    global_step = property(lambda self: self.state.step, doc="Optimizer steps taken.")
-    epoch = property(lambda self: self.state.epoch, doc="The epoch being read.")
-    batches_per_epoch = property(lambda self: self.state.batches_per_epoch, doc="This process's, None for a stream.")
-    best = property(lambda self: self.keep_best.best, doc="keep_best's {figure, value, step}, or None.")
-    step_lr = property(lambda self: self.steps.lr, doc="The lr the last optimizer step used.")
-    epoch_progress = property(lambda self: self.state.epoch_progress, doc="Epochs done, as a fraction.")
-    global_batch_size = property(lambda self: self.checkpoints.setup.split.global_batch, doc="Examples per step.")
-    last_checkpoint = property(lambda self: self.checkpoints.last, doc="The newest checkpoint committed or loaded.")
-    log_history = property(lambda self: self.telemetry.log_history, doc="Each log's step figures, on this rank.")
 
     def fit(self) -> dict[str, Any]:
         """Train for ``max_steps`` optimizer steps, or ``epochs`` epochs; return ``global_step``, ``epoch``,
@@ -209,6 +197,9 @@ class Trainer:
             self.checkpoints.cleaned_up_on_error(),
             self.steps.reporter.watching(),
         ):
+            if self.state.evaluation_owed and self.data.eval:
+                say(f"step {self.state.step}'s evaluation, put off by the preemption for its checkpoint, runs first")
+                self._evaluate_and_save(self.state.step, owed=True)
             self.steps.begin()
             with progress_bar(self.total_steps, self.state.step, show=self.run.main) as bar, self.preemption:
                 self._train(bar)
@@ -244,19 +235,28 @@ class Trainer:
 
     def _after_step(self, bar: Any) -> None:
         """Logging, evaluation and checkpoints due after optimizer step ``global_step``; then the callbacks."""
-        cfg, step, phases = self.config, self.state.step, self.steps.phases
+        step = self.state.step
         if self._logs(step):
-            phases(step, "log")
+            self.steps.phases(step, "log")
             self._log(bar)
-        if cfg.eval_every and step % cfg.eval_every == 0 and self.data.eval:
-            phases(step, "evaluate")
-            self.evaluate()
+        self._evaluate_and_save(step)
+        hooks.call(self.callbacks, "on_step_end", self)
+
+    def _evaluate_and_save(self, step: int, owed: bool = False) -> None:
+        """The evaluation and checkpoint due at ``step``. A signal noted puts both off: its checkpoint comes first (an
+        evaluation can outlast the launcher's grace), and the resumed run evaluates first (``owed``), saving the
+        step's checkpoint again with it where one was due (keep_best's judgement, the callbacks'), as if never cut."""
+        cfg, phases = self.config, self.steps.phases
+        if owed or (cfg.eval_every and step % cfg.eval_every == 0 and self.data.eval):
+            self.state.evaluation_owed = self.preemption.agree_now()
+            if not self.state.evaluation_owed:
+                phases(step, "evaluate")
+                self.evaluate()
         due = cfg.save_every and (step % cfg.save_every == 0 or step == self.total_steps or self.stopped is not None)
         # A signal noted: the preemption's save, not this one, comes next.
         if due and not self.preemption.agree_now():
             phases(step, "checkpoint")
             self.save_checkpoint(wait=False)
-        hooks.call(self.callbacks, "on_step_end", self)
 
     def _logs(self, step: int) -> bool:
         return step % self.config.log_every == 0 or step == self.total_steps
@@ -278,9 +278,8 @@ class Trainer:
     def _finish(self, started: float) -> dict[str, Any]:
         nonfinite = self.steps.nonfinite
         nonfinite.check(self.telemetry.window.first_bad_step(), str(self.last_checkpoint or ""))
-        result = self.telemetry.result(
-            self.state, started=started, skipped=nonfinite.skipped_steps, stopped=self.stopped
-        )
+        skipped, stopped = nonfinite.skipped_steps, self.stopped
+        result = self.telemetry.result(self.state, started=started, skipped=skipped, stopped=stopped)
         if self.data.eval:
             evaluated_now = self.last_eval is not None and self.last_eval[0] == self.state.step
             result.update(self.last_eval[1] if evaluated_now else self.evaluate())

@@ -24,6 +24,8 @@ class TrainState:
     batches_into_epoch: int = 0
     # Names every rank's wandb run (<run_id>-rank<k>): a resume continues them.
     run_id: str = ""
+    # The evaluation due at this step was put off by a preemption (its checkpoint first): the resumed run's to run.
+    evaluation_owed: bool = False
 
     @property
     def steps_per_epoch(self) -> Optional[int]:
@@ -41,6 +43,7 @@ class TrainState:
         """One optimizer step taken over ``micro_batches`` micro-batches."""
         self.step += 1
         self.batches_into_epoch += micro_batches
+        self.evaluation_owed = False
 
     def continue_at(self, batches: int) -> None:
         """A resume reads on from micro-batch ``batches`` of the epoch (this run's split of the checkpoint's)."""
@@ -54,9 +57,28 @@ class TrainState:
         epoch, batches = self.epoch, self.batches_into_epoch
         if self.batches_per_epoch and batches >= self.batches_per_epoch:
             epoch, batches = epoch + 1, 0
-        return {"global_step": self.step, "epoch": epoch, "batches_into_epoch": batches, "run_id": self.run_id}
+        position = {"global_step": self.step, "epoch": epoch, "batches_into_epoch": batches, "run_id": self.run_id}
+        return {**position, "evaluation_owed": self.evaluation_owed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.epoch = state["global_step"], state["epoch"]
         self.batches_into_epoch = state["batches_into_epoch"]
         self.run_id = state.get("run_id") or self.run_id
+        self.evaluation_owed = state.get("evaluation_owed") is True
+
+
+class TrainerView:
+    """What a callback reads of where the Trainer stands (its ``state``, ``keep_best``, ``checkpoints``, ...)."""
+
+    unwrapped_model = property(
+        lambda self: self.strategy.unwrap(self.model), doc="The plain module (no DDP wrapper), the same on every rank."
+    )
+    global_step = property(lambda self: self.state.step, doc="Optimizer steps taken.")
+    epoch = property(lambda self: self.state.epoch, doc="The epoch being read.")
+    batches_per_epoch = property(lambda self: self.state.batches_per_epoch, doc="This process's, None for a stream.")
+    best = property(lambda self: self.keep_best.best, doc="keep_best's {figure, value, step}, or None.")
+    step_lr = property(lambda self: self.steps.lr, doc="The lr the last optimizer step used.")
+    epoch_progress = property(lambda self: self.state.epoch_progress, doc="Epochs done, as a fraction.")
+    global_batch_size = property(lambda self: self.checkpoints.setup.split.global_batch, doc="Examples per step.")
+    last_checkpoint = property(lambda self: self.checkpoints.last, doc="The newest checkpoint committed or loaded.")
+    log_history = property(lambda self: self.telemetry.log_history, doc="Each log's step figures, on this rank.")
