@@ -40,7 +40,9 @@ def base_model() -> torch.nn.Module:
 
 
 def job(out: Path, resume_from: str | None, accumulation: int) -> None:
-    model = get_peft_model(base_model(), LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0))
+    model = get_peft_model(
+        base_model(), LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0, fan_in_fan_out=True)
+    )
     frozen = {name: p.detach().clone() for name, p in model.named_parameters() if not p.requires_grad}
     generator = torch.Generator().manual_seed(1)
     rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (48, 32), generator=generator)]

@@ -110,8 +110,12 @@ def test_the_recipes_run_as_written(tmp_path):
     )
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
     assert "cosine_with_min_lr schedule after 2 warm-up steps down to 0.1 x lr" in ran.stdout, ran.stdout
-    # Nothing the reader cannot act on: transformers' warning about GPT-2's bos/eos outside a tiny vocabulary.
-    assert "bos_token_id must be" not in ran.stdout + ran.stderr, ran.stderr[-3000:]
+    # Nothing the reader cannot act on: transformers' warnings about GPT-2's bos/eos outside a tiny vocabulary and
+    # its loss for a class its table does not name, PEFT's about GPT-2's Conv1D and a renamed property, the bar of
+    # the merged export's one file.
+    unactionable = ("bos_token_id must be", "loss_type=None", "fan_in_fan_out", "is_gradient_checkpointing", "shards")
+    said = [line for line in (ran.stdout + ran.stderr).splitlines() if any(text in line for text in unactionable)]
+    assert not said, said
     assert (tmp_path / "runs" / "ema" / "final").is_dir() and (tmp_path / "runs" / "two-sets" / "final").is_dir()
     if any("from peft import" in block for block in blocks):  # the adapter merged into a plain model
         assert (tmp_path / "runs" / "lora" / "merged" / "model.safetensors").is_file()
@@ -125,6 +129,7 @@ def test_the_recipes_run_as_written(tmp_path):
                 env=clean_env(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)),
             )
             assert exported.returncode == 0, exported.stdout[-2000:] + exported.stderr[-2000:]
+            assert "is_gradient_checkpointing" not in exported.stderr and "shards" not in exported.stderr
         assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
         assert (tmp_path / "merged" / "model.safetensors").is_file()
 

@@ -55,7 +55,16 @@ def write_adapter(
             f"checkpoint {folder} holds no tensor for {', '.join(left[:3])}"
             f"{' and others' if len(left) > 3 else ''}: it cannot be merged"
         )
-    model.merge_and_unload().save_pretrained(str(directory))
+    from transformers.utils import logging as hf_logging
+
+    # save_pretrained's "Writing model shards" bar, for a file or two, would be a bar in the job's log.
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.merge_and_unload().save_pretrained(str(directory))
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
     written = sorted(directory.glob("model*.safetensors*"))
     return next((path for path in written if path.name.endswith(".json")), written[0])
 

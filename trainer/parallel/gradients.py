@@ -12,11 +12,14 @@ collective per step, whatever the parameters.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Iterable
 
 import torch
 import torch.distributed as dist
+
+REDISTRIBUTE = logging.getLogger("torch.distributed.tensor._redistribute")
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -26,7 +29,16 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` whole: a DTensor gathered from its pieces (collective: every process calls it), else as it is."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+    if not hasattr(tensor, "full_tensor"):
+        return tensor
+    # A TP x FSDP weight takes two all-gathers, which DTensor calls "suboptimal" at each: a gather, no reduction
+    # whose order could differ, and nothing a user can change.
+    level = REDISTRIBUTE.level
+    REDISTRIBUTE.setLevel(logging.ERROR)
+    try:
+        return tensor.full_tensor()
+    finally:
+        REDISTRIBUTE.setLevel(level)
 
 
 def copies(tensor: torch.Tensor, world: int) -> int:

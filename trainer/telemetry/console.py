@@ -9,11 +9,17 @@ import logging
 import os
 import sys
 import threading
+import warnings
 from typing import Any, Iterator, Optional, TextIO
 
 from tqdm.auto import tqdm
 
 LIBRARIES = ("transformers", "accelerate", "datasets", "torch")
+# What the libraries say to one another, nothing a user's code can change: transformers falling back to its one
+# causal-LM loss for a model class its loss table does not name (GPT2LMHeadModel), as it would anyway.
+NOT_FOR_USERS = ("`loss_type=None` was set in the config but it is unrecognized",)
+# PEFT reading a property transformers renamed, once on every rank (PeftModel's own __init__).
+warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 # The rest: a callback's.
 STEP_FIGURES = ("step", "epoch", "train_loss", "lr", "examples_per_s", "tokens_per_s", "mfu")
 # This process's place in the job, set once it has joined.
@@ -42,7 +48,7 @@ def warn(text: str, main_only: bool = False) -> None:
 
 
 class OncePerProcess(logging.Filter):
-    """Lets each distinct (logger, level, message) through once."""
+    """Lets each distinct (logger, level, message) through once, and none of NOT_FOR_USERS."""
 
     def __init__(self):
         super().__init__()
@@ -50,7 +56,7 @@ class OncePerProcess(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         key = (record.name, record.levelno, record.getMessage())
-        if key in self.seen:
+        if key in self.seen or key[2].startswith(NOT_FOR_USERS):
             return False
         self.seen.add(key)
         return True
