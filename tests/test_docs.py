@@ -145,6 +145,7 @@ model = GPT2ForSequenceClassification(GPT2Config(n_layer=1, n_embd=16, n_head=2,
                                                  num_labels=2, pad_token_id=0))
 rows = [{"input_ids": torch.randint(1, 50, (8,)), "labels": torch.tensor(i % 2)} for i in range(32)]
 dataset = data = rows[:24]
+web, code = rows[:16], rows[16:24]
 eval_dataset = test_dataset = rows[24:]
 Path("run.yaml").write_text("output_dir: runs/project\\nbatch_size: 4\\nmax_steps: 4\\nlog_every: 2\\n")
 lr, min_lr, warmup, steps = 6e-4, 6e-5, 2, 4
@@ -152,12 +153,12 @@ lr, min_lr, warmup, steps = 6e-4, 6e-5, 2, 4
 
 
 def test_the_project_pages_blocks_run_with_the_names_they_leave_to_the_reader(tmp_path):
-    """docs/project.md's reference block and nanoGPT's schedule, with a tiny model and data where they name yours.
+    """docs/project.md's reference block, several training sets and nanoGPT's schedule, with a tiny model and data where they name yours.
     (Its hub text-classification recipe downloads a model: examples/text_classification.py runs it offline.)"""
     page = (ROOT / "docs" / "project.md").read_text()
     blocks = [textwrap.dedent(block) for block in re.findall(r"```python\n(.*?)```", page, re.S)]
     offline = [block for block in blocks if "from_pretrained(" not in block]
-    assert len(offline) == 2, "the reference block and nanoGPT's schedule"
+    assert len(offline) == 3, "the reference block, several training sets and nanoGPT's schedule"
     script = tmp_path / "project.py"
     script.write_text(PROJECT_NAMES + "\n\n".join(offline) + "\nprint('RAN', trainer.global_step)\n")
     ran = subprocess.run(

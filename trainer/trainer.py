@@ -25,6 +25,7 @@ from trainer.checkpoint.policy import RunSetup
 from trainer.checkpoint.store import best_checkpoint
 from trainer.config import TrainConfig
 from trainer.data.loaders import Loaders, batches_per_epoch, examples_per_process, start_epoch
+from trainer.data.mixing import MixtureShares
 from trainer.data.streams import StreamPositions
 from trainer.errors import DataError, peer_loss_in_a_line
 from trainer.launch.preemption import PreemptionWatch, stop
@@ -96,7 +97,8 @@ class Trainer(TrainerView):
         self.evaluator = Evaluator(
             run, strategy, plain, loss_fn=loss, metrics_fn=metrics_fn, weighing=self.steps.weighing, data=data
         )
-        self.callbacks = [*callbacks, *StepProfiler.for_run(run)]
+        # The trainer's own figures first, so that a user's on_log sees them.
+        self.callbacks = [*MixtureShares.for_loader(data.train, run.dp.size), *callbacks, *StepProfiler.for_run(run)]
         self.should_stop, self.stop_reason, self.stopped = False, None, None
         # preemption: the signals fit() watches while it runs; last_eval: eval_data's latest (step, metrics).
         self.preemption, self.last_eval = None, None

@@ -68,6 +68,9 @@ class TrainConfig:
     max_grad_norm: Optional[float] = None
 
     shuffle: bool = True
+    # train_data={"web": ..., "code": ...}: each set's weight by name ({web: 0.7, code: 0.3}); {}: each set's share
+    # of the examples. Every epoch draws in these shares, in an order drawn from the seed (trainer/data/mixing.py).
+    data_weights: dict = dataclasses.field(default_factory=dict)
     # Drop the M mod K tail examples instead of padding (DistributedSampler's).
     drop_last: bool = False
     num_workers: int = 0

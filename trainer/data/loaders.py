@@ -19,6 +19,7 @@ from accelerate.data_loader import get_sampler, prepare_data_loader
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from trainer.data.columns import ready_columns
+from trainer.data.mixing import Mixture, MixtureSampler, mixture_of
 from trainer.data.samplers import ResumableSampler, ShardSampler
 from trainer.data.streams import StreamShard
 from trainer.errors import ConfigError, DataError
@@ -56,11 +57,18 @@ class Loaders:
     def of(self, data: Any, *, name: str, evaluation: bool = True) -> DataLoader:
         """This process's loader of ``data`` (``name``: how the user passed it), for training or ``evaluation``; an
         unformatted datasets.Dataset's model inputs first readied as tensors (``trainer.data.columns``), said once."""
+        if isinstance(data, Mapping) and not evaluation:
+            ready = {part: self.ready(data[part], name=f"{name}[{part!r}]") for part in data}
+            data = mixture_of(ready, self.run.config.data_weights, seed=self.run.config.seed)
+        data = self.ready(data, name=name)
+        build = build_eval_loader if evaluation else build_train_loader
+        return build(data, self.run, collate_fn=self.collate_fn)
+
+    def ready(self, data: Any, *, name: str) -> Any:
         data, change = ready_columns(data, self.model, collate=self.collate_fn is not None, name=name)
         if change:
             say(f"trainer | {change}")
-        build = build_eval_loader if evaluation else build_train_loader
-        return build(data, self.run, collate_fn=self.collate_fn)
+        return data
 
 
 def build_train_loader(data: Dataset | DataLoader, run: Any, *, collate_fn: Optional[Callable]) -> DataLoader:
@@ -91,7 +99,8 @@ def build_train_loader(data: Dataset | DataLoader, run: Any, *, collate_fn: Opti
         loader = _loader(stream, None, run, collate_fn=collate_fn)
     else:
         _check_size(data, dp, "train_data")
-        sampler = ResumableSampler(
+        # A mixture of sets deals its own order (trainer.data.mixing).
+        sampler = (MixtureSampler if isinstance(data, Mixture) else ResumableSampler)(
             data,
             num_replicas=dp.size,
             rank=dp.rank,

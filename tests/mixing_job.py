@@ -1,0 +1,68 @@
+"""Two training sets mixed by weight (trainer.data.mixing): ``a`` (30 examples) and ``b`` (10), weighed 0.5 each,
+so that every epoch of 40 draws 20 of a's (sampled) and 20 of b's (each twice); 2 epochs, a checkpoint every 2
+steps, a log every step. ``--crash_at N``: rank 1 dies after step N (the first attempt), and a rerun resumes.
+``--streams``: the two as datasets streams, interleaved. The main process writes ``<output_dir>/mixing.json``:
+each log's step, loss and shares (``data/a``, ``data/b``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from scenarios import CrashAfter, Examples, TinyClassifier
+
+from trainer import TrainConfig, Trainer
+
+
+class Shares:
+    """Each log's figures, as fit() hands them to on_log (the trainer's own data/<name> among them)."""
+
+    def __init__(self):
+        self.rows = []
+
+    def on_log(self, trainer, metrics) -> None:
+        self.rows.append({key: metrics[key] for key in ("step", "train_loss", "data/a", "data/b") if key in metrics})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--batch_size", type=int, default=4)
+    parser.add_argument("--crash_at", type=int, default=0)
+    parser.add_argument("--streams", action="store_true")
+    args = parser.parse_args()
+    sets = {"a": Examples(30, seed=2), "b": Examples(10, seed=3)}
+    if args.streams:
+        from datasets import Dataset
+
+        sets = {
+            name: Dataset.from_dict({"x": part.x.tolist(), "labels": part.labels.tolist()})
+            .with_format("torch")
+            .to_iterable_dataset(num_shards=2)
+            for name, part in sets.items()
+        }
+    config = TrainConfig(
+        output_dir=args.output_dir,
+        epochs=2,
+        max_steps=6 if args.streams else None,
+        batch_size=args.batch_size,
+        optimizer="adamw",
+        lr=1e-2,
+        save_every=2,
+        log_every=1,
+        resume="auto",
+        data_weights={"a": 0.5, "b": 0.5},
+    )
+    shares = Shares()
+    torch.manual_seed(0)
+    callbacks = [shares] + ([CrashAfter(args.crash_at, 1)] if args.crash_at else [])
+    trainer = Trainer(TinyClassifier(), config, train_data=sets, callbacks=callbacks)
+    result = trainer.fit()
+    if trainer.accelerator.is_main_process:
+        Path(args.output_dir, "mixing.json").write_text(json.dumps({"rows": shares.rows, "result": result}))
+
+
+if __name__ == "__main__":
+    main()
