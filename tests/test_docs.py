@@ -153,8 +153,9 @@ lr, min_lr, warmup, steps = 6e-4, 6e-5, 2, 4
 
 
 def test_the_project_pages_blocks_run_with_the_names_they_leave_to_the_reader(tmp_path):
-    """docs/project.md's reference block, several training sets and nanoGPT's schedule, with a tiny model and data where they name yours.
-    (Its hub text-classification recipe downloads a model: examples/text_classification.py runs it offline.)"""
+    """docs/project.md's reference block, several training sets and nanoGPT's schedule, with a tiny model and data
+    where they name yours. (Its hub text-classification recipe downloads a model: examples/text_classification.py
+    runs it offline.)"""
     page = (ROOT / "docs" / "project.md").read_text()
     blocks = [textwrap.dedent(block) for block in re.findall(r"```python\n(.*?)```", page, re.S)]
     offline = [block for block in blocks if "from_pretrained(" not in block]
