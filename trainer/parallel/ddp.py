@@ -155,7 +155,9 @@ class DDP(Strategy):
 
     def kind(self) -> str:
         kind = self.run.accelerator.distributed_type.value
-        return kind + (", activation checkpointing" if self.recompute else "")
+        # accelerate's name for one process ("NO": not distributed) says nothing to a reader.
+        kind = "" if kind == "NO" else kind
+        return ", ".join(word for word in (kind, "activation checkpointing" if self.recompute else "") if word)
 
     def placed(self) -> str:
         return upcast_words(self.upcast)

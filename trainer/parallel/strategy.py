@@ -103,7 +103,8 @@ class Strategy:
         device = run.device
         threads = f", {torch.get_num_threads()} CPU threads per process" if device.type == "cpu" else ""
         launch = (
-            f"{run.world} process(es) on {num_machines(run.world)} machine(s), device {device.type} ({self.kind()})"
+            f"{run.world} process(es) on {num_machines(run.world)} machine(s), device {device.type}"
+            f"{f' ({kind})' if (kind := self.kind()) else ''}"
             f"{threads}, mixed precision {acc.mixed_precision}"
         )
         tp = run.layout.tp
