@@ -110,6 +110,7 @@ def test_the_recipes_run_as_written(tmp_path):
     )
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
     assert "cosine_with_min_lr schedule after 2 warm-up steps down to 0.1 x lr" in ran.stdout, ran.stdout
+    assert "| data/prose 0.75 | data/code 0.25" in ran.stdout, "the mixed sets' shares on the step line"
     # Nothing the reader cannot act on: transformers' warnings about GPT-2's bos/eos outside a tiny vocabulary and
     # its loss for a class its table does not name, PEFT's about GPT-2's Conv1D and a renamed property, the bar of
     # the merged export's one file.
