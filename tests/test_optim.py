@@ -3,6 +3,8 @@ Plain logic: in-process. And the schedules, against transformers' own."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -209,3 +211,55 @@ def test_a_tensor_lr_is_logged_as_the_step_used_it_not_as_the_schedule_moved_it_
     script = TENSOR_LR.format(out=str(tmp_path))
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=clean_env())
     assert [round(float(lr), 6) for lr in result.stdout.split()[-3:]] == [0.0025, 0.005, 0.0075], result.stderr[-2000:]
+
+
+NANOGPT_JOB = """
+import torch
+from trainer import TrainConfig, Trainer
+torch.manual_seed(0)
+data = [{{"x": torch.randn(4), "labels": torch.tensor(1.0)}} for _ in range(64)]
+
+class Regression(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 1)
+
+    def forward(self, x, labels):
+        return {{"loss": torch.nn.functional.mse_loss(self.linear(x).squeeze(-1), labels)}}
+
+config = TrainConfig(output_dir={out!r}, batch_size=4, max_steps=14, log_every=1, lr=6e-4, warmup_steps=3,
+                     lr_scheduler="nanogpt", min_lr_ratio=0.1, lr_scheduler_kwargs={{"lr_decay_steps": 10}})
+trainer = Trainer(Regression(), config, train_data=data)
+trainer.fit()
+print(*[repr(row["lr"]) for row in trainer.log_history])
+"""
+
+
+def nanogpt_get_lr(it, *, learning_rate=6e-4, warmup_iters=3, lr_decay_iters=10, min_lr=6e-5):
+    """nanoGPT's train.py, as it is written there."""
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    if it > lr_decay_iters:
+        return min_lr
+    decay_ratio = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
+    assert 0 <= decay_ratio <= 1
+    coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))
+    return min_lr + coeff * (learning_rate - min_lr)
+
+
+def test_nanogpts_schedule_from_the_config_alone_is_its_get_lr_at_every_step(tmp_path):
+    """lr_scheduler: nanogpt, warm-up 3, decay over 10 steps of a 14-step run, floor 0.1: the lr each step used, as
+    a real job logs it, is nanoGPT's get_lr of that iteration (its warm-up starts at lr / 4, not 0; flat after)."""
+    import subprocess
+    import sys
+
+    from conftest import clean_env
+
+    result = subprocess.run(
+        [sys.executable, "-c", NANOGPT_JOB.format(out=str(tmp_path))], capture_output=True, text=True, env=clean_env()
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    used = [float(lr) for lr in result.stdout.split()[-14:]]
+    expected = [nanogpt_get_lr(it) for it in range(14)]
+    assert max(abs(a - b) for a, b in zip(used, expected, strict=True)) < 1e-12, (used, expected)
+    assert "nanogpt schedule after 3 warm-up steps down to 0.1 x lr, lr_decay_steps 10" in result.stdout

@@ -51,3 +51,38 @@ def test_fp32_on_tensor_cores_names_tf32_and_tf32_true_allows_it(gpu):
     apply_tf32(True, torch.device("cpu"))
     assert torch.get_float32_matmul_precision() == before, "a CPU's matmuls are left as they are"
     assert precision_words(torch.device("cpu"), "bf16") is None
+
+
+DETERMINISTIC_JOB = """
+import os, torch
+from trainer import TrainConfig, Trainer
+print("BEFORE", torch.are_deterministic_algorithms_enabled(), os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+data = [{{"x": torch.randn(4), "labels": torch.tensor(0)}} for _ in range(8)]
+
+class Classifier(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 2)
+
+    def forward(self, x, labels):
+        return {{"loss": torch.nn.functional.cross_entropy(self.linear(x), labels)}}
+
+Trainer(Classifier(), TrainConfig(output_dir={out!r}, max_steps=2, deterministic=True), train_data=data).fit()
+print("AFTER", torch.are_deterministic_algorithms_enabled(), os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+"""
+
+
+def test_deterministic_turns_on_torchs_deterministic_algorithms_and_cublas_fixed_workspace(tmp_path):
+    """A real process: ``deterministic: true`` makes torch refuse nondeterministic kernels and fixes cuBLAS's workspace
+    (set before the first matmul, so a GPU reads it), for bitwise-repeatable runs."""
+    import subprocess
+    import sys
+
+    from conftest import clean_env
+
+    env = clean_env()
+    env.pop("CUBLAS_WORKSPACE_CONFIG", None)
+    script = DETERMINISTIC_JOB.format(out=str(tmp_path))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "BEFORE False None" in result.stdout and "AFTER True :4096:8" in result.stdout, result.stdout

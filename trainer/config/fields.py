@@ -23,6 +23,8 @@ LR_SCHEDULERS = (
     "warmup_stable_decay",
     "polynomial",
     "inverse_sqrt",
+    # nanoGPT's own: warm-up from lr / (warmup + 1), cosine to min_lr_ratio over lr_scheduler_kwargs.lr_decay_steps.
+    "nanogpt",
 )
 
 
@@ -137,6 +139,9 @@ class TrainConfig:
     peak_flops: Optional[float] = None
     # fp32 matmuls on a GPU's tensor cores (TF32, a 10-bit mantissa; trainer/launch/precision.py). Off, as in torch.
     tf32: bool = False
+    # Bitwise-repeatable GPU runs: torch's deterministic algorithms (an op without one raises, naming itself) and
+    # cuBLAS's fixed workspace (CUBLAS_WORKSPACE_CONFIG=:4096:8, set before the first matmul); some speed is the price.
+    deterministic: bool = False
     # Preemption (trainer/launch/preemption.py): on any of these signals, every rank stops after the same step, commits
     # a checkpoint there and exits with status 75; "" leaves the signals alone. A second signal, or
     # preemption_grace_s after the first, exits at once. slurm_requeue: then `scontrol requeue` the job.
@@ -234,7 +239,7 @@ class TrainConfig:
             raise ConfigError(f"betas must both be in [0, 1), got {self.betas!r}")
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
         check_choice("lr_scheduler", self.lr_scheduler, LR_SCHEDULERS)
-        floors = ("cosine_with_min_lr", "warmup_stable_decay", "polynomial")
+        floors = ("cosine_with_min_lr", "warmup_stable_decay", "polynomial", "nanogpt")
         if self.min_lr_ratio is not None and (self.lr_scheduler not in floors or not 0 <= self.min_lr_ratio <= 1):
             raise ConfigError(
                 f"min_lr_ratio {self.min_lr_ratio!r} is a fraction of lr in [0, 1] that "

@@ -70,9 +70,12 @@ class Run:
             raise ConfigError(refused)
         blank_block_class_unset()
         sharded = sharding_requested(config)
+        if config.deterministic:
+            # Read by cuBLAS when it makes its handle, at the first matmul on the device: before any.
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         accelerator = build_accelerator(config)
         # Dropout etc.: reproducible, and different on each rank.
-        set_seed(config.seed, device_specific=True)
+        set_seed(config.seed, device_specific=True, deterministic=config.deterministic)
         world = accelerator.num_processes
         layout = requested_layout(world, sharded)
         mesh = layout.build(accelerator.device.type) if layout.sharded else None

@@ -94,7 +94,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, total
 
 
 # min_lr_ratio's name in each.
-FLOOR = {"cosine_with_min_lr": "min_lr_rate", "warmup_stable_decay": "min_lr_ratio"}
+FLOOR = {"cosine_with_min_lr": "min_lr_rate", "warmup_stable_decay": "min_lr_ratio", "nanogpt": "min_lr_rate"}
 
 
 def schedule_settings(config: TrainConfig, name: str) -> dict[str, Any]:
