@@ -81,6 +81,9 @@ class TrainConfig:
     # Each transformer block recomputes its activations in backward instead of keeping them (DDP and FSDP2): less
     # memory for about a third more compute; the same updates.
     activation_checkpointing: bool = False
+    # The activations a forward saves wait in pinned CPU memory until backward needs them (not the weights, nor
+    # tensors under 1 MB): less device memory for the copies' bus time; the same updates. Alone or with checkpointing.
+    activation_offloading: bool = False
     # FSDP2 with gradient accumulation: reduce-scatter every micro-batch's gradients, so that a process never holds
     # the whole model's unsharded gradients during the window (1/K of them), for one reduce-scatter per micro-batch
     # instead of one per step. Off: the gradients are reduced once, at the window's end, as DDP does (and in DDP's

@@ -10,6 +10,7 @@ the forward pass's time (for the log window); ``nan_policy: skip`` decides wheth
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Iterable, Iterator, Optional
 
@@ -19,6 +20,7 @@ from trainer.data.streams import StreamAgreement
 from trainer.loop.losses import keeps_a_cache, model_loss
 from trainer.loop.microbatch import MicroBatchSplit, RanOutElsewhere, cut
 from trainer.loop.nonfinite import NonFiniteGuard
+from trainer.loop.offload import OffloadActivations
 from trainer.loop.packing import looks_packed, refuse_attention_across_documents
 from trainer.loop.weighing import StepBatches, Weighing, accumulation_windows
 from trainer.telemetry.stall import stall_reporter
@@ -81,6 +83,8 @@ class StepRunner:
         # A stream on several processes: they agree on each window's micro-batches (streams may end apart).
         self.agree = StreamAgreement(run.host, run.dp.size) if stream and run.host is not None else None
         self.autocast = strategy.autocast(model)
+        # activation_offloading: what the forward saves waits in CPU memory (trainer.loop.offload).
+        self.offload = OffloadActivations if config.activation_offloading else contextlib.nullcontext
         # Where this rank is, for the stall reporter (fit() watches while it runs).
         self.reporter = stall_reporter(run)
         self.phases = Phases(self.reporter, window)
@@ -188,7 +192,7 @@ class StepRunner:
 
     def _loss(self, window: StepBatches, batch: Any, share: Optional[float] = None) -> tuple[torch.Tensor, ...]:
         try:
-            with self.autocast():
+            with self.autocast(), self.offload():
                 return self.weighing.loss(window, self.model, batch, share=share)
         except RuntimeError as err:
             refusal = self.strategy.refusal_of(err)
