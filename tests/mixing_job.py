@@ -1,8 +1,9 @@
-"""Two training sets mixed by weight (trainer.data.mixing): ``a`` (30 examples) and ``b`` (10), weighed 0.5 each,
-so that every epoch of 40 draws 20 of a's (sampled) and 20 of b's (each twice); 2 epochs, a checkpoint every 2
-steps, a log every step. ``--crash_at N``: rank 1 dies after step N (the first attempt), and a rerun resumes.
-``--streams``: the two as datasets streams, interleaved. The main process writes ``<output_dir>/mixing.json``:
-each log's step, loss and shares (``data/a``, ``data/b``)."""
+"""Two training sets mixed by weight (trainer.data.mixing): ``a`` (30 examples) and ``b`` (10), weighed 0.5 each
+for the first 6 steps, then 0.75 and 0.25: an epoch of 40 (5 steps of 8) draws half of each at first (b's each
+twice), then 6 of a's and 2 of b's a step; 2 epochs, a checkpoint every 2 steps, a log every step.
+``--crash_at N``: rank 1 dies after step N (the first attempt), and a rerun resumes. ``--streams``: the two as
+datasets streams, interleaved, 0.5 each. The main process writes
+``<output_dir>/mixing.json``: each log's step, loss and shares (``data/a``, ``data/b``)."""
 
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ def main() -> None:
         save_every=2,
         log_every=1,
         resume="auto",
-        data_weights={"a": 0.5, "b": 0.5},
+        # Streams take one weight each.
+        data_weights={"a": 0.5, "b": 0.5} if args.streams else {"a": [[0, 0.5], [6, 0.75]], "b": [[0, 0.5], [6, 0.25]]},
     )
     shares = Shares()
     torch.manual_seed(0)

@@ -44,12 +44,13 @@ def test_the_same_examples_and_updates_at_any_process_count_in_the_weighted_shar
     assert [row["step"] for row in one] == [row["step"] for row in two] == list(range(1, 11))
     for a, b in zip(one, two, strict=True):
         assert a["train_loss"] == pytest.approx(b["train_loss"], abs=1e-6)
-        # Each log (a step of 8 examples) draws half from each set, as data_weights asks: 4 of a's, 4 of b's.
-        assert a["data/a"] == b["data/a"] == 0.5 and a["data/b"] == b["data/b"] == 0.5
+        # Each log (a step of 8 examples) draws as data_weights asks: 4 of a's and 4 of b's for 6 steps, then 6 and 2.
+        shares = (0.5, 0.5) if a["step"] <= 6 else (0.75, 0.25)
+        assert (a["data/a"], a["data/b"]) == (b["data/a"], b["data/b"]) == shares, (a, b)
     for name, tensor in weights(runs["one"]).items():
         assert torch.allclose(tensor, weights(runs["two"])[name], atol=1e-6), name
     logged = [json.loads(line) for line in (runs["two"] / "metrics" / "rank1.jsonl").read_text().splitlines()]
-    assert all(row["data/a"] == 0.5 for row in logged if "rank/loss" in row), "every rank's sinks have the shares"
+    assert [row["data/a"] for row in logged if "rank/loss" in row] == [0.5] * 6 + [0.75] * 4, "on every rank's sinks"
 
 
 def test_a_run_killed_mid_epoch_resumes_bit_identical(mixed):

@@ -99,6 +99,26 @@ def test_what_the_saved_state_cannot_go_on_under_is_refused_by_name():
         )
         is None
     ), "an epoch read in order does not depend on the seed"
+    # A mixture of training sets draws its epoch from data_weights: changed mid-epoch, a half-read epoch reorders.
+    mixed = {**BASE, "data_weights": {"a": [[0, 0.5], [6, 0.75]], "b": [[0, 0.5], [6, 0.25]]}}
+    changed = refusal(
+        mixed,
+        {**mixed, "data_weights": {"a": 0.9, "b": 0.1}},
+        PATH,
+        mid_epoch=True,
+        built_optimizer=True,
+        saved_class="AdamW",
+        optimizer_class="AdamW",
+    )
+    assert "changes the order of examples in the epoch it stopped in" in str(changed)
+    # As a checkpoint's JSON holds them (tuples as lists): the same weights, not a change.
+    as_json = {**mixed, "data_weights": {"a": [(0, 0.5), (6, 0.75)], "b": [(0, 0.5), (6, 0.25)]}}
+    assert (
+        refusal(
+            mixed, as_json, PATH, mid_epoch=True, built_optimizer=True, saved_class="AdamW", optimizer_class="AdamW"
+        )
+        is None
+    )
 
 
 def test_what_changed_is_said_in_one_line_with_the_next_lr():

@@ -19,7 +19,7 @@ def test_every_prefix_holds_each_sets_share_to_within_one():
 
 
 def test_a_small_set_repeats_a_large_one_is_sampled_in_a_new_seeded_order_each_epoch():
-    mixture = Mixture({"a": list(range(30)), "b": list(range(100, 110))}, {"a": 0.5, "b": 0.5})
+    mixture = Mixture({"a": list(range(30)), "b": list(range(100, 110))}, [(0, {"a": 0.5, "b": 0.5})])
     first, again, second = mixture.order(0, 0), mixture.order(0, 0), mixture.order(0, 1)
     assert first == again != second and len(first) == 40
     for order in (first, second):
@@ -40,9 +40,32 @@ def test_no_weights_joins_the_sets_in_their_sizes_and_a_padded_epoch_repeats_its
 def test_weights_that_do_not_name_the_sets_or_a_set_with_no_examples_are_refused_by_name():
     with pytest.raises(ConfigError, match="data_weights names a, c, but train_data's sets are a, b"):
         mixture_of({"a": [1], "b": [2]}, {"a": 1.0, "c": 1.0}, seed=0)
-    with pytest.raises(ConfigError, match="each a number, 0 or more, and not all 0"):
+    with pytest.raises(ConfigError, match="data_weights are all 0 from step 0"):
         mixture_of({"a": [1], "b": [2]}, {"a": 0, "b": 0}, seed=0)
+    with pytest.raises(ConfigError, match=r"data_weights\['b'\] is \[\[5, 0.5\]\]: a weight .* from step 0"):
+        mixture_of({"a": [1], "b": [2]}, {"a": 1, "b": [[5, 0.5]]}, seed=0)
     with pytest.raises(DataError, match="train_data's set 'b' has no examples"):
         mixture_of({"a": [1], "b": []}, {}, seed=0)
     with pytest.raises(DataError, match="each under a name usable in a log"):
         mixture_of({"my set": [1]}, {}, seed=0)
+
+
+def test_weights_that_change_at_given_steps_hold_from_those_steps_whatever_the_split():
+    """a alone for steps 0-1, then b alone from step 2, then half and half from step 4: with a global batch of 4,
+    positions 0-7 are a's, 8-15 b's, the rest half each; the mixture's own order does not depend on the split."""
+    sets = {"a": list(range(20)), "b": list(range(100, 120))}
+    phases = mixture_of(sets, {"a": [[0, 1.0], [2, 0.0], [4, 0.5]], "b": [[0, 0.0], [2, 1.0], [4, 0.5]]}, seed=0)
+    assert phases.phases == [(0, [1.0, 0.0]), (2, [0.0, 1.0]), (4, [0.5, 0.5])]
+    orders = []
+    for processes in (1, 2, 4):
+        dealt = [
+            list(MixtureSampler(phases, num_replicas=processes, rank=rank, seed=0, examples_per_step=4))
+            for rank in range(processes)
+        ]
+        orders.append([i for row in zip(*dealt, strict=True) for i in row])
+    assert orders[0] == orders[1] == orders[2]
+    sources = ["a" if i < 20 else "b" for i in orders[0]]
+    assert sources[:8] == ["a"] * 8 and sources[8:16] == ["b"] * 8 and sorted(sources[16:]) == ["a"] * 12 + ["b"] * 12
+    # The next epoch (40 positions = 10 steps a epoch) is all past step 4: half and half throughout.
+    assert phases.counts(40, 80, per_epoch=40) == {"a": 20, "b": 20}
+    assert phases.counts(0, 40, per_epoch=40) == {"a": 20, "b": 20}

@@ -5,6 +5,7 @@ said). Plain rules, tested in-process (docs/internals.md#what-a-resume-may-do, d
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,13 +17,15 @@ from trainer.errors import CheckpointError
 from trainer.optim.build import Optimization
 
 NOT_COMPARED = ("output_dir", "resume", "batch_size", "gradient_accumulation_steps")
-ORDER_OF_THE_EPOCH = ("seed", "shuffle", "drop_last")
+# (data_weights: the order of a mixture of training sets, trainer.data.mixing)
+ORDER_OF_THE_EPOCH = ("seed", "shuffle", "drop_last", "data_weights")
 
 
 def changed_settings(saved: dict[str, Any], now: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
     """``{field: (saved value, this run's)}`` for every compared field that differs (a checkpoint written before a
     field existed leaves it out)."""
-    plain = lambda value: list(value) if isinstance(value, tuple) else value  # noqa: E731  (JSON keeps lists)
+    # As JSON keeps them: tuples as lists, keys as strings.
+    plain = lambda value: json.loads(json.dumps(value, default=str))  # noqa: E731
     return {
         key: (saved[key], value)
         for key, value in now.items()

@@ -70,8 +70,9 @@ class TrainConfig:
     max_grad_norm: Optional[float] = None
 
     shuffle: bool = True
-    # train_data={"web": ..., "code": ...}: each set's weight by name ({web: 0.7, code: 0.3}); {}: each set's share
-    # of the examples. Every epoch draws in these shares, in an order drawn from the seed (trainer/data/mixing.py).
+    # train_data={"web": ..., "code": ...}: each set's weight by name ({web: 0.7, code: 0.3}), or [steps done,
+    # weight] pairs from 0 ({web: [[0, 0.7], [1000, 0.5]], ...}); {}: each set's share of the examples. Every step
+    # draws in these shares, in an order drawn from the seed (trainer/data/mixing.py).
     data_weights: dict = dataclasses.field(default_factory=dict)
     # Drop the M mod K tail examples instead of padding (DistributedSampler's).
     drop_last: bool = False

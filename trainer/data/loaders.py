@@ -99,7 +99,8 @@ def build_train_loader(data: Dataset | DataLoader, run: Any, *, collate_fn: Opti
         loader = _loader(stream, None, run, collate_fn=collate_fn)
     else:
         _check_size(data, dp, "train_data")
-        # A mixture of sets deals its own order (trainer.data.mixing).
+        # A mixture of sets deals its own order (trainer.data.mixing), its phases in steps of the global batch.
+        mixed = {"examples_per_step": config.batch_size * dp.size * config.gradient_accumulation_steps}
         sampler = (MixtureSampler if isinstance(data, Mixture) else ResumableSampler)(
             data,
             num_replicas=dp.size,
@@ -107,6 +108,7 @@ def build_train_loader(data: Dataset | DataLoader, run: Any, *, collate_fn: Opti
             shuffle=config.shuffle,
             seed=config.seed,
             drop_last=config.drop_last,
+            **(mixed if isinstance(data, Mixture) else {}),
         )
         loader = _loader(data, sampler, run, collate_fn=collate_fn)
     # None for a stream: its length is unknown.

@@ -1,5 +1,5 @@
 """Training sets mixed by weight: ``train_data={"web": web, "code": code}`` with ``data_weights: {web: 0.7,
-code: 0.3}`` (docs/project.md#several-training-sets).
+code: 0.3}``, or weights that change at given steps (docs/project.md#several-training-sets).
 
 An epoch of a mixture is as many examples as its sets hold together. Each position of it goes to the set furthest
 behind its share (stride scheduling, as Megatron blends data sets: no draw, the shares hold to one example at every
@@ -26,24 +26,48 @@ from trainer.hf import is_stream
 
 class Mixture(ConcatDataset):
     """The sets of ``sets`` (map-style, by name) one after another, drawn from in the order ``order(seed, epoch)``
-    gives; ``weights`` by name (None: each set's share of the examples, the sets simply joined)."""
+    gives. ``phases``: ``[(first step, weights by name), ...]`` from step 0 on (None: each set's share of the
+    examples, the sets simply joined); ``examples_per_step`` (the global batch) ties positions to steps."""
 
-    def __init__(self, sets: Mapping[str, Any], weights: Optional[Mapping[str, float]]):
+    def __init__(self, sets: Mapping[str, Any], phases: Optional[list[tuple[int, Mapping[str, float]]]]):
         super().__init__(list(sets.values()))
         self.names = list(sets)
-        sizes = [len(part) for part in sets.values()]
-        shares = [float(weights[name]) for name in self.names] if weights else sizes
-        self.weights = [share / sum(shares) for share in shares]
-        # Which set each position of an epoch draws from: the same every epoch.
-        self.sources = stride_order(self.weights, len(self))
+        sizes = {name: len(part) for name, part in sets.items()}
+        self.phases = [(step, self._shares(weights)) for step, weights in phases or [(0, sizes)]]
+        self.examples_per_step, self.shuffle = 1, True
+        self._sources: dict[int, torch.Tensor] = {}
+
+    def _shares(self, weights: Mapping[str, float]) -> list[float]:
+        shares = [float(weights[name]) for name in self.names]
+        return [share / sum(shares) for share in shares]
+
+    def sources(self, epoch: int) -> torch.Tensor:
+        """Which set each position of epoch ``epoch`` draws from: every run of positions whose steps share a phase
+        in that phase's shares (one run, the same every epoch, for weights that never change)."""
+        if epoch not in self._sources:
+            length, per_step = len(self), self.examples_per_step
+            first = epoch * math.ceil(length / per_step)
+            starts = [max(0, (step - first) * per_step) for step, _ in self.phases] + [length]
+            runs = [
+                stride_order(shares, min(end, length) - start)
+                for (_, shares), start, end in zip(self.phases, starts, starts[1:], strict=False)
+                if start < min(end, length)
+            ]
+            self._sources = {epoch: torch.cat(runs)}
+        return self._sources[epoch]
 
     def order(self, seed: int, epoch: int) -> list[int]:
         """Epoch ``epoch``'s examples, as indices into the sets joined end to end."""
-        order = torch.empty(len(self.sources), dtype=torch.int64)
+        sources = self.sources(epoch)
+        order = torch.empty(len(sources), dtype=torch.int64)
         for number, size in enumerate(len(part) for part in self.datasets):
-            where = (self.sources == number).nonzero().flatten()
+            where = (sources == number).nonzero().flatten()
             generator = torch.Generator().manual_seed((seed * 1_000_003 + epoch * 8_191 + number) & (2**63 - 1))
-            passes = [torch.randperm(size, generator=generator) for _ in range(math.ceil(len(where) / size))]
+            # shuffle: false reads each set in its own order.
+            passes = [
+                torch.randperm(size, generator=generator) if self.shuffle else torch.arange(size)
+                for _ in range(math.ceil(len(where) / size))
+            ]
             offset = self.cumulative_sizes[number] - size
             order[where] = torch.cat(passes or [torch.empty(0, dtype=torch.int64)])[: len(where)] + offset
         return order.tolist()
@@ -53,8 +77,9 @@ class Mixture(ConcatDataset):
         each end to end (a padded epoch's last positions repeat its first)."""
         found = torch.zeros(len(self.names), dtype=torch.int64)
         for begin in range(start - start % per_epoch, stop, per_epoch):
-            into = torch.arange(max(start - begin, 0), min(stop - begin, per_epoch)) % len(self.sources)
-            found += torch.bincount(self.sources[into], minlength=len(self.names))
+            sources = self.sources(begin // per_epoch)
+            into = torch.arange(max(start - begin, 0), min(stop - begin, per_epoch)) % len(sources)
+            found += torch.bincount(sources[into], minlength=len(self.names))
         return dict(zip(self.names, found.tolist(), strict=True))
 
 
@@ -73,7 +98,12 @@ def stride_order(weights: list[float], length: int) -> torch.Tensor:
 
 class MixtureSampler(ResumableSampler):
     """DistributedSampler's dealing of a Mixture's own order for the epoch: process k of K gets positions k, k+K,
-    ..., the tail padded with the first positions (``drop_last``: the trailing M mod K dropped)."""
+    ..., the tail padded with the first positions (``drop_last``: the trailing M mod K dropped).
+    ``examples_per_step``: the global batch, which ties the mixture's positions to optimizer steps."""
+
+    def __init__(self, dataset: Mixture, *, examples_per_step: int = 1, **kwargs: Any):
+        super().__init__(dataset, **kwargs)
+        dataset.examples_per_step, dataset.shuffle = examples_per_step, self.shuffle
 
     def __iter__(self):
         order = self.dataset.order(self.seed, self.epoch)
@@ -95,20 +125,16 @@ def mixture_of(sets: Mapping[str, Any], weights: Mapping[str, float], *, seed: i
             f"train_data is a dict, so it names training sets to mix, each under a name usable in a log "
             f"(data/<name>); got {', '.join(odd) or 'an empty dict'}"
         )
-    if weights and set(weights) != set(sets):
-        raise ConfigError(
-            f"data_weights names {', '.join(sorted(weights))}, but train_data's sets are {', '.join(sorted(sets))}: "
-            "give a weight for each set, and for no other"
-        )
-    if any(not isinstance(w, (int, float)) or isinstance(w, bool) or w < 0 for w in weights.values()) or (
-        weights and not sum(weights.values()) > 0
-    ):
-        raise ConfigError(f"data_weights are {dict(weights)}: each a number, 0 or more, and not all 0")
+    phases = weight_phases(weights, sets)
     streams = [is_stream(part) for part in sets.values()]
     if all(streams):
         from datasets import interleave_datasets
 
-        shares = [weights[name] / sum(weights.values()) for name in sets] if weights else None
+        if len(phases or []) > 1:
+            raise ConfigError(
+                "data_weights that change at given steps mix map-style sets; streams take one weight each"
+            )
+        shares = [phases[0][1][name] / sum(phases[0][1].values()) for name in sets] if phases else None
         parts = list(sets.values())
         mixed = interleave_datasets(parts, probabilities=shares, seed=seed, stopping_strategy="all_exhausted")
         # interleave_datasets drops the sets' format (with_format("torch")); a format they share is kept.
@@ -123,7 +149,39 @@ def mixture_of(sets: Mapping[str, Any], weights: Mapping[str, float], *, seed: i
     empty = [repr(name) for name, part in sets.items() if len(part) == 0]
     if empty:
         raise DataError(f"train_data's set {', '.join(empty)} has no examples: give it some, or leave it out")
-    return Mixture(sets, weights or None)
+    return Mixture(sets, phases)
+
+
+def weight_phases(weights: Mapping[str, Any], sets: Mapping[str, Any]) -> Optional[list[tuple[int, dict]]]:
+    """``data_weights`` as ``[(first step, {name: weight}), ...]``: one weight a set (``{web: 0.7, ...}``), or
+    ``[step, weight]`` pairs a set, from step 0 (``{web: [[0, 0.7], [1000, 0.5]], ...}``); None for none."""
+    if not weights:
+        return None
+    if set(weights) != set(sets):
+        raise ConfigError(
+            f"data_weights names {', '.join(sorted(weights))}, but train_data's sets are {', '.join(sorted(sets))}: "
+            "give a weight for each set, and for no other"
+        )
+    number = lambda w: isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0  # noqa: E731
+    pairs = {name: [(0, given)] if number(given) else given for name, given in weights.items()}
+    for name, given in pairs.items():
+        if not (
+            isinstance(given, (list, tuple))
+            and all(isinstance(pair, (list, tuple)) and len(pair) == 2 for pair in given)
+            and all(type(step) is int and step >= 0 and number(w) for step, w in given)
+            and sorted(step for step, _ in given) == [step for step, _ in given]
+            and given[0][0] == 0
+        ):
+            raise ConfigError(
+                f"data_weights[{name!r}] is {given!r}: a weight (a number, 0 or more), or [step, weight] pairs in "
+                "step order from step 0, [[0, 0.7], [1000, 0.5]]"
+            )
+    steps = sorted({step for given in pairs.values() for step, _ in given})
+    phases = [(step, {name: [w for s, w in given if s <= step][-1] for name, given in pairs.items()}) for step in steps]
+    for step, shares in phases:
+        if not sum(shares.values()) > 0:
+            raise ConfigError(f"data_weights are all 0 from step {step}: give some set a weight")
+    return phases
 
 
 class MixtureShares:
