@@ -69,3 +69,21 @@ def test_weights_that_change_at_given_steps_hold_from_those_steps_whatever_the_s
     # The next epoch (40 positions = 10 steps a epoch) is all past step 4: half and half throughout.
     assert phases.counts(40, 80, per_epoch=40) == {"a": 20, "b": 20}
     assert phases.counts(0, 40, per_epoch=40) == {"a": 20, "b": 20}
+
+
+def test_a_datasetdicts_splits_are_not_mixed_and_weights_without_sets_are_not_ignored(tmp_path):
+    """``train_data=data`` where ``data["train"]`` was meant would train on the test split too: refused. And
+    ``data_weights`` with a single training set would weigh nothing: refused, not ignored."""
+    datasets = pytest.importorskip("datasets")
+    Dataset, DatasetDict = datasets.Dataset, datasets.DatasetDict
+
+    from trainer import TrainConfig
+    from trainer.data.loaders import Loaders
+    from trainer.launch.run import Run
+
+    splits = DatasetDict({"train": Dataset.from_dict({"x": [1.0, 2.0]}), "test": Dataset.from_dict({"x": [3.0]})})
+    with pytest.raises(DataError, match=r"train_data is a DatasetDict \(splits train, test\): .*data\['train'\]"):
+        mixture_of(dict(splits), {}, seed=0, given=type(splits))
+    run = Run.join(TrainConfig(output_dir=str(tmp_path), batch_size=1, data_weights={"a": 1.0}))
+    with pytest.raises(ConfigError, match="data_weights weighs named training sets, but train_data is a list"):
+        Loaders(run, model=torch.nn.Linear(1, 1), train_data=[{"x": torch.ones(1)}] * 4, eval_data=None)

@@ -59,7 +59,12 @@ class Loaders:
         unformatted datasets.Dataset's model inputs first readied as tensors (``trainer.data.columns``), said once."""
         if isinstance(data, Mapping) and not evaluation:
             ready = {part: self.ready(data[part], name=f"{name}[{part!r}]") for part in data}
-            data = mixture_of(ready, self.run.config.data_weights, seed=self.run.config.seed)
+            data = mixture_of(ready, self.run.config.data_weights, seed=self.run.config.seed, given=type(data))
+        elif self.run.config.data_weights and not evaluation:
+            raise ConfigError(
+                f"data_weights weighs named training sets, but train_data is a {type(data).__name__}: pass "
+                "train_data={name: data set, ...} to mix them, or leave data_weights out"
+            )
         data = self.ready(data, name=name)
         build = build_eval_loader if evaluation else build_train_loader
         return build(data, self.run, collate_fn=self.collate_fn)

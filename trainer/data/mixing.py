@@ -116,9 +116,15 @@ class MixtureSampler(ResumableSampler):
         return iter(mine)
 
 
-def mixture_of(sets: Mapping[str, Any], weights: Mapping[str, float], *, seed: int) -> Any:
+def mixture_of(sets: Mapping[str, Any], weights: Mapping[str, Any], *, seed: int, given: type = dict) -> Any:
     """``train_data`` given as a dict of named sets: a Mixture of map-style sets, or datasets' interleaving of
-    streams; the names and ``data_weights`` checked first."""
+    streams; the names and ``data_weights`` checked first. ``given``: the type the user passed."""
+    if given.__name__ in ("DatasetDict", "IterableDatasetDict"):
+        # Its splits (train, test, ...) are no sets to train on together.
+        raise DataError(
+            f"train_data is a {given.__name__} (splits {', '.join(sets)}): pass the split to train on, "
+            f"train_data=data[{next(iter(sets), 'train')!r}] (a plain dict of sets mixes them)"
+        )
     odd = [repr(name) for name in sets if not isinstance(name, str) or not name.isidentifier()]
     if odd or not sets:
         raise DataError(
