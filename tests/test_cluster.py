@@ -278,3 +278,29 @@ def test_the_collective_timeout_ends_a_job_whose_rank_never_arrives(tmp_path):
     assert time.monotonic() - started < 600, "ended by the 8 s timeout, not by the stalled rank waking up"
     assert "Waiting for rank(s) 1 (forward at step 5)." in result.stderr
     assert re.search(r"[Tt]imed out", result.stderr), result.stderr[-3000:]
+
+
+def test_skypilots_run_line_makes_one_job_of_its_nodes_from_the_variables_skypilot_sets(tmp_path, one_process):
+    """examples/skypilot/train.yaml's ``run:``, as SkyPilot runs it on each node (the task's ``envs`` exported, then
+    SKYPILOT_NODE_IPS, SKYPILOT_NODE_RANK, SKYPILOT_NUM_NODES, SKYPILOT_NUM_GPUS_PER_NODE): two "nodes" on loopback,
+    one CPU process each, reach the weights of one process."""
+    import yaml
+
+    task = yaml.safe_load((ROOT / "examples" / "skypilot" / "train.yaml").read_text())
+    assert task["num_nodes"] == 2 and "/outputs" in task["volumes"] and "--resume auto" in task["envs"]["ARGS"]
+    out = tmp_path / "out"
+    env = clean_env(**{key: str(value) for key, value in task["envs"].items()})
+    env.update(
+        SKYPILOT_NODE_IPS="127.0.0.1\n127.0.0.1",
+        SKYPILOT_NUM_NODES="2",
+        SKYPILOT_NUM_GPUS_PER_NODE="1",
+        MASTER_PORT=str(free_port()),
+        SCRIPT=str(SAME_UPDATES),
+        ARGS=" ".join([*COMMON, *SGD_MEAN, "--batch_size", "5", "--output_dir", str(out)]),
+        PATH=f"{os.path.dirname(sys.executable)}:{env['PATH']}",  # torchrun, as pip installs it
+    )
+    nodes = [(["env", f"SKYPILOT_NODE_RANK={rank}", "bash", "-c", task["run"]], ROOT) for rank in (0, 1)]
+    run_together(nodes, env=env)
+    two = read_summary(out)
+    assert two["world_size"] == 2
+    assert_same_run(one_process, two)
