@@ -209,3 +209,37 @@ def test_a_second_signal_exits_at_once(tmp_path):
     assert job.returncode == PREEMPTED_EXIT and time.monotonic() - second < 5
     assert "trainer: second signal (SIGINT): exiting now" in job.stderr.read()
     assert latest(tmp_path) == "step-00000004"
+
+
+REQUEUE = """
+import signal, sys, time
+from trainer.launch.preemption import requeue_slurm_job
+signal.signal(signal.SIGTERM, lambda *a: None)  # the worker survives: fit() notes the signal
+print("ASKING", flush=True)
+print("REQUEUE", requeue_slurm_job(), flush=True)
+"""
+
+
+def test_the_requeue_survives_the_launchers_signal_to_the_workers_process_group(tmp_path):
+    """torch's launcher, shutting down on the job's SIGTERM, signals each worker's whole process group (os.killpg),
+    and again a second later: the `scontrol requeue` a worker is running must not die of it mid-request (under a
+    real Slurm the request had gone through, but the worker said `scontrol requeue 3 failed: `). Here `scontrol`
+    takes 2 s to answer, and the group gets SIGTERM while it does."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "scontrol"
+    started = tmp_path / "scontrol-started"
+    fake.write_text(f"#!/bin/sh\ntouch {started}\nsleep 2\necho requeued\n")
+    fake.chmod(0o755)
+    env = clean_env(SLURM_JOB_ID="7", PATH=f"{bin_dir}:{os.environ['PATH']}")
+    worker = subprocess.Popen(
+        [sys.executable, "-c", REQUEUE], env=env, stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    assert worker.stdout.readline().strip() == "ASKING"
+    deadline = time.monotonic() + 60
+    while not started.exists():  # scontrol is running
+        assert time.monotonic() < deadline and worker.poll() is None, "scontrol never started"
+        time.sleep(0.05)
+    os.killpg(worker.pid, signal.SIGTERM)
+    output, _ = worker.communicate(timeout=60)
+    assert "REQUEUE job 7 requeued" in output, output

@@ -164,9 +164,16 @@ def requeue_slurm_job() -> str:
         return "not under Slurm: no requeue"
     started = time.monotonic()
     try:
-        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=30)
+        # A session of its own: torch's launcher, shutting down on the same signal, signals each worker's whole
+        # process group, and would kill scontrol mid-request.
+        done = subprocess.run(
+            ["scontrol", "requeue", job], capture_output=True, text=True, timeout=30, start_new_session=True
+        )
     except (OSError, subprocess.TimeoutExpired) as err:
         return f"scontrol requeue {job} failed: {err}"
     if done.returncode != 0:
-        return f"scontrol requeue {job} failed: {(done.stderr or done.stdout).strip()}"
+        said = (done.stderr or done.stdout).strip()
+        if done.returncode < 0:
+            said = f"scontrol was killed by {signal.Signals(-done.returncode).name}"
+        return f"scontrol requeue {job} failed: {said}"
     return f"job {job} requeued ({time.monotonic() - started:.1f} s)"
