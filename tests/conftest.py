@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -49,9 +50,18 @@ def pytest_configure(config):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, below Linux's ephemeral range (32768 and up): a port the OS hands out (bind to 0) it may
+    hand out again, to another test's connection, before the job binds it (seen once: accelerate launch refused
+    "another process is utilizing it"). Drawn from the OS's randomness: in-process tests seed ``random``."""
+    draw = random.SystemRandom()
+    while True:
+        port = draw.randrange(20000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 def clean_env(**extra: str) -> dict[str, str]:
