@@ -1,12 +1,14 @@
 """What our Trainer costs on a GPU: GPT-2 124M in bf16 through a hand-written PyTorch loop, a raw Accelerate loop
-and our Trainer, eager and compiled, as transformers' GPT2LMHeadModel and as a compact GPT (benchmarks/compact_gpt.py,
-whose fast step shows a trainer's own per-step cost); and GPT2LMHeadModel sharded with FSDP2 (eager), through a
-hand-written ``fully_shard`` loop and through our Trainer with fsdp.yaml's settings, on a mesh of the one GPU. One
-table: tokens/s, MFU, ms/step, peak memory, and each variant's speed and memory against the raw PyTorch loop.
+and our Trainer, as transformers' GPT2LMHeadModel and as a compact GPT (benchmarks/compact_gpt.py, whose fast step
+shows a trainer's own per-step cost), in three modes: eager, compiled (the whole model) and blocks (each block's
+forward compiled on its own: torchtitan's recipe, accelerate's regional compilation); and GPT2LMHeadModel sharded
+with FSDP2 (eager and per block), through a hand-written ``fully_shard`` loop and through our Trainer with
+fsdp.yaml's settings, on a mesh of the one GPU. One table: tokens/s, MFU, ms/step, peak memory, and each variant's
+speed and memory against the raw PyTorch loop.
 
-    bash benchmarks/gpu.sh                       # the whole grid on one GPU: 15-20 minutes (--modes splits it)
-    python benchmarks/gpu.py --models compact --modes eager --batches 16 --rounds 3    # a part of it
-    python benchmarks/gpu.py --smoke             # the same code on a tiny model, on the CPU, in a minute
+    bash benchmarks/gpu.sh                       # the whole grid on one GPU: 20-25 minutes (--modes splits it)
+    python benchmarks/gpu.py --models hf --modes blocks --batches 16 --variants torch,ours,fsdp_torch,fsdp_ours
+    python benchmarks/gpu.py --smoke             # the same code on a tiny model, on the CPU, in a few minutes
 
 Every variant: the same weights and tokens (seed 0), 1024 tokens x B sequences a step, AdamW (fused on the GPU,
 no weight decay, as the Trainer's default), a constant lr, bf16 autocast (the raw loop's own; accelerate's and ours
@@ -97,22 +99,29 @@ class Clock:
                 self.seconds = (time.perf_counter() - self.started) / (self.total - self.warmup)
 
 
-def run_torch(model, data, batch: int, compiled: bool, clock: Clock, sharded: bool = False) -> None:
+def blocks_of(model) -> list:
+    return list(model.transformer.h if hasattr(model, "transformer") else model.blocks)
+
+
+def run_torch(model, data, batch: int, mode: str, clock: Clock, sharded: bool = False) -> None:
     import torch
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     model.to(device)
+    if mode == "blocks":  # torchtitan's recipe: each block's forward compiled, before fully_shard where sharded
+        for block in blocks_of(model):
+            block.forward = torch.compile(block.forward)
     if sharded:  # torch's FSDP2 recipe: each block, then the root; bf16 compute, fp32 masters and reduction
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         torch.distributed.init_process_group("nccl" if cuda else "gloo")
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for block in model.transformer.h:
+        for block in blocks_of(model):
             fully_shard(block, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.0, fused=cuda or None)
-    forward = torch.compile(model) if compiled else model
+    forward = torch.compile(model) if mode == "compiled" else model
     loader = torch.utils.data.DataLoader(data, batch_size=batch, shuffle=True, pin_memory=cuda)
     model.train()
     for step, examples in enumerate(loader, 1):
@@ -129,15 +138,17 @@ def run_torch(model, data, batch: int, compiled: bool, clock: Clock, sharded: bo
             return
 
 
-def run_accelerate(model, data, batch: int, compiled: bool, clock: Clock) -> None:
+def run_accelerate(model, data, batch: int, mode: str, clock: Clock) -> None:
     """As accelerate's examples write it: prepare, then backward through the Accelerator; its loader's copies
     non-blocking from pinned memory, as the docstring promises for every variant (accelerate's default blocks)."""
     import torch
     from accelerate import Accelerator, DataLoaderConfiguration
+    from accelerate.utils import TorchDynamoPlugin
 
+    compiled = {"eager": "no", "compiled": "inductor", "blocks": "inductor"}[mode]
     accelerator = Accelerator(
         dataloader_config=DataLoaderConfiguration(non_blocking=True),
-        **({"dynamo_backend": "inductor"} if compiled else {}),
+        dynamo_plugin=TorchDynamoPlugin(backend=compiled, use_regional_compilation=mode == "blocks"),
     )  # bf16 from the environment
     model.to(accelerator.device)
     cuda = accelerator.device.type == "cuda"
@@ -157,15 +168,16 @@ def run_accelerate(model, data, batch: int, compiled: bool, clock: Clock) -> Non
             return
 
 
-def run_fsdp_torch(model, data, batch: int, compiled: bool, clock: Clock) -> None:
-    run_torch(model, data, batch, compiled, clock, sharded=True)
+def run_fsdp_torch(model, data, batch: int, mode: str, clock: Clock) -> None:
+    run_torch(model, data, batch, mode, clock, sharded=True)
 
 
-def run_fsdp_ours(model, data, batch: int, compiled: bool, clock: Clock) -> None:
-    run_ours(model, data, batch, compiled, clock)  # FSDP2 from the environment, as fsdp.yaml sets it
+def run_fsdp_ours(model, data, batch: int, mode: str, clock: Clock) -> None:
+    run_ours(model, data, batch, mode, clock)  # FSDP2 from the environment, as fsdp.yaml sets it (always per block)
 
 
-def run_ours(model, data, batch: int, compiled: bool, clock: Clock) -> None:
+def run_ours(model, data, batch: int, mode: str, clock: Clock) -> None:
+    """compile: true; per block as the accelerate config's dynamo_use_regional_compilation asks (measure())."""
     from trainer import TrainConfig, Trainer
 
     class Tick:
@@ -179,7 +191,7 @@ def run_ours(model, data, batch: int, compiled: bool, clock: Clock) -> None:
         batch_size=batch,
         lr=3e-4,
         log_every=LOG_EVERY,
-        compile=compiled,
+        compile=mode != "eager",
         stall_warning_s=None,
     )
     trainer = Trainer(model, config, train_data=data, callbacks=[Tick()])
@@ -194,7 +206,7 @@ def worker(args) -> None:
     model, data = build(args.model, size, (args.steps + 2) * args.batch)
     per_token = flops_per_token(model, size)
     clock = Clock(args.warmup, args.steps)
-    globals()[f"run_{args.variant}"](model, data, args.batch, args.mode == "compiled", clock)
+    globals()[f"run_{args.variant}"](model, data, args.batch, args.mode, clock)
     cuda = torch.cuda.is_available()
     print(
         "RESULT "
@@ -244,6 +256,8 @@ def measure(variant: str, model: str, mode: str, batch: int, args) -> dict | Non
             LOCAL_WORLD_SIZE="1",
             **(FSDP2_ENV if variant == "fsdp_ours" else {}),
         )
+    if mode == "blocks":
+        env["ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"] = "true"
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     line = next((line for line in done.stdout.splitlines() if line.startswith("RESULT ")), None)
     if line is None:
@@ -266,8 +280,9 @@ def peak_flops() -> float | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="hf,compact", help="hf (GPT2LMHeadModel), compact (compact_gpt.py)")
-    parser.add_argument("--modes", default="eager,compiled")
+    parser.add_argument("--modes", default="eager,compiled,blocks", help="blocks: each block compiled on its own")
     parser.add_argument("--batches", default="16,32", help="sequences per step (compact: the first only)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"some of {', '.join(VARIANTS)}")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--steps", type=int, default=75, help="steps in all, warm-up included")
     parser.add_argument("--warmup", type=int, default=LOG_EVERY)
@@ -301,8 +316,8 @@ def main() -> None:
     results: dict[tuple, dict[str, list[dict]]] = {}
     for _ in range(args.rounds):
         for key in grid:
-            for variant in VARIANTS:
-                if variant in SHARDED and key[:2] != ("hf", "eager"):
+            for variant in args.variants.split(","):
+                if variant in SHARDED and (key[0] != "hf" or key[1] == "compiled"):
                     continue
                 measured = measure(variant, *key, args)
                 if measured:

@@ -239,10 +239,16 @@ def ours(args) -> dict:
         ema_decay=args.ema,
         ema_start_step=args.ema_start,
         auto_microbatch=args.auto_microbatch,
+        compile=args.compile,
         resume=args.resume_from or ("auto" if args.save_every else None),
     )
     seen, history = Seen(), History()
     floor = reset_peak_memory() if args.peak else None
+    from torch._dynamo.utils import counters
+
+    if args.count_graphs:  # this job's graphs only: none reused from an earlier job's compiles
+        torch._dynamo.reset()
+    graphs = counters["stats"]["unique_graphs"]
     model = tiny_gpt2(args.model == "classifier", args.build, args.pretrained, args.width, args.layers, args.arch)
     if args.bf16_model:
         model.to(torch.bfloat16)
@@ -299,6 +305,7 @@ def ours(args) -> dict:
         "world_size": trainer.accelerator.num_processes,
         "held": sum(local(p).numel() for p in trainer.model.parameters()),
         "computed": sorted(computed),
+        "graphs": counters["stats"]["unique_graphs"] - graphs,
         "dtypes": sorted({str(local(p).dtype) for p in trainer.model.parameters()}),
         "optimizer_dtypes": sorted(
             {str(local(v).dtype) for state in trainer.optimizer.state.values() for v in state.values() if v.dim() > 0}
@@ -492,6 +499,8 @@ def main() -> None:
     parser.add_argument("--history", action="store_true", help="record every step's weights")
     parser.add_argument("--best", action="store_true", help="keep_best the highest eval loss (the first, as it falls)")
     parser.add_argument("--reduce_every", action="store_true", help="reduce_every_micro_batch: true")
+    parser.add_argument("--compile", action="store_true", help="compile: true")
+    parser.add_argument("--count_graphs", action="store_true", help="count the graphs this job's compile makes")
     parser.add_argument("--width", type=int, default=32, help="the model's width (see tiny_gpt2)")
     parser.add_argument("--layers", type=int, default=2, help="the model's blocks")
     parser.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2", help="see tiny_gpt2")

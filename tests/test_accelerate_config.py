@@ -55,7 +55,7 @@ def test_fsdp_with_enter_for_every_default_trains_sharded(tmp_path):
 
 def test_torch_dynamo_and_checked_collectives_train_as_ddp(tmp_path):
     """Yes to torch dynamo (Enter for its backend: inductor, which compiles on a CPU too) and to checking distributed
-    operations: DDP, compiled by accelerate as it prepares the model, trained."""
+    operations: DDP, the whole model compiled by the strategy (in place: its weights keep their names), trained."""
     path = tmp_path / "dynamo.yaml"
     accelerate_config(path, {**GPUS, "torch dynamo": "yes", "checked while running": "yes"})
     assert "dynamo_backend: INDUCTOR" in path.read_text() and "debug: true" in path.read_text()
@@ -63,6 +63,19 @@ def test_torch_dynamo_and_checked_collectives_train_as_ddp(tmp_path):
     run([str(c) for c in launch_command(path, "job", "--output_dir", tmp_path / "out")])
     report = json.loads((tmp_path / "out" / "result.json").read_text())
     assert report["world_size"] == 2 and report["result"]["eval_loss"] < report["before"]["eval_loss"]
+
+
+def test_torch_dynamo_with_fsdp_compiles_the_sharded_model_and_trains(tmp_path):
+    """Yes to FSDP and to torch dynamo (aot_eager: dynamo's tracing without inductor's code generation, for time):
+    the strategy compiles the sharded model (each block; this classifier has none, so the whole of it) and trains."""
+    path = tmp_path / "fsdp_dynamo.yaml"
+    accelerate_config(path, {**FSDP, "torch dynamo": "yes", "dynamo backend": "aot_eager"})
+    assert "dynamo_backend: AOT_EAGER" in path.read_text()
+    assert "preflight: no problems found" in preflight(path, ok=True)
+    result = run([str(c) for c in launch_command(path, "outputs", "--output_dir", tmp_path / "out")])
+    assert "device cpu (FSDP2, compiled whole (aot_eager))" in result.stdout
+    moved = json.loads(result.stdout.split("RESULT ")[-1].splitlines()[0])
+    assert moved["dict"] > 1e-3 and moved["dataclass"] > 1e-3, "the sharded weights trained"
 
 
 REFUSED = {  # answers, what the preflight says, what the launch's one trainer: line says
@@ -75,11 +88,6 @@ REFUSED = {  # answers, what the preflight says, what the launch's one trainer: 
         {**FSDP, "offload parameters": "yes"},
         "fsdp_offload_params",
         "the accelerate config sets fsdp_offload_params: CPU offload is not",
-    ),
-    "fsdp with torch dynamo": (
-        {**FSDP, "torch dynamo": "yes"},
-        "asks for torch dynamo (dynamo_backend: INDUCTOR)",
-        "asks for torch dynamo (dynamo_backend: INDUCTOR), which this trainer does not run",
     ),
     "a dynamo backend torch dropped": (
         {**GPUS, "torch dynamo": "yes", "dynamo backend": "nvprims_nvfuser"},

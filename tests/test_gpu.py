@@ -196,12 +196,21 @@ def test_fsdp2_shards_over_nccl_and_computes_in_bf16_over_fp32_masters(tmp_path)
 def test_fsdp2_on_one_gpu_saves_in_the_background_and_builds_a_meta_model_on_the_gpu(tmp_path):
     """save_async on one process: DCP's background save needs a CPU (gloo) group beside NCCL even at world size 1,
     under FSDP2 and DDP alike (both checkpoints are DCP's, from the GPU's tensors). A model built on meta: each
-    module made on the GPU and initialised there, never whole on the CPU."""
+    module made on the GPU and initialised there, never whole on the CPU. And per-block compile under FSDP2."""
     ragged = ROOT / "tests" / "ragged_lm.py"
     variants = {
         "async": ["--save_async", "--save_every", "2", "--max_steps", "4"],
         "ddp async": ["--save_async", "--save_every", "2", "--max_steps", "4", "--ddp"],
         "meta": ["--build", "meta", "--initial", "--max_steps", "2"],
+        "eager": ["--save_every", "2", "--max_steps", "4"],
+        "compiled": ["--compile", "--save_every", "2", "--max_steps", "4"],
+        "compiled, resumed": [
+            "--compile",
+            "--max_steps",
+            "4",
+            "--resume_from",
+            f"{tmp_path}/compiled/checkpoints/step-00000002",
+        ],
     }
     result = accelerate_launch(
         ragged,
@@ -222,6 +231,15 @@ def test_fsdp2_on_one_gpu_saves_in_the_background_and_builds_a_meta_model_on_the
     assert "built on meta, each process initialised its shards" in result.stdout
     meta = json.loads((tmp_path / "meta" / "ragged.json").read_text())
     assert meta["tied"] and all(loss == loss for loss in meta["losses"])
+    # compile: true under FSDP2 on the GPU: each block compiled (inductor's GPU kernels), eager's updates to the
+    # float floor, resumed bit for bit.
+    assert "(FSDP2, compiled per block: 2 x GPT2Block (inductor))" in result.stdout
+    eager, compiled, resumed = (
+        json.loads((tmp_path / n / "ragged.json").read_text()) for n in ("eager", "compiled", "compiled, resumed")
+    )
+    for name, values in eager["weights"].items():
+        assert torch.allclose(torch.tensor(compiled["weights"][name]), torch.tensor(values), atol=5e-3), name
+    assert resumed["weights"] == compiled["weights"]
 
 
 def test_two_launches_of_a_multi_node_job_on_one_gpu_host_stop_once_joined_with_one_message(tmp_path):

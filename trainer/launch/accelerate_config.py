@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Iterator, Optional
+from typing import Iterator, Optional
 
 from accelerate.utils import parse_flag_from_env
 
@@ -52,8 +52,7 @@ def refusal_of_the_launch() -> Optional[str]:
             return message
     if os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower() == "fp8":
         return FP8
-    sharded = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-    return refusal_of_dynamo(os.environ.get("ACCELERATE_DYNAMO_BACKEND"), sharded)
+    return refusal_of_dynamo(os.environ.get("ACCELERATE_DYNAMO_BACKEND"))
 
 
 def dropped_mesh_flags(launcher: Optional[list[str]] = None) -> Optional[str]:
@@ -96,21 +95,15 @@ def refusal_of_the_file(
         return by_type[distributed_type]
     if str(mixed_precision).lower() == "fp8":
         return FP8
-    return refusal_of_dynamo(dynamo_backend, distributed_type == "FSDP")
+    return refusal_of_dynamo(dynamo_backend)
 
 
-def refusal_of_dynamo(backend: Optional[str], sharded: bool) -> Optional[str]:
-    """``accelerate config``'s torch dynamo answer: accelerate compiles the model as it prepares it. Refused under
-    FSDP2 (as ``compile: true`` is: the trainer shards the model itself, and a whole-model compile of it is
-    untested), and for a backend this torch does not have (accelerate's menu still offers ones torch dropped, such
-    as nvprims_nvfuser, which would fail at the first step)."""
+def refusal_of_dynamo(backend: Optional[str]) -> Optional[str]:
+    """``accelerate config``'s torch dynamo answer (the strategy compiles with it: trainer.parallel.compiling),
+    refused for a backend this torch does not have (accelerate's menu still offers ones torch dropped, such as
+    nvprims_nvfuser, which would fail at the first step)."""
     if backend is None or backend.upper() == "NO":
         return None
-    if sharded:
-        return (
-            f"the accelerate config asks for torch dynamo (dynamo_backend: {backend}), which this trainer does "
-            "not run with FSDP2 yet: answer no to torch dynamo (dynamo_backend: 'NO'), or train with DDP"
-        )
     import torch
     import torch._dynamo
 
@@ -129,9 +122,9 @@ def blank_block_class_unset() -> None:
         del os.environ["FSDP_TRANSFORMER_CLS_TO_WRAP"]
 
 
-def sharding_requested(config: Any) -> bool:
-    """Whether the launch's accelerate config asks for FSDP (``distributed_type: FSDP``); version 1, CPU offload,
-    fp16 and ``compile`` are refused by name: each needs a path this trainer does not take yet."""
+def sharding_requested() -> bool:
+    """Whether the launch's accelerate config asks for FSDP (``distributed_type: FSDP``); version 1, CPU offload
+    and fp16 are refused by name: each needs a path this trainer does not take yet."""
     if not parse_flag_from_env("ACCELERATE_USE_FSDP"):
         return False
     version = os.environ.get("FSDP_VERSION", "1")
@@ -145,8 +138,6 @@ def sharding_requested(config: Any) -> bool:
         raise ShardingError(NO_OFFLOAD)
     if os.environ.get("ACCELERATE_MIXED_PRECISION", "no") == "fp16":
         raise ShardingError(NO_FP16)
-    if config.compile:
-        raise ShardingError("compile: true with FSDP2 is not supported yet: set compile: false, or train with DDP")
     return True
 
 

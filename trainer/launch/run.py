@@ -69,7 +69,7 @@ class Run:
         if (refused := refusal_of_the_launch()) is not None:
             raise ConfigError(refused)
         blank_block_class_unset()
-        sharded = sharding_requested(config)
+        sharded = sharding_requested()
         if config.deterministic:
             # Read by cuBLAS when it makes its handle, at the first matmul on the device: before any.
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -186,8 +186,8 @@ def build_accelerator(config: TrainConfig) -> Accelerator:
             # Copies to the GPU overlap the step (the trainer's loaders pin memory on CUDA); a no-op on CPU.
             dataloader_config=DataLoaderConfiguration(non_blocking=True),
             kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=config.find_unused_parameters)],
-            # Else the accelerate config's choice.
-            **({"dynamo_backend": "inductor"} if config.compile else {}),
+            # The strategy compiles, in place, per block or whole (trainer.parallel.compiling), not prepare().
+            dynamo_backend="no",
         )
     check_world_size(accelerator)
     host.share_cpu_threads(accelerator.device)

@@ -58,6 +58,7 @@ class DDP(Strategy):
         self.upcast = whole_on_device(model, self.run.device, self.run.config.seed)
         if self.recompute:
             checkpoint_activations(model, transformer_blocks(model))
+        self.compile(model)
         return model
 
     def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.nn.Module:

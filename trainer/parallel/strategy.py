@@ -14,6 +14,7 @@ import torch
 from trainer.errors import ConfigError, Refusal
 from trainer.launch.host import num_machines
 from trainer.launch.run import Run
+from trainer.parallel.compiling import Compilation, compile_in_place
 from trainer.parallel.tensor_parallel import ParallelizeFn
 
 
@@ -26,11 +27,16 @@ class Strategy:
     lockstep = False
     # auto_microbatch: each piece reduces its own gradients (else the window's are reduced once, at its end).
     pieces_reduce = False
+    # compile: each block on its own whatever the accelerate config says (else as it says; whole by default).
+    compiles_per_block = False
 
     def __init__(self, run: Run):
         self.run = run
         self.recompute = run.config.activation_checkpointing
         self.optimizer: Any = None
+        self.compilation = Compilation.of(run.config.compile)
+        # The banner's words for it ("compiled per block: 12 x GPT2Block (inductor)").
+        self.compiled = ""
 
     def apply(
         self, model: torch.nn.Module, *, prebuilt_optimizer: bool, parallelize_fn: Optional[ParallelizeFn] = None
@@ -39,6 +45,13 @@ class Strategy:
         built there (AdamW then fuses on a GPU); its blocks recompute their activations with
         ``activation_checkpointing``. ``prebuilt_optimizer``: the user built one over the parameters as they were."""
         raise NotImplementedError
+
+    def compile(self, model: torch.nn.Module) -> None:
+        """``compile: true`` or the accelerate config's torch dynamo answer: ``model`` compiled in place, the last
+        thing ``apply`` does (trainer.parallel.compiling)."""
+        if self.compilation is not None:
+            per_block = self.compiles_per_block or self.compilation.per_block
+            self.compiled = compile_in_place(model, self.compilation, per_block=per_block)
 
     def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
         """The model as it trains (wrapped, or as it is), ``optimizer`` kept for ``step`` and ``zero_grad``."""
@@ -104,7 +117,7 @@ class Strategy:
         threads = f", {torch.get_num_threads()} CPU threads per process" if device.type == "cpu" else ""
         launch = (
             f"{run.world} process(es) on {num_machines(run.world)} machine(s), device {device.type}"
-            f"{f' ({kind})' if (kind := self.kind()) else ''}"
+            f"{f' ({kind})' if (kind := ', '.join(w for w in (self.kind(), self.compiled) if w)) else ''}"
             f"{threads}, mixed precision {acc.mixed_precision}"
         )
         tp = run.layout.tp

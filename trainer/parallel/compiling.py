@@ -1,0 +1,75 @@
+"""``torch.compile``, the same way under every strategy (docs/performance.md#compile), in place so that the model
+keeps its module names (checkpoints and the export hold plain weights): either each transformer block's
+``forward`` on its own (one graph per block type, compiled once and reused by every block; the hooks FSDP2 puts
+on a block, its all-gather and reshard, run outside the graph, as in torchtitan, where a block is compiled before
+``fully_shard``), or the whole model (``Module.compile``).
+
+FSDP2, HSDP and tensor parallelism compile per block: compiled whole, a sharded model ran 2.4x slower than eager
+(huggingface/accelerate#4022). DDP compiles the whole model unless the accelerate config asks for regional
+compilation (``dynamo_use_regional_compilation: true``): https://pytorch.org/tutorials/recipes/regional_compilation.html
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class Compilation:
+    """What ``torch.compile`` is called with, and whether the launch asked for it per block."""
+
+    kwargs: dict
+    per_block: bool
+
+    @classmethod
+    def of(cls, compile_: bool) -> Optional[Compilation]:
+        """``compile: true`` (inductor), else the accelerate config's torch dynamo answer (``ACCELERATE_DYNAMO_*``:
+        backend, mode, fullgraph, dynamic, regional compilation) as accelerate reads it; None for neither."""
+        from accelerate.utils import DynamoBackend, TorchDynamoPlugin
+
+        plugin = TorchDynamoPlugin(backend="inductor") if compile_ else TorchDynamoPlugin()
+        if plugin.backend == DynamoBackend.NO:
+            return None
+        return cls(kwargs={"backend": "inductor", **plugin.to_kwargs()}, per_block=plugin.use_regional_compilation)
+
+
+def compile_in_place(model: torch.nn.Module, compilation: Compilation, *, per_block: bool) -> str:
+    """Compile ``model`` (lazily: the first forward traces it); the banner's words for what was compiled.
+    ``per_block``: its blocks only (the rest runs eagerly), or the whole model where it has none."""
+    backend = compilation.kwargs["backend"]
+    blocks = compiled_blocks(model) if per_block else []
+    if not blocks:
+        model.compile(**compilation.kwargs)
+        return f"compiled whole ({backend})"
+    for block in blocks:
+        # An attribute of the block, not of its class: the state dict and the hooks are the block's own.
+        block.forward = torch.compile(block.forward, **compilation.kwargs)
+    names = sorted({_block_name(block) for block in blocks})
+    return f"compiled per block: {len(blocks)} x {'/'.join(names)} ({backend})"
+
+
+def compiled_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks compiled one by one: modules of the classes transformers names in ``_no_split_modules``, else the
+    children of the model's largest ModuleList (nanoGPT's ``transformer.h``); each inside its activation
+    checkpointing wrapper where it has one (the recomputation is then compiled with it, as torchtitan does)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    found = [m for m in model.modules() if m is not model and type(m).__name__ in names]
+    if not found:
+        lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
+        largest = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()), default=[])
+        found = [m for m in largest if type(m) is type(largest[0])]
+    wrappers = {id(m._checkpoint_wrapped_module): m for m in model.modules() if isinstance(m, CheckpointWrapper)}
+    found = [wrappers.get(id(block), block) for block in found]
+    inner = {id(sub) for block in found for sub in block.modules() if sub is not block}
+    return [block for block in found if id(block) not in inner]
+
+
+def _block_name(block: Any) -> str:
+    inner = getattr(block, "_checkpoint_wrapped_module", block)
+    # fully_shard's subclass (FSDPGPT2Block) named as the model's class.
+    return next(c for c in type(inner).__mro__ if not c.__name__.startswith("FSDP")).__name__
