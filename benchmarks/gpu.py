@@ -63,6 +63,9 @@ def build(model_name: str, size: dict, examples: int):
                 n_embd=size["n_embd"],
                 n_layer=size["n_layer"],
                 n_head=size["n_head"],
+                # No key-value cache in training (our Trainer turns it off): each block's cache would recompile
+                # a per-block compiled block, past dynamo's limit of 8, and the rest run eagerly.
+                use_cache=False,
             )
         )
     else:

@@ -77,7 +77,8 @@ class TrainConfig:
     # Drop the M mod K tail examples instead of padding (DistributedSampler's).
     drop_last: bool = False
     num_workers: int = 0
-    # torch.compile the model (accelerate's dynamo plugin, inductor); pays off on GPUs.
+    # torch.compile (inductor): each block under FSDP2, the whole model under DDP; pays off on GPUs
+    # (docs/performance.md#compile).
     compile: bool = False
     # Each transformer block recomputes its activations in backward instead of keeping them (DDP and FSDP2): less
     # memory for about a third more compute; the same updates.
