@@ -468,7 +468,7 @@ def main() -> None:
     parser.add_argument("--examples", type=int, default=48)
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--accumulation", type=int, default=1)
-    parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
+    parser.add_argument("--optimizer", choices=["sgd", "adamw", "muon"], default="sgd")
     parser.add_argument("--lr", type=float, default=0.5)
     parser.add_argument("--weight_decay", type=float, default=0.0)
     parser.add_argument("--schedule", default="constant")

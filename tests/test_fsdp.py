@@ -37,6 +37,7 @@ NANOGPT = [
     "--nanogpt",
 ]
 EMA = ["--ema", "0.5", "--ema_start", "2"]
+MUON = [*RESUMED, "--optimizer", "muon", "--weight_decay", "0.1"]  # the last --optimizer wins
 CLIPPED = ["--batch_size", "4", "--clip", "0.5"]
 OOM = ["--auto_microbatch", "--oom_above", "1"]
 # auto_microbatch under FSDP2 needs FSDPModule.reset_iter_state (torch 2.13): earlier torch refuses it by name.
@@ -228,6 +229,9 @@ VARIANTS = {
     "fsdp, compiled, activation checkpointing": [*ADAMW, *AOT, "--recompute"],
     "fsdp, compiled, ema": [*RESUMED, *EMA, *AOT, "--eval", "--eval_examples", "8", "--eval_every", "3"],
     "fsdp, compiled, out of memory in rank 1's forward": [*CLIPPED, *SHARDED_OOM, *AOT, "--oom_rank", "1"],
+    "fsdp, muon": MUON,
+    "ddp, muon": [*MUON, "--ddp"],
+    "fsdp, muon, resumed at step 4": [*MUON, "--resume_from", "{muon}/checkpoints/step-00000004"],
     "fsdp, cosine down to a floor": [
         "--batch_size",
         "4",
@@ -264,6 +268,7 @@ def fsdp(tmp_path_factory):
         "ema": out / keys["fsdp, ema"],
         "oom": out / keys["ddp, clipped, out of memory in every backward"],
         "compiled": out / keys["fsdp, compiled"],
+        "muon": out / keys["fsdp, muon"],
     }
     variants = {keys[name]: [flag.format(**folders) for flag in flags] for name, flags in VARIANTS.items()}
     result = launch(out, "--variants", json.dumps(variants))
@@ -1123,3 +1128,17 @@ def test_compile_goes_block_by_block_under_fsdp2_and_ddp_and_equals_eager(fsdp):
     exported = GPT2LMHeadModel.from_pretrained(out / "final")
     for name, parameter in exported.named_parameters():
         assert parameter.flatten().tolist() == summary["weights"][name], name
+
+
+def test_muon_trains_the_hidden_matrices_under_fsdp2_as_under_ddp_and_resumes_bit_for_bit(fsdp):
+    """optimizer: muon: torch's Muon on the blocks' 8 weight matrices (Newton-Schulz on the whole matrix, gathered
+    from its shards under FSDP2), AdamW on the embeddings, norms and biases; DDP's weights to the floor of Muon's
+    bf16 iteration (2.1e-3 here, of weights that moved 0.14 from AdamW's), and a resume equals the straight run."""
+    runs, result = fsdp
+    assert "muon lr 0.01 (Muon on 8 hidden weight matrices, AdamW on the rest), weight decay 0.1" in result.stdout
+    sharded, ddp = runs["fsdp, muon"][0], runs["ddp, muon"][0]
+    assert sharded["losses"][-1] < sharded["losses"][0]
+    np.testing.assert_allclose(sharded["losses"], ddp["losses"], rtol=1e-4)
+    for name, values in ddp["weights"].items():
+        np.testing.assert_allclose(sharded["weights"][name], values, rtol=0, atol=5e-3, err_msg=name)
+    assert runs["fsdp, muon, resumed at step 4"][0]["weights"] == sharded["weights"]

@@ -3,6 +3,7 @@ Plain logic: in-process. And the schedules, against transformers' own."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -263,3 +264,42 @@ def test_nanogpts_schedule_from_the_config_alone_is_its_get_lr_at_every_step(tmp
     expected = [nanogpt_get_lr(it) for it in range(14)]
     assert max(abs(a - b) for a, b in zip(used, expected, strict=True)) < 1e-12, (used, expected)
     assert "nanogpt schedule after 3 warm-up steps down to 0.1 x lr, lr_decay_steps 10" in result.stdout
+
+
+def test_muon_takes_the_hidden_matrices_and_its_state_round_trips_into_the_same_next_step():
+    """optimizer: muon splits as the published recipes do: Muon on each block's weight matrices, AdamW on the
+    embeddings, the (tied) head, norms and biases, in one optimizer whose state dict loads into a fresh one and
+    gives the same next step bit for bit; an lr schedule moves both parts."""
+    config = TrainConfig(output_dir="unused", optimizer="muon", lr=0.01, weight_decay=0.1)
+
+    def built():
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)).eval()
+        return model, build_optimizer(model, config)
+
+    def step(model, optimizer):
+        ids = torch.arange(32).reshape(2, 16) % 64
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    model, optimizer = built()
+    names = {id(p): name for name, p in model.named_parameters()}
+    muon = sorted(names[id(p)] for g in optimizer.param_groups if g["muon"] for p in g["params"])
+    assert muon == sorted(
+        f"transformer.h.{i}.{m}.weight"
+        for i in (0, 1)
+        for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    )
+    step(model, optimizer)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    state = copy.deepcopy(optimizer.state_dict())  # as a checkpoint holds it: not the live tensors
+    again, fresh = built()
+    again.load_state_dict(saved)
+    fresh.load_state_dict(state)
+    step(model, optimizer)
+    step(again, fresh)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters(), strict=True))
+    scheduler = build_scheduler(fresh, TrainConfig(output_dir="unused", warmup_steps=2), total_steps=4)
+    scheduler.step()
+    assert {g["lr"] for g in fresh.param_groups} == {0.005}  # warm-up's half way, Muon's groups and AdamW's

@@ -12,7 +12,7 @@ from typing import Any, Optional
 from trainer.config.reading import check_choice, check_keys, coerce, parse_overrides, read_yaml, steps_of
 from trainer.errors import ConfigError
 
-OPTIMIZERS = ("sgd", "adam", "adamw")
+OPTIMIZERS = ("sgd", "adam", "adamw", "muon")
 NAN_POLICIES = ("raise", "skip")
 # transformers' step-based schedules (get_scheduler; trainer.schedules), each after warmup_steps of linear warm-up.
 LR_SCHEDULERS = (
@@ -47,6 +47,7 @@ class TrainConfig:
     batch_size: int = 8
     gradient_accumulation_steps: int = 1
 
+    # sgd, adam, adamw, or muon: Muon on the hidden weight matrices, AdamW on the rest (trainer/optim/muon.py).
     optimizer: str = "adamw"
     lr: float = 3e-4
     # Decays weight matrices and embeddings, not biases or normalisation weights.

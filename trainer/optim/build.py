@@ -11,13 +11,15 @@ import torch
 from trainer.config import TrainConfig
 from trainer.errors import ConfigError
 from trainer.optim import schedules
+from trainer.optim.muon import MuonWithAdamW, muon_parameters
 
 # Transformers' own patterns.
 NORM_NAMES = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
 
 
 def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
-    """sgd / adam / adamw over the model's trainable parameters, ``weight_decay`` on those ``decayed`` names.
+    """sgd / adam / adamw / muon (trainer.optim.muon) over the model's trainable parameters, ``weight_decay`` on
+    those ``decayed`` names.
 
     Adam and AdamW use torch's fused kernel when every parameter is already on a CUDA device (one kernel per
     step instead of several per parameter); the Trainer moves the model to its device first for that reason.
@@ -26,11 +28,17 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.
     groups = parameter_groups(model, config)
     if config.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
-    optimizer_class = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[config.optimizer]
     fused = bool(params) and all(p.device.type == "cuda" for p in params)
-    return optimizer_class(
-        groups, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay, fused=fused or None
-    )
+    adam = dict(betas=config.betas, eps=config.eps, weight_decay=config.weight_decay, fused=fused or None)
+    if config.optimizer == "muon":
+        hidden = muon_parameters(model, decayed(model))
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        taken = [p for name, p in named if name in hidden]
+        rest = [{**g, "params": [p for p in g["params"] if all(p is not t for t in taken)]} for g in groups]
+        muon = [{"params": taken, "weight_decay": config.weight_decay}] if taken else []
+        return MuonWithAdamW(muon, [g for g in rest if g["params"]], lr=config.lr, adamw=adam)
+    optimizer_class = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[config.optimizer]
+    return optimizer_class(groups, lr=config.lr, **adam)
 
 
 def parameter_groups(model: torch.nn.Module, config: TrainConfig) -> list[dict]:
@@ -137,6 +145,9 @@ def describe(
     """The start banner's words for the optimizer and the schedule: the config's, or the classes a user passed."""
     if built_optimizer:
         words = f"{config.optimizer} lr {config.lr:g}"
+        if isinstance(optimizer, MuonWithAdamW):
+            muon = sum(len(g["params"]) for g in optimizer.param_groups if g["muon"])
+            words += f" (Muon on {muon} hidden weight matrices, AdamW on the rest)"
         if config.weight_decay:
             groups = optimizer.param_groups
             tensors = sum(len(group["params"]) for group in groups)
