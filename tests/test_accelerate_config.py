@@ -5,6 +5,7 @@ multi-CPU answers are in tests/test_hosts.py."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import sys
@@ -138,26 +139,39 @@ def test_answers_the_trainer_does_not_run_stop_the_preflight_and_the_launch_in_o
     "answer, package, refusal",
     [
         ({**GPUS, "DeepSpeed?": "yes"}, "DeepSpeed is not installed", DEEPSPEED),
-        ({**GPUS, "mixed precision": "fp8"}, "FP8 (either torchao, Transformer Engine or MSAMP) is not installed", FP8),
         ({"Which type of machine": "TPU"}, None, XLA),
     ],
 )
-def test_deepspeed_fp8_and_tpu_answers_are_refused_by_name(tmp_path, answer, package, refusal):
-    """DeepSpeed and fp8: accelerate config itself stops without their packages; the file it writes where they are
-    installed (the same keys) is refused by the preflight, as the launch refuses it (tests/test_fsdp.py). A TPU
-    file (XLA) is written here, and refused."""
+def test_deepspeed_and_tpu_answers_are_refused_by_name(tmp_path, answer, package, refusal):
+    """DeepSpeed: accelerate config itself stops without it; the file it writes where it is installed (the same
+    keys) is refused by the preflight, as the launch refuses it (tests/test_fsdp.py). A TPU file (XLA) is written
+    here, and refused."""
     path = tmp_path / "answered.yaml"
     asked = accelerate_config(path, answer, expect_ok=package is None)
     if package is not None:
         assert package in asked[-1][1] and not path.exists()
-        kind = "DEEPSPEED" if refusal == DEEPSPEED else "MULTI_GPU"
-        precision = "fp8" if refusal == FP8 else "'no'"
         path.write_text(
-            f"compute_environment: LOCAL_MACHINE\ndistributed_type: {kind}\nmixed_precision: {precision}\n"
+            "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\nmixed_precision: 'no'\n"
             "num_machines: 1\nnum_processes: 2\nmachine_rank: 0\ngpu_ids: all\nuse_cpu: false\n"
-            + ("deepspeed_config:\n  zero_stage: 3\n" if kind == "DEEPSPEED" else "")
+            "deepspeed_config:\n  zero_stage: 3\n"
         )
     assert f"PROBLEM: {refusal}" in preflight(path)
+
+
+def test_fp8_answered_writes_torchaos_backend_which_passes_the_preflight(tmp_path):
+    """fp8, then Enter: accelerate writes torchao's backend (AO), which the trainer runs (tests/test_fsdp.py).
+    Without torchao accelerate config itself stops, and a file that says fp8 is refused by name, naming the extra."""
+    path = tmp_path / "fp8.yaml"
+    if importlib.util.find_spec("torchao") is None:
+        asked = accelerate_config(path, {**GPUS, "mixed precision": "fp8"}, expect_ok=False)
+        assert "FP8 (either torchao, Transformer Engine or MSAMP) is not installed" in asked[-1][1]
+        path.write_text("distributed_type: MULTI_GPU\nnum_processes: 2\nmixed_precision: fp8\n")
+        assert f"PROBLEM: {FP8}" in preflight(path)
+        return
+    accelerate_config(path, {**GPUS, "mixed precision": "fp8"})
+    written = path.read_text()
+    assert "mixed_precision: fp8" in written and "backend: AO" in written, written
+    assert "preflight: no problems found" in preflight(path, ok=True)
 
 
 def test_two_machines_meet_as_accelerate_launch_does_whatever_rendezvous_backend_the_file_names(tmp_path):

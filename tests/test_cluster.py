@@ -195,8 +195,8 @@ def test_preflight_inside_a_two_node_launch_checks_the_shared_output_dir(tmp_pat
 
 def test_preflight_names_a_config_it_cannot_read_or_the_launch_would_refuse(tmp_path):
     """Read alone: an empty file, invalid YAML, an unknown distributed_type, no processes, and what the trainer
-    refuses at once (CPU offload, fp16 with FSDP2, DeepSpeed, Megatron-LM, fp8) are PROBLEM lines, not tracebacks or
-    'no problems found'."""
+    refuses at once (CPU offload, fp16 with FSDP2, DeepSpeed, Megatron-LM, fp8 through Transformer Engine) are
+    PROBLEM lines, not tracebacks or 'no problems found'."""
     from trainer.tools.preflight import describe_config
 
     fsdp = (CONFIGS / "fsdp.yaml").read_text()
@@ -211,7 +211,7 @@ def test_preflight_names_a_config_it_cannot_read_or_the_launch_would_refuse(tmp_
         # Answers of `accelerate config` the trainer does not run: what the launch says, said first.
         "deepspeed": "distributed_type: DEEPSPEED\nnum_processes: 2\ndeepspeed_config:\n  zero_stage: 3\n",
         "megatron": "distributed_type: MEGATRON_LM\nnum_processes: 2\n",
-        "fp8": "distributed_type: MULTI_GPU\nnum_processes: 2\nmixed_precision: fp8\n",
+        "fp8": "distributed_type: MULTI_GPU\nnum_processes: 2\nmixed_precision: fp8\nfp8_config:\n  backend: TE\n",
     }
     problems = {}
     for name, text in files.items():
@@ -229,9 +229,10 @@ def test_preflight_names_a_config_it_cannot_read_or_the_launch_would_refuse(tmp_
         "the accelerate config sets fsdp_offload_params",
         "mixed precision fp16 with FSDP2 is not supported (its loss scaler would have to see sharded gradients)",
     ]
-    from trainer.launch.accelerate_config import DEEPSPEED, FP8, MEGATRON
+    from trainer.launch.accelerate_config import DEEPSPEED, MEGATRON, refusal_of_fp8
 
-    assert (problems["deepspeed"], problems["megatron"], problems["fp8"]) == ([DEEPSPEED], [MEGATRON], [FP8])
+    assert (problems["deepspeed"], problems["megatron"]) == ([DEEPSPEED], [MEGATRON])
+    assert problems["fp8"] == [refusal_of_fp8("TE")]  # the trainer's fp8 is torchao's
 
 
 def test_preflight_asks_wandb_only_of_a_job_that_uses_it(tmp_path):

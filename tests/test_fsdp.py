@@ -5,6 +5,7 @@ on ragged sequences; one launch runs the FSDP2 jobs and their DDP references, --
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import sys
@@ -603,13 +604,14 @@ def test_an_fsdp_version_1_config_is_refused_in_one_line(tmp_path):
 
 
 def test_launches_the_trainer_does_not_run_are_refused_in_one_line_and_a_blank_block_class_is_unset(tmp_path):
-    """What accelerate launch sets in each process for DeepSpeed, Megatron-LM and fp8: one line each, in one
+    """What accelerate launch sets in each process for DeepSpeed, Megatron-LM and fp8 through Transformer Engine
+    (the trainer's fp8 is torchao's): one line each, in one
     process; FSDP2 with fsdp_transformer_layer_cls_to_wrap: '' (`accelerate config` answered with Enter) shards as if
     no class were named."""
     script = f"""
 import os, torch, trainer as t
 cases = {{"deepspeed": {{"ACCELERATE_USE_DEEPSPEED": "true"}}, "megatron": {{"ACCELERATE_USE_MEGATRON_LM": "true"}},
-         "fp8": {{"ACCELERATE_MIXED_PRECISION": "fp8"}},
+         "fp8": {{"ACCELERATE_MIXED_PRECISION": "fp8", "ACCELERATE_FP8_BACKEND": "TE"}},
          "blank": {{"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2",
                    "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP", "FSDP_TRANSFORMER_CLS_TO_WRAP": ""}}}}
 for name, env in cases.items():
@@ -631,9 +633,9 @@ for name, env in cases.items():
         "MASTER_PORT": str(free_port()),
     }
     out = run([sys.executable, "-c", script], env=clean_env(**one)).stdout
-    from trainer.launch.accelerate_config import DEEPSPEED, FP8, MEGATRON
+    from trainer.launch.accelerate_config import DEEPSPEED, MEGATRON, refusal_of_fp8
 
-    for name, message in (("deepspeed", DEEPSPEED), ("megatron", MEGATRON), ("fp8", FP8)):
+    for name, message in (("deepspeed", DEEPSPEED), ("megatron", MEGATRON), ("fp8", refusal_of_fp8("TE"))):
         assert f"{name} REFUSED {message}" in out, out
     assert "blank BUILT" in out and "names no block class" in out, out
 
@@ -1142,3 +1144,34 @@ def test_muon_trains_the_hidden_matrices_under_fsdp2_as_under_ddp_and_resumes_bi
     for name, values in ddp["weights"].items():
         np.testing.assert_allclose(sharded["weights"][name], values, rtol=0, atol=5e-3, err_msg=name)
     assert runs["fsdp, muon, resumed at step 4"][0]["weights"] == sharded["weights"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="fp8 needs torchao: pip install -e '.[fp8]'")
+def test_fp8_through_torchao_trains_sharded_and_as_ddp_resumes_bit_for_bit_and_exports_plain_weights(tmp_path):
+    """mixed_precision: fp8 with torchao's backend (`accelerate launch --mixed_precision fp8 --fp8_backend ao`, as
+    `accelerate config` writes it): a Llama's Linear layers compute in fp8 (all-gathered in fp8 under FSDP2), the
+    output head in bf16, said on the banner; the same rows' loss falls in the second epoch under FSDP2 and DDP; a
+    resume is the straight run bit for bit; the export is a plain model from_pretrained reads. A GPT-2, whose layers
+    are Conv1D (the head aside), has nothing torchao converts: refused by name."""
+    llama = ["--arch", "llama", "--width", "64", *RESUMED]
+    variants = {
+        "fsdp": llama,
+        "ddp": [*llama, "--ddp"],
+        "resumed": [*llama, "--resume_from", f"{tmp_path}/fsdp/checkpoints/step-00000004"],
+        "gpt2": [*SHORT, "--expect_refusal"],
+    }
+    fp8 = ["--mixed_precision", "fp8", "--fp8_backend", "ao"]
+    result = launch(tmp_path, "--variants", json.dumps(variants), run_args=fp8)
+    words = "mixed precision bf16, fp8 (torchao) in 14 Linear layers; in bf16: lm_head (the output head)"
+    assert result.stdout.count(words) == 3, result.stdout
+    runs = {name: json.loads((tmp_path / name / "ragged.json").read_text()) for name in variants}
+    for name in ("fsdp", "ddp"):
+        losses = runs[name]["losses"]
+        assert np.mean(losses[6:]) < np.mean(losses[:6]) - 0.05, (name, losses)
+    assert runs["resumed"]["weights"] == runs["fsdp"]["weights"]
+    from transformers import LlamaForCausalLM
+
+    exported = LlamaForCausalLM.from_pretrained(tmp_path / "fsdp" / "final")
+    for name, parameter in exported.named_parameters():
+        assert parameter.flatten().tolist() == runs["fsdp"]["weights"][name], name
+    assert runs["gpt2"]["refused"].startswith("mixed_precision: fp8: GPT2LMHeadModel has no nn.Linear layer"), runs

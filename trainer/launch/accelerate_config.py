@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 from accelerate.utils import parse_flag_from_env
 
@@ -34,8 +34,8 @@ MEGATRON = (
     "hsdp.yaml shows the section)"
 )
 FP8 = (
-    "the accelerate config asks for mixed_precision: fp8, which this trainer does not run yet: use bf16 "
-    "(accelerate_configs/bf16.yaml; no loss scaler, any GPU since Ampere)"
+    "the accelerate config asks for mixed_precision: fp8, which this trainer runs through torchao, not installed "
+    "here: pip install 'trainer[fp8]', or use bf16 (accelerate_configs/bf16.yaml; any GPU since Ampere)"
 )
 XLA = "the accelerate config asks for XLA (TPU), which this trainer does not run: it runs on CUDA GPUs and CPUs"
 
@@ -50,9 +50,28 @@ def refusal_of_the_launch() -> Optional[str]:
     for variable, message in _LAUNCHED.items():
         if os.environ.get(variable, "false").lower() == "true":
             return message
-    if os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower() == "fp8":
-        return FP8
+    if launch_asks_for_fp8() and (refused := refusal_of_fp8(os.environ.get("ACCELERATE_FP8_BACKEND"))):
+        return refused
     return refusal_of_dynamo(os.environ.get("ACCELERATE_DYNAMO_BACKEND"))
+
+
+def launch_asks_for_fp8() -> bool:
+    """``mixed_precision: fp8``: torchao's fp8 matmuls over bf16 (trainer.parallel.float8)."""
+    return os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower() == "fp8"
+
+
+def refusal_of_fp8(backend: Optional[str]) -> Optional[str]:
+    """Why this host cannot train fp8, or None: a backend other than torchao's, or no torchao installed."""
+    if backend is not None and str(backend).upper() not in ("AO", "NO", "NONE", ""):
+        return (
+            f"the accelerate config asks for fp8 through {backend}; this trainer runs fp8 through torchao: set "
+            "fp8_config's backend: AO (pip install 'trainer[fp8]'), or use bf16"
+        )
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        return FP8
+    return None
 
 
 def dropped_mesh_flags(launcher: Optional[list[str]] = None) -> Optional[str]:
@@ -86,15 +105,15 @@ def dropped_mesh_flags(launcher: Optional[list[str]] = None) -> Optional[str]:
 
 
 def refusal_of_the_file(
-    distributed_type: str, mixed_precision: str, dynamo_backend: Optional[str] = None
+    distributed_type: str, mixed_precision: str, dynamo_backend: Optional[str] = None, *, fp8_backend: Any = None
 ) -> Optional[str]:
-    """The same, from an accelerate config file's ``distributed_type``, ``mixed_precision`` and
-    ``dynamo_config.dynamo_backend``."""
+    """The same, from an accelerate config file's ``distributed_type``, ``mixed_precision``,
+    ``dynamo_config.dynamo_backend`` and ``fp8_config.backend``."""
     by_type = {"DEEPSPEED": DEEPSPEED, "MEGATRON_LM": MEGATRON, "XLA": XLA}
     if distributed_type in by_type:
         return by_type[distributed_type]
-    if str(mixed_precision).lower() == "fp8":
-        return FP8
+    if str(mixed_precision).lower() == "fp8" and (refused := refusal_of_fp8(fp8_backend)):
+        return refused
     return refusal_of_dynamo(dynamo_backend)
 
 

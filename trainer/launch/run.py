@@ -25,6 +25,7 @@ from trainer.launch import host
 from trainer.launch.accelerate_config import (
     accelerate_without_sharding,
     blank_block_class_unset,
+    launch_asks_for_fp8,
     refusal_of_the_launch,
     sharding_requested,
 )
@@ -69,6 +70,10 @@ class Run:
         if (refused := refusal_of_the_launch()) is not None:
             raise ConfigError(refused)
         blank_block_class_unset()
+        if launch_asks_for_fp8():
+            # The strategy makes the fp8 layers (trainer.parallel.float8): accelerate's prepare() must not again
+            # (it also reads `--fp8_backend ao`, lower case, as no backend at all and fails).
+            os.environ["ACCELERATE_FP8_BACKEND"] = "NO"
         sharded = sharding_requested()
         if config.deterministic:
             # Read by cuBLAS when it makes its handle, at the first matmul on the device: before any.
@@ -188,6 +193,8 @@ def build_accelerator(config: TrainConfig) -> Accelerator:
             kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=config.find_unused_parameters)],
             # The strategy compiles, in place, per block or whole (trainer.parallel.compiling), not prepare().
             dynamo_backend="no",
+            # fp8: torchao's fp8 matmuls in the strategy (trainer.parallel.float8), the rest in bf16.
+            mixed_precision="bf16" if launch_asks_for_fp8() else None,
         )
     check_world_size(accelerator)
     host.share_cpu_threads(accelerator.device)

@@ -56,6 +56,7 @@ class DDP(Strategy):
         if parallelize_fn is not None:
             say("parallelize_fn is not called: tensor parallelism needs an FSDP config", once=True)
         self.upcast = whole_on_device(model, self.run.device, self.run.config.seed)
+        self.in_fp8(model, sharded=False)
         if self.recompute:
             checkpoint_activations(model, transformer_blocks(model))
         self.compile(model)

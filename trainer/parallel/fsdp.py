@@ -61,6 +61,12 @@ class FSDP2(Strategy):
             )
         if parallelize_fn is not None and layout.tp == 1:
             say("parallelize_fn is not called: the launch's parallelism_config has no tp_size", once=True)
+        if layout.tp > 1 and self.float8 is not None:
+            raise ShardingError(
+                "mixed_precision: fp8 with tensor parallelism (tp_size > 1) is not supported yet (torchao's fp8 "
+                "layers need their own tensor-parallel plan): use bf16, or shard without tp_size"
+            )
+        self.in_fp8(model, sharded=True)
         tp = tensor_parallel(model, run.mesh[TP], parallelize_fn) if layout.tp > 1 else None
         self.sharded = shard(
             model,

@@ -15,6 +15,7 @@ from trainer.errors import ConfigError, Refusal
 from trainer.launch.host import num_machines
 from trainer.launch.run import Run
 from trainer.parallel.compiling import Compilation, compile_in_place
+from trainer.parallel.float8 import Float8
 from trainer.parallel.tensor_parallel import ParallelizeFn
 
 
@@ -37,6 +38,8 @@ class Strategy:
         self.compilation = Compilation.of(run.config.compile)
         # The banner's words for it ("compiled per block: 12 x GPT2Block (inductor)").
         self.compiled = ""
+        self.float8 = Float8.of_launch(run.device)
+        self.fp8 = ""
 
     def apply(
         self, model: torch.nn.Module, *, prebuilt_optimizer: bool, parallelize_fn: Optional[ParallelizeFn] = None
@@ -45,6 +48,11 @@ class Strategy:
         built there (AdamW then fuses on a GPU); its blocks recompute their activations with
         ``activation_checkpointing``. ``prebuilt_optimizer``: the user built one over the parameters as they were."""
         raise NotImplementedError
+
+    def in_fp8(self, model: torch.nn.Module, *, sharded: bool) -> None:
+        """``mixed_precision: fp8``: the model's Linear layers made torchao's fp8 ones, before sharding."""
+        if self.float8 is not None:
+            self.fp8 = self.float8.convert(model, sharded=sharded)
 
     def compile(self, model: torch.nn.Module) -> None:
         """``compile: true`` or the accelerate config's torch dynamo answer: ``model`` compiled in place, the last
@@ -118,7 +126,7 @@ class Strategy:
         launch = (
             f"{run.world} process(es) on {num_machines(run.world)} machine(s), device {device.type}"
             f"{f' ({kind})' if (kind := ', '.join(w for w in (self.kind(), self.compiled) if w)) else ''}"
-            f"{threads}, mixed precision {acc.mixed_precision}"
+            f"{threads}, mixed precision {acc.mixed_precision}{f', {self.fp8}' if self.fp8 else ''}"
         )
         tp = run.layout.tp
         reader = "process" if tp == 1 else f"tensor-parallel group of {tp}"

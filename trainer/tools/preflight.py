@@ -76,7 +76,8 @@ def describe_config(
         f"  mixed precision: {config.mixed_precision}",
     ]
     dynamo = (getattr(config, "dynamo_config", None) or {}).get("dynamo_backend")
-    if (refused := refusal_of_the_file(kind, config.mixed_precision, dynamo)) is not None:
+    fp8_backend = (getattr(config, "fp8_config", None) or {}).get("backend")
+    if (refused := refusal_of_the_file(kind, config.mixed_precision, dynamo, fp8_backend=fp8_backend)) is not None:
         # What the launch would say, and nothing it would not reach.
         return lines, [refused], processes
     problems: Problems = []
