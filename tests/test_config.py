@@ -41,7 +41,7 @@ def test_overrides_win_over_the_file(tmp_path):
         ("batch_size: '8'\n", "batch_size must be int"),
         ("lr: -1\n", "lr must be >= 0"),
         ("lr: fast\n", "lr must be float"),
-        ("optimizer: adagrad\n", "optimizer must be one of sgd, adam, adamw; got 'adagrad'"),
+        ("optimizer: adagrad\n", "optimizer must be one of sgd, adam, adamw, muon; got 'adagrad'"),
         ("lr_scheduler: step\n", "lr_scheduler must be one of"),
         ("nan_policy: ignore\n", "nan_policy must be one of raise, skip"),
         ("save_every: 0\n", "save_every must be >= 1"),

@@ -20,6 +20,7 @@ from trainer.errors import (
     WorldSizeMismatch,
     install_hook,
 )
+from trainer.launch.accelerate_config import accelerate_env
 from trainer.launch.run import distributed_state
 from trainer.loop.callbacks import EarlyStopping
 from trainer.trainer import Trainer
@@ -39,6 +40,7 @@ __all__ = [
     "TrainConfig",
     "Trainer",
     "WorldSizeMismatch",
+    "accelerate_env",
     "distributed_state",
 ]
 __version__ = "0.1.0"

@@ -170,3 +170,17 @@ def accelerate_without_sharding() -> Iterator[None]:
         yield
     finally:
         os.environ.update(saved)
+
+
+def accelerate_env(config_file: str) -> dict[str, str]:
+    """What ``accelerate launch --config_file FILE`` tells each process about the job (FSDP and its settings, mixed
+    precision, torch dynamo, the mesh, fp8), for an engine that starts the processes itself, as Ray Train does:
+    ``os.environ.update(accelerate_env(path))`` in each worker before the Trainer (docs/clusters.md#ray). Where each
+    process is (RANK, WORLD_SIZE, MASTER_ADDR, its process group) stays the engine's."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(["--config_file", str(config_file), "train.py"])
+    args, _, _ = _validate_launch_command(args)
+    env = prepare_multi_gpu_env(args)
+    return {key: value for key, value in env.items() if key.startswith(("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_"))}
