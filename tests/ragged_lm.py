@@ -189,12 +189,18 @@ class History:
 
 
 class CrashAfter:
-    def __init__(self, step: int):
-        self.step = step
+    """The last rank dies after ``step`` (once: not again where ``marker`` says it did, as a restarted run would)."""
+
+    def __init__(self, step: int, marker: Path | None = None):
+        self.step, self.marker = step, marker
 
     def on_step_end(self, trainer) -> None:
         last_rank = trainer.accelerator.num_processes - 1
         if trainer.global_step == self.step and trainer.accelerator.process_index == last_rank:
+            if self.marker is not None:
+                if self.marker.exists():
+                    return
+                self.marker.touch()
             print(f"CRASH after step {self.step}", flush=True)
             os._exit(1)
 
@@ -281,7 +287,11 @@ def ours(args) -> dict:
         if args.eval
         else None,
         loss_fn=pair_loss if args.loss == "pair" else None,
-        callbacks=[CrashAfter(args.crash_at)] if args.crash_at else [history] if args.history else [],
+        callbacks=[CrashAfter(args.crash_at, Path(args.out, "crashed") if args.crash_once else None)]
+        if args.crash_at
+        else [history]
+        if args.history
+        else [],
     )
     running["trainer"] = trainer
     initial = weights(trainer.unwrapped_model) if args.initial else None
@@ -485,6 +495,7 @@ def main() -> None:
     parser.add_argument("--evaluate_only", action="store_true", help="evaluate() the loaded weights instead of fit()")
     parser.add_argument("--resume_from", default=None, help="a checkpoint to continue from")
     parser.add_argument("--crash_at", type=int, default=0)
+    parser.add_argument("--crash_once", action="store_true", help="not again in a run restarted after the crash")
     parser.add_argument("--eval", action="store_true", help="evaluate on the training rows after training")
     parser.add_argument("--ddp", action="store_true", help="under an FSDP launch: this job as DDP (the reference)")
     parser.add_argument("--bf16_model", action="store_true", help="build the model in bf16")
