@@ -1,12 +1,13 @@
-"""What our Trainer costs on a GPU: GPT-2 124M in bf16 through a hand-written PyTorch loop, a raw Accelerate loop
-and our Trainer, as transformers' GPT2LMHeadModel and as a compact GPT (benchmarks/compact_gpt.py, whose fast step
-shows a trainer's own per-step cost), in three modes: eager, compiled (the whole model) and blocks (each block's
-forward compiled on its own: torchtitan's recipe, accelerate's regional compilation); and GPT2LMHeadModel sharded
-with FSDP2 (eager and per block), through a hand-written ``fully_shard`` loop and through our Trainer with
-fsdp.yaml's settings, on a mesh of the one GPU. One table: tokens/s, MFU, ms/step, peak memory, and each variant's
-speed and memory against the raw PyTorch loop.
+"""What our Trainer costs on a GPU: GPT-2 124M in bf16 through a hand-written PyTorch loop, a raw Accelerate loop,
+our Trainer and the trainers users would pick instead (transformers' and Lightning's, each with its fastest settings;
+rows left out where one is not installed), as transformers' GPT2LMHeadModel and as a compact GPT
+(benchmarks/compact_gpt.py, whose fast step shows a trainer's own per-step cost), in three modes: eager, compiled
+(the whole model) and blocks (each block's forward compiled on its own: torchtitan's recipe, accelerate's regional
+compilation); and GPT2LMHeadModel sharded with FSDP2 (eager and per block), through a hand-written ``fully_shard``
+loop and through our Trainer with fsdp.yaml's settings, on a mesh of the one GPU. One table: tokens/s, MFU, ms/step,
+peak memory, and each variant's speed and memory against the raw PyTorch loop.
 
-    bash benchmarks/gpu.sh                       # the whole grid on one GPU: 20-25 minutes (--modes splits it)
+    bash benchmarks/gpu.sh                       # the whole grid on one GPU: 25-30 minutes (--modes splits it)
     python benchmarks/gpu.py --models hf --modes blocks --batches 16 --variants torch,ours,fsdp_torch,fsdp_ours
     python benchmarks/gpu.py --smoke             # the same code on a tiny model, on the CPU, in a few minutes
 
@@ -21,6 +22,7 @@ synchronisations; the warm-up ends with the first log (its one-time costs), and 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -37,9 +39,12 @@ VARIANTS = {
     "torch": "raw PyTorch loop",
     "accelerate": "raw Accelerate loop",
     "ours": "our Trainer",
+    "hf_trainer": "transformers' Trainer",
+    "lightning": "Lightning's Trainer",
     "fsdp_torch": "hand-written fully_shard loop",
     "fsdp_ours": "our Trainer, FSDP2",
 }
+PEERS = {"hf_trainer": "transformers", "lightning": "lightning"}  # each optional where it is not installed
 SHARDED = ("fsdp_torch", "fsdp_ours")  # GPT2LMHeadModel, eager: one process as a 1-GPU mesh (sharding costs, no gain)
 FSDP2_ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP"}
 LOG_EVERY = 25  # the warm-up is one log period: every variant logs twice in the timed window
@@ -169,6 +174,85 @@ def run_accelerate(model, data, batch: int, mode: str, clock: Clock) -> None:
         clock.tick()
         if step == clock.total:
             return
+
+
+def run_hf_trainer(model, data, batch: int, mode: str, clock: Clock) -> None:
+    """transformers' Trainer with its fastest settings: bf16, fused AdamW, pinned memory, torch_compile when compiled
+    (the whole model; per block it has no switch for, so "blocks" compiles whole too)."""
+    import torch
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    class Tick(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            clock.tick()
+
+    cuda = torch.cuda.is_available()
+    arguments = TrainingArguments(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=batch,
+        max_steps=clock.total + 1,
+        learning_rate=3e-4,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        optim="adamw_torch_fused" if cuda else "adamw_torch",
+        bf16=True,
+        torch_compile=mode != "eager",
+        logging_steps=LOG_EVERY,
+        save_strategy="no",
+        report_to=[],
+        dataloader_pin_memory=cuda,
+        disable_tqdm=True,
+        use_cpu=not cuda,
+    )
+    Trainer(model=model, args=arguments, train_dataset=data, callbacks=[Tick()]).train()
+
+
+def run_lightning(model, data, batch: int, mode: str, clock: Clock) -> None:
+    """Lightning's Trainer with its fastest settings: bf16-mixed, fused AdamW, pinned memory, the model compiled when
+    compiled (each block's forward on its own for "blocks", as the raw loop does)."""
+    import lightning as L
+    import torch
+
+    cuda = torch.cuda.is_available()
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def training_step(self, examples, index):
+            loss = self.model(**examples).loss
+            if (index + 1) % LOG_EVERY == 0:
+                self.log("loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=3e-4, weight_decay=0.0, fused=cuda or None)
+
+    class Tick(L.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, examples, index):
+            clock.tick()
+
+    if mode == "blocks":
+        for block in blocks_of(model):
+            block.forward = torch.compile(block.forward)
+    elif mode == "compiled":  # the model in place: torch.compile of the LightningModule itself fails in dynamo
+        model.compile()
+    module = Module()
+    loader = torch.utils.data.DataLoader(data, batch_size=batch, shuffle=True, pin_memory=cuda)
+    trainer = L.Trainer(
+        accelerator="gpu" if cuda else "cpu",
+        devices=1,
+        precision="bf16-mixed",
+        max_steps=clock.total + 1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=LOG_EVERY,
+        callbacks=[Tick()],
+    )
+    trainer.fit(module, loader)
 
 
 def run_fsdp_torch(model, data, batch: int, mode: str, clock: Clock) -> None:
@@ -321,6 +405,11 @@ def main() -> None:
         for key in grid:
             for variant in args.variants.split(","):
                 if variant in SHARDED and (key[0] != "hf" or key[1] == "compiled"):
+                    continue
+                if variant == "hf_trainer" and key[0] != "hf":  # it reads the loss off a dict or ModelOutput only
+                    continue
+                if variant in PEERS and importlib.util.find_spec(PEERS[variant]) is None:
+                    print(f"{VARIANTS[variant]}: not installed ({PEERS[variant]}), its rows left out", flush=True)
                     continue
                 measured = measure(variant, *key, args)
                 if measured:
