@@ -2,10 +2,10 @@
 keeps its module names (checkpoints and the export hold plain weights): either each transformer block's
 ``forward`` on its own (one graph per block type, compiled once and reused by every block; the hooks FSDP2 puts
 on a block, its all-gather and reshard, run outside the graph, as in torchtitan, where a block is compiled before
-``fully_shard``), or the whole model (``Module.compile``).
+``fully_shard``), or the whole model (``Module.compile``; its ``forward`` alone when it is sharded).
 
-FSDP2, HSDP and tensor parallelism compile per block: compiled whole, a sharded model ran 2.4x slower than eager
-(huggingface/accelerate#4022). DDP compiles the whole model unless the accelerate config asks for regional
+FSDP2 and HSDP compile per block: compiled whole, a sharded model ran 2.4x slower than eager
+(huggingface/accelerate#4022); with tensor parallelism compile is refused for now (trainer.parallel.fsdp). DDP compiles the whole model unless the accelerate config asks for regional
 compilation (``dynamo_use_regional_compilation: true``): https://pytorch.org/tutorials/recipes/regional_compilation.html
 """
 
@@ -41,6 +41,10 @@ def compile_in_place(model: torch.nn.Module, compilation: Compilation, *, per_bl
     ``per_block``: its blocks only (the rest runs eagerly), or the whole model where it has none."""
     backend = compilation.kwargs["backend"]
     blocks = compiled_blocks(model) if per_block else []
+    if not blocks and per_block:
+        # No blocks to compile one by one: the model's forward, its hooks (a sharded root's all-gather) outside.
+        model.forward = torch.compile(model.forward, **compilation.kwargs)
+        return f"compiled whole ({backend})"
     if not blocks:
         model.compile(**compilation.kwargs)
         return f"compiled whole ({backend})"
