@@ -5,8 +5,9 @@ on a block, its all-gather and reshard, run outside the graph, as in torchtitan,
 ``fully_shard``), or the whole model (``Module.compile``; its ``forward`` alone when it is sharded).
 
 FSDP2 and HSDP compile per block: compiled whole, a sharded model ran 2.4x slower than eager
-(huggingface/accelerate#4022); with tensor parallelism compile is refused for now (trainer.parallel.fsdp). DDP compiles the whole model unless the accelerate config asks for regional
-compilation (``dynamo_use_regional_compilation: true``): https://pytorch.org/tutorials/recipes/regional_compilation.html
+(huggingface/accelerate#4022); with tensor parallelism compile is refused for now (trainer.parallel.fsdp). DDP
+compiles the whole model unless the accelerate config asks for regional compilation
+(``dynamo_use_regional_compilation: true``): https://pytorch.org/tutorials/recipes/regional_compilation.html
 """
 
 from __future__ import annotations
