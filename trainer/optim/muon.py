@@ -7,9 +7,14 @@ one set of groups for the schedule. Muon's step is scaled to AdamW's update size
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Optional
 
 import torch
+
+# Muon's norm of a matrix split over two mesh dimensions (tensor parallelism x FSDP) takes two all-reduces, which
+# torch logs as "suboptimal" at every step: every rank gets the same result, and nothing a user can change.
+REDISTRIBUTE = logging.getLogger("torch.distributed.tensor._redistribute")
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
@@ -43,9 +48,14 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for inner in self._inner:
-            if inner is not None:
-                inner.step()
+        level = REDISTRIBUTE.level
+        REDISTRIBUTE.setLevel(logging.ERROR)
+        try:
+            for inner in self._inner:
+                if inner is not None:
+                    inner.step()
+        finally:
+            REDISTRIBUTE.setLevel(level)
         return loss
 
     def load_state_dict(self, state_dict: dict) -> None:
