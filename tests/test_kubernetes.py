@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 from test_checkpoint import assert_bit_identical, final_weights, reference  # noqa: F401
 
-from conftest import ROOT, SCENARIOS, clean_env, free_port
+from conftest import ROOT, SCENARIOS, clean_env, free_port, run
 
 EXAMPLES = ROOT / "examples" / "kubernetes"
 CRDS = ROOT / "tests" / "data" / "crds"
@@ -140,3 +140,22 @@ def test_the_jobs_command_under_pet_variables_is_evicted_and_restarted_bit_ident
     log.seek(0)
     assert f"step {step}" in log.read()
     assert_bit_identical(final_weights(reference), final_weights(tmp_path))
+
+
+def test_a_checkpoint_slower_than_the_grace_is_said_once(tmp_path):
+    """A pod's SIGKILL comes terminationGracePeriodSeconds after SIGTERM, and the trainer exits preemption_grace_s
+    after it: a checkpoint that takes longer than that grace would be cut off in a preemption. Said at the first
+    such save, once."""
+    script = f"""
+import time, torch, trainer as t
+from trainer.checkpoint import store
+commit = store.commit
+store.commit = lambda *a, **kw: (time.sleep(1.2), commit(*a, **kw))[1]  # a slow disk: 1.2 s a commit
+config = t.TrainConfig(output_dir=r"{tmp_path}", batch_size=2, max_steps=3, save_every=1, preemption_grace_s=1)
+t.Trainer(torch.nn.Linear(2, 1), config, [{{"x": torch.ones(2), "y": torch.ones(1)}}] * 8,
+          loss_fn=lambda model, batch: ((model(batch["x"]) - batch["y"]) ** 2).mean()).fit()
+"""
+    result = run([sys.executable, "-c", script], env=clean_env())
+    said = [line for line in result.stderr.splitlines() if "longer than preemption_grace_s (1 s)" in line]
+    assert len(said) == 1 and said[0].startswith("trainer: a checkpoint took "), result.stderr[-2000:]
+    assert "terminationGracePeriodSeconds" in said[0]

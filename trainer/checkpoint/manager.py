@@ -14,6 +14,7 @@ import contextlib
 import functools
 import pickle
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -24,6 +25,7 @@ from trainer.checkpoint.policy import RunSetup, group_settings, random_states
 from trainer.checkpoint.safe_dcp import refused_pickle
 from trainer.checkpoint.store import checkpoint_root, root_cause, staging_folder, write_failed
 from trainer.errors import CheckpointError, Refusal
+from trainer.launch.preemption import warn_of_a_slow_save
 from trainer.telemetry.console import say
 
 
@@ -32,8 +34,7 @@ class Checkpointer:
 
     Args:
         run: the job.
-        parts: what a checkpoint holds, by name (see the module docstring; None: none); ``model`` and ``train``
-            among them.
+        parts: what a checkpoint holds, by name (the module docstring; None: none), ``model`` and ``train`` too.
         setup: how the run is set up (``trainer.checkpoint.policy.RunSetup``): each checkpoint records it, a resume
             compares it.
         best: ``keep_best``'s record (a part too), which the ``best`` pointer follows.
@@ -76,7 +77,7 @@ class Checkpointer:
         ``evaluated``: the latest evaluation, ``(step, metrics)``, judged by keep_best when it is this step's."""
         # One save in flight at a time.
         self.wait()
-        run = self.run
+        run, started = self.run, time.monotonic()
         if self.best.figure is not None and evaluated is not None and evaluated[0] == step:
             # The record this checkpoint holds, which the best pointer follows.
             self.best.judge(*evaluated)
@@ -123,13 +124,13 @@ class Checkpointer:
 
         # Every rank learns whether it was committed.
         run.main_decides(commit)
+        warn_of_a_slow_save(run.config, time.monotonic() - started)
         self.last = store.final_folder(self.root, step)
         return self.last
 
     def of_step(self, step: int, save: Callable[[], Path]) -> Path:
         """A committed checkpoint of step ``step`` (a preemption's): the one saved there, or one ``save`` writes."""
-        # A checkpoint written in the background is committed first.
-        self.wait()
+        self.wait()  # a checkpoint written in the background is committed first
         return self.last if self.last == store.final_folder(self.root, step) else save()
 
     @contextlib.contextmanager

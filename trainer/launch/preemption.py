@@ -177,3 +177,21 @@ def requeue_slurm_job() -> str:
             said = f"scontrol was killed by {signal.Signals(-done.returncode).name}"
         return f"scontrol requeue {job} failed: {said}"
     return f"job {job} requeued ({time.monotonic() - started:.1f} s)"
+
+
+def warn_of_a_slow_save(config: Any, seconds: float) -> None:
+    """Once: a checkpoint that took longer than ``preemption_grace_s``, so that a preemption's would be cut off (the
+    grace must also stay under the launcher's: Kubernetes' terminationGracePeriodSeconds, Slurm's signal lead)."""
+    global _SLOW_SAVE_SAID
+    if _SLOW_SAVE_SAID or not config.signal_names or seconds <= config.preemption_grace_s:
+        return
+    _SLOW_SAVE_SAID = True
+    warn(
+        f"a checkpoint took {seconds:.1f} s, longer than preemption_grace_s ({config.preemption_grace_s:g} s): a "
+        "preemption would exit before its checkpoint is committed. Raise preemption_grace_s, and keep the "
+        "launcher's grace above it (Kubernetes' terminationGracePeriodSeconds, Slurm's --signal lead time)",
+        main_only=True,
+    )
+
+
+_SLOW_SAVE_SAID = False
