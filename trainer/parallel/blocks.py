@@ -17,18 +17,33 @@ from trainer.parallel.placement import region
 from trainer.telemetry.console import say
 
 
-def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's repeated blocks: modules of the classes transformers names in ``_no_split_modules``
-    (GPT2Block, LlamaDecoderLayer, ...), outermost ones only."""
+def named_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Modules of the classes transformers names in ``_no_split_modules`` (GPT2Block, LlamaDecoderLayer, ...),
+    outermost ones only; none for a model that names none."""
     names = set(getattr(model, "_no_split_modules", None) or ())
-    found = [module for module in model.modules() if module is not model and type(module).__name__ in names]
+    return outermost([module for module in model.modules() if module is not model and type(module).__name__ in names])
+
+
+def largest_module_list(model: torch.nn.Module) -> tuple[str, list[torch.nn.Module]]:
+    """The name and children of the model's largest ModuleList by parameters (nanoGPT's ``transformer.h``,
+    torchtitan's ``layers``); ("", []) when it has none."""
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
+    if not lists:
+        return "", []
+    name, blocks = max(lists, key=lambda item: sum(p.numel() for p in item[1].parameters()))
+    return name, list(blocks)
+
+
+def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated blocks, as ``named_blocks`` finds them; refused by name when there are none."""
+    found = named_blocks(model)
     if not found:
         raise ConfigError(
             f"activation_checkpointing: no transformer block found in {type(model).__name__} (it "
             "names none in _no_split_modules, as transformers models do): set it to false, or wrap "
             "your blocks with torch.utils.checkpoint yourself"
         )
-    return outermost(found)
+    return found
 
 
 def outermost(modules: list[torch.nn.Module]) -> list[torch.nn.Module]:
@@ -93,22 +108,21 @@ def wrap_groups(model: torch.nn.Module, plugin: Any) -> list[torch.nn.Module]:
 def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """For a model that names no block class: the children of its largest ModuleList (nanoGPT's ``transformer.h``,
     torchtitan's ``layers``), said in a line; none (one group) when it has no ModuleList, also said."""
-    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
+    name, blocks = largest_module_list(model)
     how = "name its block class in fsdp_transformer_layer_cls_to_wrap to choose the groups"
-    if not lists:
+    if not blocks:
         say(
             f"FSDP2: {type(model).__name__} names no block class (_no_split_modules) and has no ModuleList: the "
             f"whole model is one group, gathered whole for every forward; {how}",
             once=True,
         )
         return []
-    name, blocks = max(lists, key=lambda item: sum(p.numel() for p in item[1].parameters()))
     say(
         f"FSDP2: {type(model).__name__} names no block class (_no_split_modules): each of the {len(blocks)} "
         f"modules of {name} ({type(blocks[0]).__name__}) is one group; {how}",
         once=True,
     )
-    return list(blocks)
+    return blocks
 
 
 def _tied_outside(module: torch.nn.Module, holders: dict[int, set[int]]) -> bool:

@@ -17,6 +17,8 @@ from typing import Any, Optional
 
 import torch
 
+from trainer.parallel.blocks import largest_module_list, named_blocks
+
 
 @dataclass(frozen=True)
 class Compilation:
@@ -62,12 +64,10 @@ def compiled_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     checkpointing wrapper where it has one (the recomputation is then compiled with it, as torchtitan does)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    found = [m for m in model.modules() if m is not model and type(m).__name__ in names]
+    found = named_blocks(model)
     if not found:
-        lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
-        largest = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()), default=[])
-        found = [m for m in largest if type(m) is type(largest[0])]
+        children = largest_module_list(model)[1]
+        found = [m for m in children if type(m) is type(children[0])]
     wrappers = {id(m._checkpoint_wrapped_module): m for m in model.modules() if isinstance(m, CheckpointWrapper)}
     found = [wrappers.get(id(block), block) for block in found]
     inner = {id(sub) for block in found for sub in block.modules() if sub is not block}
