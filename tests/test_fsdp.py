@@ -5,7 +5,6 @@ on ragged sequences; one launch runs the FSDP2 jobs and their DDP references, --
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import sys
@@ -1144,34 +1143,3 @@ def test_muon_trains_the_hidden_matrices_under_fsdp2_as_under_ddp_and_resumes_bi
     for name, values in ddp["weights"].items():
         np.testing.assert_allclose(sharded["weights"][name], values, rtol=0, atol=5e-3, err_msg=name)
     assert runs["fsdp, muon, resumed at step 4"][0]["weights"] == sharded["weights"]
-
-
-@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="fp8 needs torchao: pip install -e '.[fp8]'")
-def test_fp8_through_torchao_trains_sharded_and_as_ddp_resumes_bit_for_bit_and_exports_plain_weights(tmp_path):
-    """mixed_precision: fp8 with torchao's backend (`accelerate launch --mixed_precision fp8 --fp8_backend ao`, as
-    `accelerate config` writes it): a Llama's Linear layers compute in fp8 (all-gathered in fp8 under FSDP2), the
-    output head in bf16, said on the banner; the same rows' loss falls in the second epoch under FSDP2 and DDP; a
-    resume is the straight run bit for bit; the export is a plain model from_pretrained reads. A GPT-2, whose layers
-    are Conv1D (the head aside), has nothing torchao converts: refused by name."""
-    llama = ["--arch", "llama", "--width", "64", *RESUMED]
-    variants = {
-        "fsdp": llama,
-        "ddp": [*llama, "--ddp"],
-        "resumed": [*llama, "--resume_from", f"{tmp_path}/fsdp/checkpoints/step-00000004"],
-        "gpt2": [*SHORT, "--expect_refusal"],
-    }
-    fp8 = ["--mixed_precision", "fp8", "--fp8_backend", "ao"]
-    result = launch(tmp_path, "--variants", json.dumps(variants), run_args=fp8)
-    words = "mixed precision bf16, fp8 (torchao) in 14 Linear layers; in bf16: lm_head (the output head)"
-    assert result.stdout.count(words) == 3, result.stdout
-    runs = {name: json.loads((tmp_path / name / "ragged.json").read_text()) for name in variants}
-    for name in ("fsdp", "ddp"):
-        losses = runs[name]["losses"]
-        assert np.mean(losses[6:]) < np.mean(losses[:6]) - 0.05, (name, losses)
-    assert runs["resumed"]["weights"] == runs["fsdp"]["weights"]
-    from transformers import LlamaForCausalLM
-
-    exported = LlamaForCausalLM.from_pretrained(tmp_path / "fsdp" / "final")
-    for name, parameter in exported.named_parameters():
-        assert parameter.flatten().tolist() == runs["fsdp"]["weights"][name], name
-    assert runs["gpt2"]["refused"].startswith("mixed_precision: fp8: GPT2LMHeadModel has no nn.Linear layer"), runs
