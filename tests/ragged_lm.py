@@ -247,6 +247,7 @@ def ours(args) -> dict:
         auto_microbatch=args.auto_microbatch,
         compile=args.compile,
         resume=args.resume_from or ("auto" if args.save_every else None),
+        checkpoint_storage=args.storage,
     )
     seen, history = Seen(), History()
     floor = reset_peak_memory() if args.peak else None
@@ -489,6 +490,7 @@ def main() -> None:
     parser.add_argument("--save_every", type=int, default=None)
     parser.add_argument("--keep_last", type=int, default=2)
     parser.add_argument("--save_async", action="store_true")
+    parser.add_argument("--storage", default=None, help="checkpoint_storage: an object store's URL")
     parser.add_argument("--recompute", action="store_true", help="activation_checkpointing: true")
     parser.add_argument("--eval_examples", type=int, default=None, help="evaluate on the first N rows only")
     parser.add_argument("--predict", action="store_true", help="predict() the evaluation rows after training")

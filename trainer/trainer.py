@@ -22,7 +22,6 @@ from trainer.checkpoint.export import export_model
 from trainer.checkpoint.manager import Checkpointer
 from trainer.checkpoint.parts import AccelerateState, CallbackStates, ModelPart
 from trainer.checkpoint.policy import RunSetup
-from trainer.checkpoint.store import best_checkpoint
 from trainer.config import TrainConfig
 from trainer.data.loaders import Loaders, batches_per_epoch, examples_per_process, start_epoch
 from trainer.data.mixing import MixtureShares
@@ -173,7 +172,7 @@ class Trainer(TrainerView):
         return directory
 
     best_checkpoint = property(
-        lambda self: best_checkpoint(self.checkpoints.root, self.keep_best.best),
+        lambda self: self.checkpoints.best_checkpoint(),
         doc="With ``keep_best``: the checkpoint of the best evaluation so far (``load_checkpoint`` it), else None.",
     )
 

@@ -20,7 +20,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from trainer.checkpoint.store import root_cause, write_failed
+from trainer.checkpoint.failures import root_cause
+from trainer.checkpoint.store import write_failed
 from trainer.errors import CheckpointError
 
 

@@ -34,7 +34,7 @@ def verify(path: Path, contents: bool = True) -> Path:
         raise CheckpointError(f"checkpoint {path} is torn: it has no {STATE_FILE}{others(path)}")
     _no_links(path)
     state = read_state(path)
-    _listed_inside(path, state["files"])
+    listed_inside(path, state["files"])
     for name, size in state["files"].items():
         file = path / name
         if not file.is_file() or file.stat().st_size != size:
@@ -49,7 +49,7 @@ def verify(path: Path, contents: bool = True) -> Path:
     return path
 
 
-def _listed_inside(path: Path, listed: dict[str, Any]) -> None:
+def listed_inside(path: Path, listed: dict[str, Any]) -> None:
     """Nothing outside a checkpoint's folder is read: no name in its manifest leads out of it (absolute, ``..``)."""
     for name in listed:
         parts = Path(name).parts

@@ -18,12 +18,14 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from trainer.checkpoint import integrity, store
+from trainer.checkpoint import bucket, integrity, store, transfers
 from trainer.checkpoint.background import BackgroundSaves
 from trainer.checkpoint.best import KeepBest
+from trainer.checkpoint.failures import agreed_failure
 from trainer.checkpoint.policy import RunSetup, group_settings, random_states
 from trainer.checkpoint.safe_dcp import refused_pickle
-from trainer.checkpoint.store import checkpoint_root, root_cause, staging_folder, write_failed
+from trainer.checkpoint.store import checkpoint_root, staging_folder, write_failed
+from trainer.checkpoint.transfers import DOWNLOADS
 from trainer.errors import CheckpointError, Refusal
 from trainer.launch.preemption import warn_of_a_slow_save
 from trainer.telemetry.console import say
@@ -45,11 +47,13 @@ class Checkpointer:
         self.parts = {name: part for name, part in parts.items() if part is not None}
         # Refused at the start, on every rank, rather than at the first checkpoint.
         store.check_writable(run.config.output_dir)
+        # Where the checkpoints are written (in object storage: staged for the upload, downloaded to resume).
         self.root = checkpoint_root(run.config.output_dir)
+        self.bucket = bucket.Bucket.checked(run.config.checkpoint_storage)
         # The saves written while training goes on (save_async), or None.
         self.background = BackgroundSaves(run) if run.config.save_async else None
         # The newest checkpoint committed (or resumed from).
-        self.last: Optional[Path] = None
+        self.last: Optional[Path | str] = None
         # The output_dir's lock, held by the main process while it lives.
         self._lock: Any = None
 
@@ -58,6 +62,8 @@ class Checkpointer:
         aside); every rank resumes from it (``resume``'s answer) or starts fresh, or raises the main process's
         refusal (a locked output_dir, checkpoints a run without resume would overwrite, ...)."""
         found = self.run.main_decides(self._find)
+        if self.bucket is not None:
+            return transfers.resume_from_bucket(self, found)
         if found is not None:
             return self.resume(Path(found), verified=True)
         if self.run.config.resume == "auto":
@@ -67,7 +73,8 @@ class Checkpointer:
     def _find(self) -> Optional[str]:
         config = self.run.config
         self._lock = store.lock_output_dir(config.output_dir)
-        found = store.resume_point(self.root, config.resume)
+        remote, resume = self.bucket, config.resume
+        found = remote.resume_point(resume, self.root / DOWNLOADS) if remote else store.resume_point(self.root, resume)
         return None if found is None else str(found)
 
     def save(self, step: int, *, wait: bool = True, evaluated: Optional[tuple] = None) -> Path:
@@ -102,6 +109,8 @@ class Checkpointer:
 
         # Every rank learns whether the folder could be made (a read-only disk), then writes into it.
         run.main_decides(make_staging)
+        if self.bucket is not None:
+            transfers.stage_on_every_machine(run, staging)
         in_background = self.background is not None and not wait
         for part in self.parts.values():
             if callable(getattr(part, "save", None)):
@@ -111,6 +120,10 @@ class Checkpointer:
                     rank, err, alone = failed
                     raise write_failed(staging, self.root, err, rank=rank if alone else None) from None
         keep_last = run.config.keep_last
+        if self.bucket is not None:
+            self.last = transfers.commit_everywhere(run, self.bucket, staging, state=state, keep_last=keep_last)
+            warn_of_a_slow_save(run.config, time.monotonic() - started)
+            return self.last
         if in_background:
             future = self.parts["model"].save_async(staging, self.background.group)
             self.background.start(future, staging, lambda: store.commit(staging, state, keep_last))
@@ -131,7 +144,8 @@ class Checkpointer:
     def of_step(self, step: int, save: Callable[[], Path]) -> Path:
         """A committed checkpoint of step ``step`` (a preemption's): the one saved there, or one ``save`` writes."""
         self.wait()  # a checkpoint written in the background is committed first
-        return self.last if self.last == store.final_folder(self.root, step) else save()
+        done = store.final_folder(self.root, step)
+        return self.last if self.last in (done, self.bucket.url_of(done.name) if self.bucket else done) else save()
 
     @contextlib.contextmanager
     def cleaned_up_on_error(self) -> Iterator[None]:
@@ -173,9 +187,19 @@ class Checkpointer:
     def load_best(self, step: int) -> None:
         """At the end of ``fit()``, with ``load_best_at_end``: the best evaluation's weights (and their average) back
         in the model, said in a line (``KeepBest.load_best``)."""
-        best = store.best_checkpoint(self.root, self.best.best) if self.best.loads_at(step) else None
-        damage = self.damage(best) if best is not None else None
+        record = self.best.best if self.best.loads_at(step) else None
+        if self.bucket is not None:
+            best, damage = transfers.best_on_every_machine(self, record)
+        else:
+            best = store.best_checkpoint(self.root, record)
+            damage = self.damage(best) if best is not None else None
         self.best.load_best(best, step, load_weights=self._load_weights, damage=damage)
+
+    def best_checkpoint(self) -> Optional[Path | str]:
+        """With keep_best: the checkpoint of the best evaluation so far (its URL in object storage), else None."""
+        if self.bucket is not None:
+            return self.bucket.best_url(self.best.best)
+        return store.best_checkpoint(self.root, self.best.best)
 
     def _load_weights(self, path: Path) -> None:
         state = self.read(path, verified=True)
@@ -273,28 +297,3 @@ class Checkpointer:
                         f"checkpoint {path}: the {name!r} state in {integrity.STATE_FILE} cannot be used "
                         f"({type(err).__name__}: {err}). Resume from another checkpoint (resume=<path>)"
                     ) from None
-
-
-def agreed_failure(run: Any, attempt: Callable[[], None]) -> Optional[tuple[int, BaseException, bool]]:
-    """``attempt()`` on every rank, then on every rank the first failing rank, its failure (this rank's own
-    exception where it failed, else a ``CheckpointError`` of the failing rank's words) and whether some rank did
-    not fail; None when none failed. No rank goes on into a collective while another has stopped (a file refused
-    on one rank only would otherwise hang the job)."""
-    mine: Optional[BaseException] = None
-    try:
-        attempt()
-    # torch.distributed.checkpoint's failure is a BaseException, not an Exception.
-    except BaseException as err:
-        # KeyboardInterrupt, SystemExit: not a failed write or read.
-        if not isinstance(err, Exception) and root_cause(err)[0] is None:
-            raise
-        mine = err
-    words = None if mine is None else str(mine) if isinstance(mine, Refusal) else f"{type(mine).__name__}: {mine}"
-    said = run.gather(words)
-    failing = [rank for rank, text in enumerate(said) if text is not None]
-    if not failing:
-        return None
-    alone = len(failing) < len(said)
-    if mine is not None and failing[0] == run.rank:
-        return run.rank, mine, alone
-    return failing[0], CheckpointError(said[failing[0]]), alone

@@ -14,6 +14,7 @@ import socket
 from pathlib import Path
 from typing import Any, Optional
 
+from trainer.checkpoint.failures import root_cause
 from trainer.checkpoint.integrity import (
     PREFIX,
     STATE_FILE,
@@ -101,14 +102,16 @@ def pointed_at(pointer: Path) -> str:
         raw = pointer.read_bytes()
     except OSError as err:
         raise CheckpointError(f"the {pointer.name} pointer {pointer} cannot be read: {err}") from None
+    return checked_name(raw, f"the {pointer.name} pointer {pointer}")
+
+
+def checked_name(raw: bytes, pointer: str) -> str:
+    """What ``pointer`` (its words) holds, ``raw``, if it is the name of a ``step-<digits>`` folder beside it."""
     name = raw.decode("utf-8", errors="replace").strip()
     if not STEP_FOLDER.fullmatch(name):
         # Printable.
         shown = f"holds {ascii(raw[:60])}{'...' if len(raw) > 60 else ''}" if raw else "is empty"
-        raise CheckpointError(
-            f"the {pointer.name} pointer {pointer} is corrupt: it {shown}, not the name of a "
-            f"{PREFIX}<digits> folder beside it"
-        )
+        raise CheckpointError(f"{pointer} is corrupt: it {shown}, not the name of a {PREFIX}<digits> folder beside it")
     return name
 
 
@@ -211,7 +214,7 @@ def write_failed(staging: Path, root: Path, err: BaseException, *, rank: Optiona
     free = shutil.disk_usage(root).free
     full = isinstance(err, OSError) and err.errno == errno.ENOSPC or free < (1 << 20)
     full = full or any(words in str(err) for words in ("iostream error", "No space left on device"))
-    # Another rank's failure comes in words (trainer.checkpoint.manager.agreed_failure).
+    # Another rank's failure comes in words (trainer.checkpoint.failures.agreed_failure).
     said = str(err) if isinstance(err, CheckpointError) else f"{type(err).__name__}: {err}"
     why = f"the disk is full ({free / 2**20:.1f} MB free at {root})" if full else said
     why += f" (rank {rank})" if rank is not None else ""
@@ -226,17 +229,6 @@ def write_failed(staging: Path, root: Path, err: BaseException, *, rank: Optiona
         f"could not write checkpoint {staging.name.removeprefix('.tmp-')}: {why}. The unfinished "
         f"folder was removed; {kept}."
     )
-
-
-def root_cause(err: BaseException) -> tuple[Optional[int], BaseException]:
-    """The first failing rank and its own exception, for a torch.distributed.checkpoint failure (which wraps every
-    failed rank's exception with its traceback: ten lines no one needs); ``(None, err)`` for any other."""
-    failures = getattr(err, "failures", None)
-    if not isinstance(failures, dict) or not failures:
-        return None, err
-    rank = min(failures)
-    cause = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
-    return rank, cause
 
 
 def _write_atomically(path: Path, text: str) -> None:

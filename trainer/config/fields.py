@@ -105,6 +105,9 @@ class TrainConfig:
     # Checkpoints written in the background while training goes on (DDP and FSDP2 alike): the step waits only for the
     # copy to CPU memory. Committed once every process's files are written; one save in flight at a time.
     save_async: bool = False
+    # Checkpoints in object storage (docs/checkpoints.md): an fsspec URL (s3://bucket/run, gs://bucket/run) where every
+    # process uploads its files of each checkpoint, committed by a manifest written last; output_dir keeps the rest.
+    checkpoint_storage: Optional[str] = None
     # An evaluate() figure (eval_loss, eval_accuracy, ...): the checkpoint of its best evaluation is kept apart from
     # keep_last (the "best" pointer names it). Needs checkpoints at evaluation steps (save_every a multiple of
     # eval_every); keep_best_mode "min" (lower is better) or "max".
@@ -257,6 +260,13 @@ class TrainConfig:
             )
         check_choice("nan_policy", self.nan_policy, NAN_POLICIES)
         check_choice("keep_best_mode", self.keep_best_mode, ("min", "max"))
+        if self.checkpoint_storage is not None and (self.save_async or "://" not in self.checkpoint_storage):
+            raise ConfigError(
+                f"checkpoint_storage must be an object store's URL (s3://bucket/run), without save_async (not yet); "
+                f"got {self.checkpoint_storage!r} with save_async {self.save_async}"
+            )
+        if "://" in (self.resume or "") and not self.checkpoint_storage:
+            raise ConfigError(f"resume is a URL ({self.resume}): set checkpoint_storage, the bucket checkpoints go to")
         if self.resume == "":
             raise ConfigError("resume must be null, 'auto' or a checkpoint path; got ''")
         for name in self.signal_names:
