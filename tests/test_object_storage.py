@@ -41,6 +41,7 @@ class S3:
         logging.getLogger("werkzeug").setLevel(logging.ERROR)
         self.app = DomainDispatcherApplication(create_backend_app)
         self.kill: dict = {}  # "key": a part of the key; "after": PUTs to let through first; "pid": the job's
+        self.refuse = "/refused/step-00000004/"  # PUTs to these keys are answered 403
         self.killed: list[str] = []
         self.server = make_server("127.0.0.1", free_port(), self.serve, threaded=True)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
@@ -53,6 +54,9 @@ class S3:
         self.fs.mkdir(BUCKET)
 
     def serve(self, environ, start_response):
+        if environ["REQUEST_METHOD"] == "PUT" and self.refuse in environ["PATH_INFO"]:
+            start_response("403 Forbidden", [("Content-Type", "application/xml")])
+            return [b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"]
         kill = self.kill
         if environ["REQUEST_METHOD"] == "PUT" and kill and kill["key"] in environ["PATH_INFO"]:
             kill["after"] -= 1
@@ -106,13 +110,14 @@ def summary(out) -> dict:
 def test_ddp_a_crashed_run_resumes_from_the_bucket_bit_identical_and_keep_best_reads_the_best_back(s3, tmp_path):
     """2 processes (DDP): the last rank dies after step 7; run again, the job downloads step 6 from the bucket and
     ends with the weights of the run never interrupted. Only the last two checkpoints stay in the bucket; the local
-    output_dir holds no checkpoint. With keep_best (the highest eval loss: step 6's), step 6 is spared and read back
-    from the bucket at the end, as from a disk."""
+    output_dir holds no checkpoint. A store that refuses an upload is named, the last checkpoint kept. With keep_best
+    (the highest eval loss: step 6's), step 6 is spared and read back from the bucket at the end, as from a disk."""
     url = f"s3://{BUCKET}/ddp"
     straight = ["--storage", f"{url}/straight"]
     crashed = ["--storage", f"{url}/crashed", "--crash_at", "7", "--crash_once"]
     best = ["--eval", "--eval_examples", "8", "--best"]
     variants = {"straight": straight, "best": [*best, "--storage", f"{url}/best"], "best on disk": best}
+    variants["refused"] = ["--storage", f"{url}/refused", "--expect_refusal"]  # the server refuses step 4's uploads
     first = launch(s3, tmp_path, {**variants, "crashed": crashed}, expect_ok=False)
     assert "CRASH after step 7" in first.stdout, first.stdout[-3000:] + first.stderr[-3000:]
     assert s3.fs.cat(f"{BUCKET}/ddp/crashed/latest") == b"step-00000006"
@@ -128,6 +133,10 @@ def test_ddp_a_crashed_run_resumes_from_the_bucket_bit_identical_and_keep_best_r
     assert {key.split("/")[0] for key in s3.keys("ddp/best")} == {"step-00000006", "step-00000010", "step-00000012",
                                                                    "latest", "best"}  # fmt: skip
     assert summary(tmp_path / "best")["weights"] == summary(tmp_path / "best on disk")["weights"]
+    refused = summary(tmp_path / "refused")["refused"]
+    assert refused.startswith(f"could not upload checkpoint step-00000004 to {url}/refused: PermissionError: ")
+    assert refused.endswith(f"; {url}/refused/step-00000002 is still the latest"), refused
+    assert not list((tmp_path / "refused" / "checkpoints").iterdir())  # its staging folder removed
 
 
 def test_fsdp2_killed_during_an_upload_resumes_from_the_last_committed_and_exports_from_the_bucket(s3, tmp_path):

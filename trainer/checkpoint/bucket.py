@@ -28,6 +28,11 @@ from trainer.telemetry.console import warn
 DAMAGED = f"{STATE_FILE}.damaged"
 
 
+class Damaged(CheckpointError):
+    """A checkpoint in the bucket that is not whole (torn, damaged, not a trainer's): a fact about the checkpoint,
+    unlike a failure of the store's own (the network), after which no older checkpoint is taken in its place."""
+
+
 def _in_words(method: Callable) -> Callable:
     """A failure of the store's own (credentials, the network) as a ``CheckpointError`` naming the bucket: one line,
     which ``main_decides`` tells every rank."""
@@ -137,7 +142,8 @@ class Bucket:
         for name in names:
             try:
                 found = self.fetch(name, local_root)
-            except CheckpointError as err:
+            # A failure of the store itself (the network) is raised: an older checkpoint is no answer to it.
+            except Damaged as err:
                 problems.append(without_alternatives(err))
                 self._set_aside(name)
                 continue
@@ -168,23 +174,25 @@ class Bucket:
         except FileNotFoundError:
             torn = f"is torn: it has no {STATE_FILE} (an upload that did not finish)"
             kind = torn if self.fs.exists(remote) else "does not exist"
-            raise CheckpointError(f"checkpoint {self.url_of(name)} {kind}{self._others(name)}") from None
+            raise Damaged(f"checkpoint {self.url_of(name)} {kind}{self._others(name)}") from None
         shutil.rmtree(local, ignore_errors=True)
         local.mkdir(parents=True)
         (local / STATE_FILE).write_bytes(manifest)
-        listed = integrity.read_state(local)["files"]
-        integrity.listed_inside(local, listed)
-        targets = [local / name for name in listed]
-        for target in targets:
-            target.parent.mkdir(parents=True, exist_ok=True)
         try:
-            # fsspec fetches a list of objects concurrently.
-            self.fs.get([f"{remote}/{name}" for name in listed], [str(target) for target in targets])
-        except FileNotFoundError as err:
-            raise CheckpointError(
-                f"checkpoint {self.url_of(name)} is torn: {Path(str(err.filename or err)).name} is missing"
-            ) from None
-        return integrity.verify(local)
+            listed = integrity.read_state(local)["files"]
+            integrity.listed_inside(local, listed)
+            targets = [local / name for name in listed]
+            for target in targets:
+                target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                # fsspec fetches a list of objects concurrently.
+                self.fs.get([f"{remote}/{name}" for name in listed], [str(target) for target in targets])
+            except FileNotFoundError as err:
+                missing = Path(str(err.filename or err)).name
+                raise CheckpointError(f"checkpoint {self.url_of(name)} is torn: {missing} is missing") from None
+            return integrity.verify(local)
+        except CheckpointError as err:
+            raise Damaged(str(err)) from None
 
     def _others(self, name: str) -> str:
         found = [self.url_of(other) for other in self.committed() if other != name]

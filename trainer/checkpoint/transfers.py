@@ -55,11 +55,13 @@ def commit_everywhere(run: Any, bucket: Bucket, staging: Path, *, state: dict[st
     failed = agreed_failure(run, lambda: sent.update(bucket.upload(staging, share)))
     if failed is not None:
         rank, err, _ = failed
+        # Another rank's failure comes in its words.
+        said = str(err) if isinstance(err, CheckpointError) else f"{type(err).__name__}: {err}"
         latest = run.main_decides(bucket.pointer)
         kept = f"{bucket.url_of(latest)} is still the latest" if latest else "none was committed before"
-        raise CheckpointError(
-            f"could not upload checkpoint {name} to {bucket.url}: {type(err).__name__}: {err} (rank {rank}); {kept}"
-        )
+        if run.accelerator.is_local_main_process:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointError(f"could not upload checkpoint {name} to {bucket.url}: {said} (rank {rank}); {kept}")
     uploaded = {file: tuple(sizes) for part in run.gather(sent) for file, sizes in part.items()}
     url = run.main_decides(lambda: bucket.commit(name, state, uploaded=uploaded, keep_last=keep_last))
     if run.accelerator.is_local_main_process:
