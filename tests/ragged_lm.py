@@ -273,6 +273,8 @@ def ours(args) -> dict:
                 time.sleep(args.stall_in_block)
 
         model.transformer.h[0].register_forward_pre_hook(stuck)
+    if args.step_sleep:  # a job long enough for something to happen while it trains, each step slower
+        model.register_forward_pre_hook(lambda module, inputs: time.sleep(args.step_sleep))
     own_split = split_mlps if args.parallelize_fn else None
     factories = nanogpt_factories(args.lr, args.warmup, args.max_steps) if args.nanogpt else {}
     trainer = Trainer(
@@ -497,6 +499,7 @@ def main() -> None:
     parser.add_argument("--evaluate_only", action="store_true", help="evaluate() the loaded weights instead of fit()")
     parser.add_argument("--resume_from", default=None, help="a checkpoint to continue from")
     parser.add_argument("--crash_at", type=int, default=0)
+    parser.add_argument("--step_sleep", type=float, default=0, help="each forward takes this much longer (seconds)")
     parser.add_argument("--crash_once", action="store_true", help="not again in a run restarted after the crash")
     parser.add_argument("--eval", action="store_true", help="evaluate on the training rows after training")
     parser.add_argument("--ddp", action="store_true", help="under an FSDP launch: this job as DDP (the reference)")

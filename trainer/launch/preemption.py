@@ -1,6 +1,7 @@
 """Preemption: a signal becomes a checkpoint at an optimizer step every rank agrees on (one small asynchronous
-all-reduce on the host group, no step waits for it), then a clean exit with status 75; Slurm requeue
-(docs/internals.md#preemption, docs/checkpoints.md).
+all-reduce on the host group, no step waits for it), then a clean exit with status 75; Slurm requeue; under Ray Train,
+its notice that a node is about to be reclaimed becomes a checkpoint at once, training going on until Ray restarts the
+job from it (docs/internals.md#preemption, docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -30,8 +32,12 @@ CHECK_EVERY_S = 1.0
 class PreemptionWatch:
     """Notes the configured signals while fit() runs; ``agreed()`` at each optimizer step says whether to stop."""
 
-    def __init__(self, run: Any):
+    def __init__(self, run: Any, *, save_at: Optional[Callable[[int], Any]] = None):
         self.signals = [getattr(signal, name) for name in run.config.signal_names]
+        # Under Ray Train: its preemption notice (a barrier of Ray's, asked at every check on every rank), and the
+        # checkpoint of a step it asks for (save_at), once.
+        self._notice = ray_notice() if save_at is not None else None
+        self._save_at, self._noticed = save_at, False
         self.grace_s = run.config.preemption_grace_s
         group = run.host
         # The first signal's number, 0 until one arrives.
@@ -103,6 +109,8 @@ class PreemptionWatch:
 
     def agreed(self, step: int) -> int:
         """The signal any rank had received by the previous check (0: none); the same answer on every rank."""
+        if self._notice is not None and not step % self.check_every:
+            self._heed_notice(step)
         if self._group is None or self._agreed:
             return self._agreed or self.received
         if step % self.check_every:
@@ -119,6 +127,21 @@ class PreemptionWatch:
             self._pending = None
         return seen
 
+    def _heed_notice(self, step: int) -> None:
+        """Ray Train's notice that a node of the job is to be reclaimed (the same on every rank): a checkpoint of this
+        step, once, as Ray asks; training goes on, and when the node is gone Ray restarts the job, which resumes
+        from it (``resume: auto``) rather than from the last periodic checkpoint."""
+        if self._noticed or (info := self._notice()) is None:
+            return
+        self._noticed = True
+        left = f", {info.deadline_ms / 1000 - time.time():.0f} s before the deadline" if info.deadline_ms else ""
+        saved = self._save_at(step)
+        warn(
+            f"Ray Train: node(s) of this job will be preempted (ranks {info.preempted_ranks}): "
+            f"checkpoint {saved} of step {step} committed{left}; training goes on until Ray restarts the job from it",
+            main_only=True,
+        )
+
     def agree_now(self) -> bool:
         """Compare notes now, waiting for the answer: before a periodic save, which may take longer than the
         launcher's or Slurm's grace. Call it on every rank at the same step; True when some rank has had a signal
@@ -134,6 +157,20 @@ class PreemptionWatch:
             dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group)
         self._agreed = int(self._flag.item())
         return bool(self._agreed)
+
+
+def ray_notice() -> Optional[Callable[[], Any]]:
+    """``ray.train.get_preemption_info`` in a worker of Ray Train, else None (Ray is never imported for it)."""
+    if "ray.train" not in sys.modules:
+        return None
+    import ray.train
+
+    try:
+        ray.train.get_context()
+    # Not in a Ray Train worker.
+    except Exception:
+        return None
+    return ray.train.get_preemption_info
 
 
 def stop(signal_number: int, step: int, *, total_steps: int, checkpoint_now: Callable[[], Any], run: Any) -> Preempted:
