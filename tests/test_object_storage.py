@@ -118,6 +118,7 @@ def test_ddp_a_crashed_run_resumes_from_the_bucket_bit_identical_and_keep_best_r
     best = ["--eval", "--eval_examples", "8", "--best"]
     variants = {"straight": straight, "best": [*best, "--storage", f"{url}/best"], "best on disk": best}
     variants["refused"] = ["--storage", f"{url}/refused", "--expect_refusal"]  # the server refuses step 4's uploads
+    variants["in the background"] = ["--storage", f"{url}/background", "--save_async"]
     first = launch(s3, tmp_path, {**variants, "crashed": crashed}, expect_ok=False)
     assert "CRASH after step 7" in first.stdout, first.stdout[-3000:] + first.stderr[-3000:]
     assert s3.fs.cat(f"{BUCKET}/ddp/crashed/latest") == b"step-00000006"
@@ -137,6 +138,9 @@ def test_ddp_a_crashed_run_resumes_from_the_bucket_bit_identical_and_keep_best_r
     assert refused.startswith(f"could not upload checkpoint step-00000004 to {url}/refused: PermissionError: ")
     assert refused.endswith(f"; {url}/refused/step-00000002 is still the latest"), refused
     assert not list((tmp_path / "refused" / "checkpoints").iterdir())  # its staging folder removed
+    # save_async: each rank uploads from a thread of its own once its shards are written; the same checkpoints.
+    assert summary(tmp_path / "in the background")["weights"] == summary(tmp_path / "straight")["weights"]
+    assert {key.split("/")[0] for key in s3.keys("ddp/background")} == kept
 
 
 def test_fsdp2_killed_during_an_upload_resumes_from_the_last_committed_and_exports_from_the_bucket(s3, tmp_path):
@@ -229,9 +233,10 @@ def test_a_bucket_that_cannot_be_written_a_corrupt_pointer_and_a_wrong_setting_a
     s3.fs.pipe(f"{BUCKET}/pointed/latest", b"../other-run/step-00000004")
     with pytest.raises(CheckpointError, match=r"the latest pointer s3://checkpoints/pointed/latest is corrupt"):
         Bucket(f"s3://{BUCKET}/pointed").resume_point("auto", tmp_path)
-    for wrong in ({"checkpoint_storage": "runs/bucket"}, {"checkpoint_storage": "s3://b/run", "save_async": True}):
-        with pytest.raises(ConfigError, match="checkpoint_storage must be an object store's URL"):
-            TrainConfig(**wrong)
+    with pytest.raises(ConfigError, match="checkpoint_storage must be an object store's URL"):
+        TrainConfig(checkpoint_storage="runs/bucket")
+    with pytest.raises(ConfigError, match="resume is a URL"):
+        TrainConfig(resume="s3://checkpoints/run/step-00000002")
     # Each file sent once, by a rank that sees it, the work spread: machine 0 (ranks 0, 1) shares a disk.
     given = shares([["a", "b", "c"], ["a", "b", "c"], ["d", "e"]])
     assert sorted(sum(given, [])) == ["a", "b", "c", "d", "e"] and all(given)

@@ -26,11 +26,14 @@ from trainer.errors import CheckpointError
 
 
 class BackgroundSave:
-    """The checkpoint being written: this process's write, and on the main process the thread that commits it."""
+    """The checkpoint being written: this process's write, and on the main process the thread that commits it (on
+    every process, for a bucket: ``commit`` then waits for the write itself, agreeing with the others)."""
 
-    def __init__(self, future: Future, staging: Path, commit: Optional[Callable[[], Path]]):
-        self.future, self.staging = future, staging
+    def __init__(self, future: Future, staging: Path, commit: Optional[Callable[[], Any]], *, everywhere: bool = False):
+        self.future, self.staging, self.everywhere = future, staging, everywhere
         self.error: Optional[BaseException] = None
+        # What the commit returned: the checkpoint's folder, or its URL.
+        self.committed: Any = None
         self._thread = None
         if commit is not None:
             self._thread = threading.Thread(
@@ -40,8 +43,9 @@ class BackgroundSave:
 
     def _commit_when_written(self, commit: Callable[[], Path]) -> None:
         try:
-            self.future.result()
-            commit()
+            if not self.everywhere:
+                self.future.result()
+            self.committed = commit()
         # Told to every process at the next wait.
         except BaseException as err:
             self.error = err
@@ -68,8 +72,11 @@ class BackgroundSaves:
         self.group = writers_group(run.world, run.config.collective_timeout_s)
         self.in_flight: Optional[BackgroundSave] = None
 
-    def start(self, future: Future, staging: Path, commit: Callable[[], Path]) -> None:
-        self.in_flight = BackgroundSave(future, staging, commit if self.main else None)
+    def start(self, future: Future, staging: Path, commit: Callable[[], Any], *, on_main: bool = False) -> None:
+        """``on_main``: ``commit`` runs on the main process once the write is done (a disk's rename), else on every
+        process, waiting for the write itself (a bucket's uploads)."""
+        chosen = None if on_main and not self.main else commit
+        self.in_flight = BackgroundSave(future, staging, chosen, everywhere=not on_main)
 
     def wait(self) -> Optional[Path]:
         """Until the checkpoint in flight is committed; its folder (on every process), or None when there was none.
@@ -85,11 +92,14 @@ class BackgroundSaves:
         failed = sorted(found for found in self.run.gather(mine) if found)
         if failed:
             rank, kind, text = failed[0]
+            # A bucket's failure, said already in its words.
+            if kind == "CheckpointError":
+                raise CheckpointError(text)
             if self.main:
                 cause = OSError(errno.ENOSPC, text) if "No space left" in text else RuntimeError(f"{kind}: {text}")
                 raise write_failed(save.staging, save.staging.parent, cause, rank=rank)
             raise CheckpointError(f"checkpoint {save.staging.name} could not be written (rank {rank}: {kind}: {text})")
-        return save.staging.parent / save.staging.name.removeprefix(".tmp-")
+        return save.committed or save.staging.parent / save.staging.name.removeprefix(".tmp-")
 
     def abandon(self, timeout_s: float = 60.0) -> Optional[str]:
         """After an error ends the run: this process's write in flight waited for (a while: the other processes

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import pickle
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -98,17 +97,8 @@ class Checkpointer:
         )
         staging = staging_folder(self.root, step)
 
-        def make_staging() -> None:
-            try:
-                # Left by a crash during an earlier save.
-                if staging.exists():
-                    shutil.rmtree(staging)
-                staging.mkdir(parents=True)
-            except OSError as err:
-                raise write_failed(staging, self.root, err) from None
-
         # Every rank learns whether the folder could be made (a read-only disk), then writes into it.
-        run.main_decides(make_staging)
+        run.main_decides(functools.partial(store.make_staging, staging))
         if self.bucket is not None:
             transfers.stage_on_every_machine(run, staging)
         in_background = self.background is not None and not wait
@@ -120,14 +110,17 @@ class Checkpointer:
                     rank, err, alone = failed
                     raise write_failed(staging, self.root, err, rank=rank if alone else None) from None
         keep_last = run.config.keep_last
+        if in_background:
+            future = self.parts["model"].save_async(staging, self.background.group)
+            if self.bucket is not None:
+                self.background.start(future, staging, transfers.committer(self, staging, future, state=state))
+            else:
+                self.background.start(future, staging, lambda: store.commit(staging, state, keep_last), on_main=True)
+            return self._final(step)
         if self.bucket is not None:
             self.last = transfers.commit_everywhere(run, self.bucket, staging, state=state, keep_last=keep_last)
             warn_of_a_slow_save(run.config, time.monotonic() - started)
             return self.last
-        if in_background:
-            future = self.parts["model"].save_async(staging, self.background.group)
-            self.background.start(future, staging, lambda: store.commit(staging, state, keep_last))
-            return store.final_folder(self.root, step)
 
         def commit() -> None:
             try:
@@ -144,8 +137,12 @@ class Checkpointer:
     def of_step(self, step: int, save: Callable[[], Path]) -> Path:
         """A committed checkpoint of step ``step`` (a preemption's): the one saved there, or one ``save`` writes."""
         self.wait()  # a checkpoint written in the background is committed first
-        done = store.final_folder(self.root, step)
-        return self.last if self.last in (done, self.bucket.url_of(done.name) if self.bucket else done) else save()
+        return self.last if self.last == self._final(step) else save()
+
+    def _final(self, step: int) -> Path | str:
+        """Where step ``step``'s checkpoint is once committed: its folder, or its URL in the bucket."""
+        final = store.final_folder(self.root, step)
+        return self.bucket.url_of(final.name) if self.bucket else final
 
     @contextlib.contextmanager
     def cleaned_up_on_error(self) -> Iterator[None]:

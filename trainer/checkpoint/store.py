@@ -140,6 +140,16 @@ def staging_folder(root: Path, step: int) -> Path:
     return root / f".tmp-{final_folder(root, step).name}"
 
 
+def make_staging(staging: Path) -> None:
+    """The folder every rank writes a checkpoint into, empty (what a crash during an earlier save left, removed)."""
+    try:
+        if staging.exists():
+            shutil.rmtree(staging)
+        staging.mkdir(parents=True)
+    except OSError as err:
+        raise write_failed(staging, staging.parent, err) from None
+
+
 def commit(staging: Path, trainer_state: dict[str, Any], keep_last: int) -> Path:
     """The main process, once every rank's files are in ``staging``: the manifest (every file's size and CRC-32)
     written last into it, the rename to ``step-N``, the pointers, the pruning. The ``best`` pointer names the

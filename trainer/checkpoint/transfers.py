@@ -5,9 +5,10 @@ machine (once in all where the machines share a disk). Every function is collect
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from trainer.checkpoint import integrity
 from trainer.checkpoint.bucket import Bucket
@@ -67,6 +68,24 @@ def commit_everywhere(run: Any, bucket: Bucket, staging: Path, *, state: dict[st
     if run.accelerator.is_local_main_process:
         shutil.rmtree(staging, ignore_errors=True)
     return url
+
+
+def committer(checkpointer: Any, staging: Path, future: Any, *, state: dict[str, Any]) -> Callable[[], str]:
+    """``save_async``'s commit to a bucket, for a thread of every process: the writes agreed on (each process's, or
+    the first failure), then ``commit_everywhere``, its collectives on the background writes' own group."""
+    run = dataclasses.replace(checkpointer.run, host=checkpointer.background.group)
+
+    def commit() -> str:
+        failed = agreed_failure(run, future.result)
+        if failed is not None:
+            rank, err, _ = failed
+            if run.accelerator.is_local_main_process:
+                shutil.rmtree(staging, ignore_errors=True)
+            said = str(err) if isinstance(err, CheckpointError) else f"{type(err).__name__}: {err}"
+            raise CheckpointError(f"checkpoint {staging.name.removeprefix('.tmp-')} could not be written: {said}")
+        return commit_everywhere(run, checkpointer.bucket, staging, state=state, keep_last=run.config.keep_last)
+
+    return commit
 
 
 def resume_from_bucket(checkpointer: Any, found: Optional[str]) -> Optional[Any]:

@@ -260,10 +260,9 @@ class TrainConfig:
             )
         check_choice("nan_policy", self.nan_policy, NAN_POLICIES)
         check_choice("keep_best_mode", self.keep_best_mode, ("min", "max"))
-        if self.checkpoint_storage is not None and (self.save_async or "://" not in self.checkpoint_storage):
+        if self.checkpoint_storage is not None and "://" not in self.checkpoint_storage:
             raise ConfigError(
-                f"checkpoint_storage must be an object store's URL (s3://bucket/run), without save_async (not yet); "
-                f"got {self.checkpoint_storage!r} with save_async {self.save_async}"
+                f"checkpoint_storage must be an object store's URL (s3://bucket/run); got {self.checkpoint_storage!r}"
             )
         if "://" in (self.resume or "") and not self.checkpoint_storage:
             raise ConfigError(f"resume is a URL ({self.resume}): set checkpoint_storage, the bucket checkpoints go to")
