@@ -191,8 +191,7 @@ class Trainer(TrainerView):
         if self.state.step >= self.total_steps:
             say(FINISHED.format(step=self.state.step, total=self.total_steps))
         hooks.call(self.callbacks, "on_train_begin", self)
-        save_at = functools.partial(self.checkpoints.of_step, save=self.save_checkpoint)
-        started, self.preemption = time.perf_counter(), PreemptionWatch(self.run, save_at=save_at)
+        started, self.preemption = time.perf_counter(), PreemptionWatch.of(self)
         with (
             peer_loss_in_a_line(),
             self.telemetry.closing(),

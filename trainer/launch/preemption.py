@@ -6,6 +6,7 @@ job from it (docs/internals.md#preemption, docs/checkpoints.md).
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -54,6 +55,12 @@ class PreemptionWatch:
         self._agreed = 0
         # From the next check on (a check issued at the old pace is read at it)
         self._next_every = 1
+
+    @classmethod
+    def of(cls, trainer: Any) -> "PreemptionWatch":
+        """The watch of a Trainer's ``fit()``, saving a checkpoint of a step (or taking the one saved there) where
+        Ray's notice asks."""
+        return cls(trainer.run, save_at=functools.partial(trainer.checkpoints.of_step, save=trainer.save_checkpoint))
 
     def __enter__(self) -> "PreemptionWatch":
         # Only the main thread may set handlers.
