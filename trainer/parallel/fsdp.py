@@ -53,12 +53,6 @@ class FSDP2(Strategy):
                 "or choose them in the config (optimizer, lr, lr_scheduler, ...)"
             )
         layout = run.layout
-        if layout.tp > 1 and self.compilation is not None:
-            # Tried on 4 processes (TP 2 x FSDP 2, a 2-block Llama, aot_eager): weights 0.04 from eager's by step 6.
-            raise ShardingError(
-                "compile with tensor parallelism (tp_size > 1) is not supported yet: its compiled blocks' updates "
-                "differ from eager ones. Set compile: false (and answer no to torch dynamo), or shard without tp_size"
-            )
         if parallelize_fn is not None and layout.tp == 1:
             say("parallelize_fn is not called: the launch's parallelism_config has no tp_size", once=True)
         if layout.tp > 1 and self.float8 is not None:
