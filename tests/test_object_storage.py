@@ -241,3 +241,14 @@ def test_a_bucket_that_cannot_be_written_a_corrupt_pointer_and_a_wrong_setting_a
     given = shares([["a", "b", "c"], ["a", "b", "c"], ["d", "e"]])
     assert sorted(sum(given, [])) == ["a", "b", "c", "d", "e"] and all(given)
     assert set(given[0] + given[1]) == {"a", "b", "c"} and set(given[2]) == {"d", "e"}
+
+
+def test_the_preflight_asks_every_rank_to_write_to_the_bucket(s3, tmp_path):
+    """``trainer.check --checkpoint_storage`` inside a 2-process launch: a bucket that does not exist is one PROBLEM
+    line per rank, naming it, and exit 1 (the good bucket's word is the launches' above: they start by writing)."""
+    command = launch_command(ROOT / "trainer" / "tools" / "preflight.py", "--checkpoint_storage", "s3://no-such/run")
+    command += ["--output_dir", str(tmp_path)]
+    checked = run(command, env=s3.env(), expect_ok=False)
+    for rank in (0, 1):
+        assert f"PROBLEM: rank {rank} (" in checked.stdout, checked.stdout + checked.stderr[-2000:]
+    assert checked.stdout.count("checkpoint_storage s3://no-such/run cannot be written: ") == 2

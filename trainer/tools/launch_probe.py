@@ -15,10 +15,16 @@ Problems = list[str]
 
 
 def check_launch(
-    output_dir: Optional[str], expected_processes: Optional[int], timeout_s: float, *, uses_wandb: bool = False
+    output_dir: Optional[str],
+    expected_processes: Optional[int],
+    timeout_s: float,
+    *,
+    uses_wandb: bool = False,
+    storage: Optional[str] = None,
 ) -> Problems:
     """Run on every rank of a launched job; return the problems (the same list on every rank). wandb is asked
-    only of a job that uses it: one that does not should not fail its preflight over a missing API key."""
+    only of a job that uses it: one that does not should not fail its preflight over a missing API key. With a
+    ``storage`` bucket (checkpoint_storage), every rank must write there, and output_dir need not be shared."""
     from accelerate.utils import broadcast_object_list, gather_object
 
     from trainer.launch.host import launched_world_size
@@ -45,6 +51,7 @@ def check_launch(
             broadcast_object_list(token)
         me["sees"], me["cannot_write"] = _probe_shared(Path(output_dir), token[0], rank=rank, state=state)
     me["wandb"] = _wandb_problem() if uses_wandb and state.local_process_index == 0 else None
+    me["bucket"] = _bucket_problem(storage) if storage else None
     # Every rank answering is the reachability check.
     everyone = gather_object([me]) if world > 1 else [me]
     if state.is_main_process:
@@ -58,7 +65,7 @@ def check_launch(
                 f"output_dir {output_dir} is not writable from rank {other['rank']} ({other['host']}): "
                 f"{other['cannot_write']}"
             )
-        blind = [o for o in everyone if o["sees"] < world and not unwritable]
+        blind = [o for o in everyone if o["sees"] < world and not unwritable and not storage]
         for other in blind:
             problems.append(
                 f"output_dir {output_dir} is not one shared filesystem: rank {other['rank']} "
@@ -68,6 +75,9 @@ def check_launch(
         if not blind and not unwritable and state.is_main_process:
             print(f"output_dir {output_dir}: one filesystem, shared by all {len(hosts)} host(s)")
     problems += [f"{o['host']}: wandb: {o['wandb']}" for o in everyone if o["wandb"]]
+    problems += [f"rank {o['rank']} ({o['host']}): {o['bucket']}" for o in everyone if o["bucket"]]
+    if storage and not any(o["bucket"] for o in everyone) and state.is_main_process:
+        print(f"checkpoint_storage {storage}: every rank can write there")
     if state.is_main_process:
         print(f"job: {world} process(es) on {len(hosts)} host(s), every rank answered")
     return problems
@@ -95,6 +105,18 @@ def _probe_shared(output_dir: Path, token: str, rank: int, *, state) -> tuple[in
     except OSError:
         pass
     return seen, failed
+
+
+def _bucket_problem(storage: str) -> Optional[str]:
+    """None when this rank can write to the bucket, else why not (credentials, the endpoint, no such bucket)."""
+    from trainer.checkpoint.bucket import Bucket
+    from trainer.errors import Refusal
+
+    try:
+        Bucket.checked(storage)
+    except Refusal as err:
+        return str(err)
+    return None
 
 
 def _wandb_problem() -> Optional[str]:

@@ -3,12 +3,14 @@
     python -m trainer.check --config_file accelerate_configs/multi_node.yaml              # read the config
     accelerate launch --config_file my.yaml -m trainer.check --output_dir runs/x           # every rank, for real
     accelerate launch --config_file my.yaml -m trainer.check --wandb_project my-project   # ... and wandb from each node
+    accelerate launch --config_file my.yaml -m trainer.check --checkpoint_storage s3://b/x  # ... and the bucket
 
 Read alone, the config says machines, processes, backend, mixed precision, the mesh (what each process holds, which
 replicas each machine runs) and rendezvous, checked against this host.
 Launched, every rank joins the job and reports its host, local rank and device; the check then asks: did the world
 come out as configured, can every rank be reached (a collective with a short timeout), is ``output_dir`` one
-filesystem shared by all nodes (checkpoints are written by one process and read by all), and, for a job that logs to
+filesystem shared by all nodes (checkpoints are written by one process and read by all; with a bucket,
+``--checkpoint_storage``, it need not be, and every rank must write to the bucket), and, for a job that logs to
 wandb (``--wandb_project``, or WANDB_PROJECT set), can each node reach it. It ends with one line per problem and
 exits 1, or says none were found and exits 0.
 """
@@ -230,6 +232,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         default=os.environ.get("WANDB_PROJECT"),
         help="the job logs to wandb: check that every node reaches it (default: $WANDB_PROJECT)",
     )
+    parser.add_argument(
+        "--checkpoint_storage", "--checkpoint-storage", help="check that every rank can write to this bucket (s3://...)"
+    )
     parser.add_argument("--num_processes", "--num-processes", type=int, help="as accelerate launch's, over the file")
     parser.add_argument("--num_machines", "--num-machines", type=int, help="as accelerate launch's, over the file")
     parser.add_argument("--rdzv_backend", "--rdzv-backend", help="as accelerate launch's (the file's is not read)")
@@ -250,7 +255,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     if main_process and lines:
         print("\n".join(lines))
     if launched:
-        problems += check_launch(args.output_dir, expected, args.timeout, uses_wandb=bool(args.wandb_project))
+        problems += check_launch(
+            args.output_dir,
+            expected,
+            args.timeout,
+            uses_wandb=bool(args.wandb_project),
+            storage=args.checkpoint_storage,
+        )
     elif not args.config_file:
         parser.error("give --config_file, or run it inside a launch (accelerate launch ... -m trainer.check)")
     if main_process:
