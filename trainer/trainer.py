@@ -146,8 +146,8 @@ class Trainer(TrainerView):
         return self.evaluator.predict(data, predict_fn)
 
     def save_checkpoint(self, wait: bool = True) -> Path:
-        """A full-state checkpoint under ``<output_dir>/checkpoints/step-<N>``; call it on every rank. A non-finite
-        loss stops it first. With ``save_async`` and ``wait=False`` it is committed later; its folder is returned."""
+        """A full-state checkpoint, ``<output_dir>/checkpoints/step-<N>`` (or in checkpoint_storage); every rank calls
+        it. A non-finite loss stops it first. With ``save_async`` and ``wait=False`` it is committed later."""
         # One save in flight: the last good checkpoint is the one committed.
         self.checkpoints.wait()
         self.steps.nonfinite.check(self.telemetry.window.first_bad_step(), str(self.last_checkpoint or ""))

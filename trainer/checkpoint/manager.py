@@ -79,7 +79,7 @@ class Checkpointer:
     def save(self, step: int, *, wait: bool = True, evaluated: Optional[tuple] = None) -> Path:
         """Step ``step``'s checkpoint, written by every rank and committed by the main process (the ``best``
         pointer follows keep_best's record, a part of it). With background saves and ``wait=False``, the shards are
-        written while training goes on and committed later (``wait``); the folder it will be is returned.
+        written while training goes on and committed later (``wait``); its folder (URL, in a bucket) is returned.
         ``evaluated``: the latest evaluation, ``(step, metrics)``, judged by keep_best when it is this step's."""
         # One save in flight at a time.
         self.wait()
