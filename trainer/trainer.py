@@ -145,7 +145,7 @@ class Trainer(TrainerView):
         mode, without gradients, under the launch's autocast."""
         return self.evaluator.predict(data, predict_fn)
 
-    def save_checkpoint(self, wait: bool = True) -> Path:
+    def save_checkpoint(self, wait: bool = True) -> Path | str:
         """A full-state checkpoint, ``<output_dir>/checkpoints/step-<N>`` (or in checkpoint_storage); every rank calls
         it. A non-finite loss stops it first. With ``save_async`` and ``wait=False`` it is committed later."""
         # One save in flight: the last good checkpoint is the one committed.

@@ -76,7 +76,7 @@ class Checkpointer:
         found = remote.resume_point(resume, self.root / DOWNLOADS) if remote else store.resume_point(self.root, resume)
         return None if found is None else str(found)
 
-    def save(self, step: int, *, wait: bool = True, evaluated: Optional[tuple] = None) -> Path:
+    def save(self, step: int, *, wait: bool = True, evaluated: Optional[tuple] = None) -> Path | str:
         """Step ``step``'s checkpoint, written by every rank and committed by the main process (the ``best``
         pointer follows keep_best's record, a part of it). With background saves and ``wait=False``, the shards are
         written while training goes on and committed later (``wait``); its folder (URL, in a bucket) is returned.
@@ -134,7 +134,7 @@ class Checkpointer:
         self.last = store.final_folder(self.root, step)
         return self.last
 
-    def of_step(self, step: int, save: Callable[[], Path]) -> Path:
+    def of_step(self, step: int, save: Callable[[], Path | str]) -> Path | str:
         """A committed checkpoint of step ``step`` (a preemption's): the one saved there, or one ``save`` writes."""
         self.wait()  # a checkpoint written in the background is committed first
         return self.last if self.last == self._final(step) else save()
