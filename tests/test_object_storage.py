@@ -127,12 +127,12 @@ def test_ddp_a_crashed_run_resumes_from_the_bucket_bit_identical_and_keep_best_r
     assert "resumed from" in again.stdout and ": step 6, " in again.stdout
     assert summary(tmp_path / "crashed")["weights"] == summary(tmp_path / "straight")["weights"]
     kept = {key.split("/")[0] for key in s3.keys("ddp/straight")}
-    assert kept == {"step-00000010", "step-00000012", "latest"}, kept
+    assert kept == {"step-00000010", "step-00000012", "latest", ".owner"}, kept
     assert not list((tmp_path / "straight" / "checkpoints").glob("step-*"))
     assert not list((tmp_path / "crashed" / "checkpoints").glob("**/*.distcp"))  # the download removed once read
     assert first.stdout.count("load_best_at_end: final/ holds the weights of step 6") == 2
     assert {key.split("/")[0] for key in s3.keys("ddp/best")} == {"step-00000006", "step-00000010", "step-00000012",
-                                                                   "latest", "best"}  # fmt: skip
+                                                                   "latest", "best", ".owner"}  # fmt: skip
     assert summary(tmp_path / "best")["weights"] == summary(tmp_path / "best on disk")["weights"]
     refused = summary(tmp_path / "refused")["refused"]
     assert refused.startswith(f"could not upload checkpoint step-00000004 to {url}/refused: PermissionError: ")
@@ -221,6 +221,22 @@ def test_keep_last_prunes_in_the_bucket_and_spares_the_best_which_the_best_point
     assert bucket.best_url({"step": 2}) == f"s3://{BUCKET}/pruned/step-00000002"
     commit(bucket, tmp_path, 10)  # a record of another timeline (none): no best pointer, step 2 no longer spared
     assert bucket.committed() == ["step-00000008", "step-00000010"] and bucket.pointer("best") is None
+
+
+def test_a_second_job_saving_to_the_same_folder_takes_it_over_and_the_first_stops_at_its_next_save(s3, tmp_path):
+    """A bucket has no lock that goes with a process: the job that saved last owns the folder (a job started again
+    after a crash takes it over), and an older one still running stops at its next save, deleting nothing."""
+    from trainer import CheckpointError
+    from trainer.checkpoint.bucket import Bucket
+
+    first, second = Bucket(f"s3://{BUCKET}/two-jobs"), Bucket(f"s3://{BUCKET}/two-jobs")
+    commit(first, tmp_path, 2)
+    commit(second, tmp_path / "second", 4)
+    taken = r"checkpoint_storage s3://checkpoints/two-jobs was taken over by another job \(\w+ \(pid \d+ on "
+    with pytest.raises(CheckpointError, match=taken + r".*\): checkpoint step-00000004 was not committed"):
+        commit(first, tmp_path, 4)
+    assert second.committed() == ["step-00000002", "step-00000004"] and second.pointer() == "step-00000004"
+    assert (second.fetch("step-00000004", tmp_path / "read") / "shards" / "__0_0.distcp").is_file()
 
 
 def test_a_bucket_that_cannot_be_written_a_corrupt_pointer_and_a_wrong_setting_are_named(s3, tmp_path):

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import socket
+import uuid
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -24,6 +25,8 @@ from trainer.checkpoint.store import BEST_FILE, POINTER_FILE, checked_name
 from trainer.errors import CheckpointError, ConfigError, Refusal
 from trainer.telemetry.console import warn
 
+# The job that writes here now (Bucket.claim).
+OWNER_FILE = ".owner"
 # A manifest moved aside: its checkpoint did not hold what the manifest says (kept, no longer a candidate).
 DAMAGED = f"{STATE_FILE}.damaged"
 
@@ -57,6 +60,8 @@ class Bucket:
         import fsspec
 
         self.url = url.rstrip("/")
+        # This job's name in OWNER_FILE, from its first save on.
+        self.owner: Optional[str] = None
         try:
             self.fs, self.path = fsspec.core.url_to_fs(self.url)
         # fsspec names the package a scheme needs ("Install s3fs to access S3").
@@ -118,6 +123,26 @@ class Bucket:
         except FileNotFoundError:
             return None
         return checked_name(raw, f"the {name} pointer {self.url_of(name)}")
+
+    def claim(self) -> None:
+        """This job's name in ``.owner``, written at its first save, checked at every later one. A bucket has no
+        lock that goes with a process, so the newest job to save wins: a job started again after a crash takes the
+        folder over, and a job still running on it stops at its next commit, naming the other, rather than
+        interleave their checkpoints. A job that only reads (evaluation, an export) claims nothing."""
+        self.owner = f"{uuid.uuid4().hex[:12]} (pid {os.getpid()} on {socket.gethostname()})"
+        self.fs.pipe_file(self._key(OWNER_FILE), self.owner.encode())
+
+    def _check_owner(self, name: str) -> None:
+        try:
+            holder = self.fs.cat_file(self._key(OWNER_FILE)).decode("utf-8", errors="replace")
+        except FileNotFoundError:
+            holder = None
+        if holder != self.owner:
+            raise CheckpointError(
+                f"checkpoint_storage {self.url} was taken over by another job ({holder or 'its owner file removed'}): "
+                f"checkpoint {name} was not committed, the other job's are left as they are. Give each job a "
+                "checkpoint_storage of its own"
+            )
 
     @_in_words
     def resume_point(self, resume: Optional[str], local_root: Path) -> Optional[Path]:
@@ -206,6 +231,7 @@ class Bucket:
     def commit(self, name: str, state: dict[str, Any], *, uploaded: dict[str, tuple[int, str]], keep_last: int) -> str:
         """Every rank's files are in ``name/`` (their sizes and CRC-32 in ``uploaded``): the manifest written last,
         then the pointers, then the pruning, as ``store.commit`` does on a disk. Returns the checkpoint's URL."""
+        self._check_owner(name)
         manifest = {"files": {n: size for n, (size, _) in uploaded.items()}}
         manifest["crc32"] = {n: crc for n, (_, crc) in uploaded.items()}
         # One PUT: a reader sees all of the manifest or none of it.
@@ -227,7 +253,12 @@ class Bucket:
 
     @_in_words
     def clear(self, name: str) -> None:
-        """Before step ``name`` is uploaded: whatever an earlier save of that step left there, manifest first."""
+        """Before step ``name`` is uploaded: whatever an earlier save of that step left there, manifest first (the
+        folder claimed by this job at its first save, checked to be still its own at every later one)."""
+        if self.owner is None:
+            self.claim()
+        else:
+            self._check_owner(name)
         self.fs.invalidate_cache()
         if self.fs.exists(self._key(f"{name}/{STATE_FILE}")):
             self.fs.rm_file(self._key(f"{name}/{STATE_FILE}"))
