@@ -79,7 +79,7 @@ def test_ray_trains_notice_of_a_preemption_is_a_checkpoint_at_once_and_training_
         second = next(node_id.hex() for node_id, info in nodes.items() if not info.is_head_node)
         command = [sys.executable, ROOT / "examples" / "ray" / "train.py", "--config-file", CONFIGS / "multi_gpu.yaml"]
         command += ["--script", ROOT / "tests" / "ragged_lm.py", "--storage-path", tmp_path / "records", "--"]
-        command += ["--out", tmp_path / "ray", *FLAGS[:6], "--save_every", "24", "--max_steps", "24"]
+        command += ["--out", tmp_path / "ray", *FLAGS[:6], "--save_every", "40", "--max_steps", "40"]
         job = subprocess.Popen(
             [str(c) for c in [*command, "--step_sleep", "0.1"]], env=env, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, start_new_session=True,
@@ -89,7 +89,7 @@ def test_ray_trains_notice_of_a_preemption_is_a_checkpoint_at_once_and_training_
         output, drained = [], False
         for line in job.stdout:
             output.append(line)
-            if "step 3/24" in line and not drained:  # as `ray drain-node` does, without its start-up
+            if "step 3/40" in line and not drained:  # as `ray drain-node` does, without its start-up
                 drained = True
                 reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
                 deadline_ms = int(time.time() * 1000) + 300_000
@@ -102,8 +102,8 @@ def test_ray_trains_notice_of_a_preemption_is_a_checkpoint_at_once_and_training_
                             r"step (\d+) committed, \d+ s before the deadline; training goes on", said)  # fmt: skip
         assert noticed, said[-4000:]
         step = int(noticed.group(2))
-        assert 3 < step < 24 and noticed.group(1).endswith(f"step-{step:08d}")
+        assert 3 < step < 40 and noticed.group(1).endswith(f"step-{step:08d}")
         # Once (Ray's driver may echo a worker's line twice).
-        assert "step 24/24" in said and len({line for line in output if "Ray Train: node(s)" in line}) == 1
+        assert "step 40/40" in said and len({line for line in output if "Ray Train: node(s)" in line}) == 1
     finally:
         run([*ray, "stop", "--force"], env=env)

@@ -40,9 +40,12 @@ class Compilation:
         return cls(kwargs={"backend": "inductor", **plugin.to_kwargs()}, per_block=plugin.use_regional_compilation)
 
 
-def compile_in_place(model: torch.nn.Module, compilation: Compilation, *, per_block: bool) -> str:
+def compile_in_place(
+    model: torch.nn.Module, compilation: Compilation, *, per_block: bool, copy_views: bool = False
+) -> str:
     """Compile ``model`` (lazily: the first forward traces it); the banner's words for what was compiled.
-    ``per_block``: its blocks only (the rest runs eagerly), or the whole model where it has none."""
+    ``per_block``: its blocks only (the rest runs eagerly), or the whole model where it has none. ``copy_views``:
+    a block's inputs that are views copied first (``_own_inputs``: tensor parallelism)."""
     backend = compilation.kwargs["backend"]
     blocks = compiled_blocks(model) if per_block else []
     if not blocks and per_block:
@@ -54,7 +57,8 @@ def compile_in_place(model: torch.nn.Module, compilation: Compilation, *, per_bl
         return f"compiled whole ({backend})"
     for block in blocks:
         # An attribute of the block, not of its class: the state dict and the hooks are the block's own.
-        block.forward = _own_inputs(torch.compile(block.forward, **compilation.kwargs))
+        compiled = torch.compile(block.forward, **compilation.kwargs)
+        block.forward = _own_inputs(compiled) if copy_views else compiled
     names = sorted({_block_name(block) for block in blocks})
     return f"compiled per block: {len(blocks)} x {'/'.join(names)} ({backend})"
 
@@ -64,7 +68,7 @@ def _own_inputs(compiled: Callable) -> Callable:
     after an embedding split by tensor parallelism is a view of the DTensor's local tensor, and AOTAutograd sent its
     gradient past the DTensor's backward: tried on TP 2 x FSDP 2 (a 2-block Llama, aot_eager), the embedding's
     gradient was 0.02 off at the first step; copied, every weight equals eager's bit for bit. One copy of the
-    hidden states a step, where there is a view at all."""
+    hidden states a step (the first block's), under tensor parallelism only."""
 
     @functools.wraps(compiled)
     def forward(*args: Any, **kwargs: Any) -> Any:
