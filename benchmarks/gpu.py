@@ -10,6 +10,8 @@ peak memory, and each variant's speed and memory against the raw PyTorch loop.
     bash benchmarks/gpu.sh                       # the whole grid on one GPU: 25-30 minutes (--modes splits it)
     python benchmarks/gpu.py --models hf --modes blocks --batches 16 --variants torch,ours,fsdp_torch,fsdp_ours
     python benchmarks/gpu.py --smoke             # the same code on a tiny model, on the CPU, in a few minutes
+    python benchmarks/gpu.py --size cpu --models hf --modes compiled --batches 8 --variants torch,ours \
+        --steps 30 --warmup 10                   # a 2-block GPT-2 with GPT-2's vocabulary (the logits' weight), CPU
 
 Every variant: the same weights and tokens (seed 0), 1024 tokens x B sequences a step, AdamW (fused on the GPU,
 no weight decay, as the Trainer's default), a constant lr, bf16 autocast (the raw loop's own; accelerate's and ours
@@ -17,6 +19,8 @@ from ACCELERATE_MIXED_PRECISION=bf16, as `accelerate launch --config_file accele
 batches from a DataLoader with pinned memory and non-blocking copies, the loss read on the host every 25 steps.
 Each run is a fresh process; rounds alternate the variants. Timed: the steps after warm-up, between two device
 synchronisations; the warm-up ends with the first log (its one-time costs), and two more logs fall in the window.
+Peak memory: CUDA's peak allocated bytes; on a CPU the worker's peak resident memory over the timed steps (Linux's
+high-water mark, reset after warm-up; large blocks go back to the system when freed, MALLOC_MMAP_THRESHOLD_).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ LOG_EVERY = 25  # the warm-up is one log period: every variant logs twice in the
 SIZES = {
     "full": dict(n_layer=12, n_embd=768, n_head=12, seq=1024, vocab=50304),
     "smoke": dict(n_layer=2, n_embd=64, n_head=2, seq=64, vocab=512),
+    "cpu": dict(n_layer=2, n_embd=256, n_head=4, seq=256, vocab=50304),
 }
 
 
@@ -102,9 +107,30 @@ class Clock:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             if self.steps == self.warmup:
+                reset_peak_memory()
                 self.started = time.perf_counter()
             else:
                 self.seconds = (time.perf_counter() - self.started) / (self.total - self.warmup)
+
+
+def reset_peak_memory() -> None:
+    """The peak from here on: CUDA's, or this process's resident set's high-water mark (Linux: clear_refs 5)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    elif Path("/proc/self/clear_refs").exists():
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_memory_gb() -> float:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    status = Path("/proc/self/status")
+    high = [line for line in status.read_text().splitlines() if line.startswith("VmHWM")] if status.exists() else []
+    return int(high[0].split()[1]) / 2**20 if high else float("nan")
 
 
 def blocks_of(model) -> list:
@@ -287,14 +313,12 @@ def run_ours(model, data, batch: int, mode: str, clock: Clock) -> None:
 
 
 def worker(args) -> None:
-    import torch
 
-    size = SIZES["smoke" if args.smoke else "full"]
+    size = SIZES[args.size]
     model, data = build(args.model, size, (args.steps + 2) * args.batch)
     per_token = flops_per_token(model, size)
     clock = Clock(args.warmup, args.steps)
     globals()[f"run_{args.variant}"](model, data, args.batch, args.mode, clock)
-    cuda = torch.cuda.is_available()
     print(
         "RESULT "
         + json.dumps(
@@ -302,7 +326,7 @@ def worker(args) -> None:
                 "step_s": clock.seconds,
                 "tokens_per_s": args.batch * size["seq"] / clock.seconds,
                 "flops_per_token": per_token,
-                "peak_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
+                "peak_gb": peak_memory_gb(),
             }
         ),
         flush=True,
@@ -325,13 +349,15 @@ def measure(variant: str, model: str, mode: str, batch: int, args) -> dict | Non
         str(args.steps),
         "--warmup",
         str(args.warmup),
-        *(["--smoke"] if args.smoke else []),
+        "--size",
+        args.size,
     ]
     env = {
         **os.environ,
         "ACCELERATE_MIXED_PRECISION": "bf16",
         "WANDB_MODE": "disabled",
         "TRANSFORMERS_VERBOSITY": "error",
+        "MALLOC_MMAP_THRESHOLD_": "1048576",
     }
     if variant in SHARDED:  # a process group of one (as torchrun would make it), FSDP2 for ours
         env.update(
@@ -373,12 +399,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--steps", type=int, default=75, help="steps in all, warm-up included")
     parser.add_argument("--warmup", type=int, default=LOG_EVERY)
-    parser.add_argument("--smoke", action="store_true", help="a tiny model, on the CPU too, to try the script")
+    parser.add_argument("--size", choices=SIZES, default="full", help="cpu: 2 blocks of 256, GPT-2's vocabulary")
+    parser.add_argument("--smoke", action="store_true", help="--size smoke: a tiny model, to try the script")
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.size = "smoke" if args.smoke else args.size
     if args.worker:
         args.variant = args.worker
         return worker(args)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, SCENARIOS, accelerate_launch, run
+from conftest import ROOT, SCENARIOS, accelerate_launch, clean_env, run
 
 
 # On a CPU accelerate autocasts bf16 only: fp16.yaml there runs in fp32 (tests/test_gpu.py has fp16 on a GPU).
@@ -81,3 +81,62 @@ def test_steps_that_do_not_log_read_nothing_back_from_the_device(tmp_path):
         # one more (4 reads before: the norm and each figure had their own).
         log_step = [read.split(":")[0] + " " + read.split()[-1] for read in found["reads"]["3"]]
         assert log_step == ["telemetry.py tolist", "window.py tolist"], (job, found["reads"]["3"])
+
+
+ZEROS_IN_BACKWARD = """
+import copy, sys, tempfile
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+sys.path.insert(0, {root!r})
+from transformers import GPT2Config, GPT2LMHeadModel
+from trainer import TrainConfig, Trainer
+
+torch.manual_seed(0)
+B, T, V = 4, 32, 512
+model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=T, vocab_size=V, use_cache=False))
+tokens = torch.randint(0, V, (8 * B, T))
+config = TrainConfig(output_dir=tempfile.mkdtemp(), max_steps=3, batch_size=B, log_every=1, stall_warning_s=None)
+trainer = Trainer(model, config, train_data=[dict(input_ids=t, labels=t) for t in tokens])
+print(trainer.describe())
+
+class Made(TorchDispatchMode):
+    # What each op of the backward makes: (op, shape).
+    seen = []
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {{}}))
+        if isinstance(out, torch.Tensor):
+            Made.seen.append((str(func), list(out.shape)))
+        return out
+
+backward = trainer.strategy.backward
+def observed(loss):
+    with Made():
+        backward(loss)
+trainer.strategy.backward = observed
+trainer.fit()
+logits = [op for op, shape in Made.seen if shape == [B, T, V]]
+print("LOGITS_SIZED", sorted(set(logits)))
+print("ZEROS", sorted({{op for op in logits if "zero" in op or "fill" in op}}))
+# The model answers its callers as before; a copy computes with its own weights.
+model.eval()
+twin = copy.deepcopy(model)
+with torch.no_grad():
+    for p in twin.parameters():
+        p.zero_()
+    own, copied = model(input_ids=tokens[:2]).logits, twin(input_ids=tokens[:2]).logits
+    print("OUTPUT", list(own.shape), copied.abs().max().item())
+"""
+
+
+def test_a_model_compiled_whole_makes_no_gradient_of_zeros_for_the_logits_its_loss_does_not_read():
+    """A graph's outputs the loss does not read still get a gradient: autograd fills a compiled function's with
+    zeros before its backward. Compiled whole, the model's logits were such an output under the default loss (a
+    GPT-2 at 16 x 1024: 1.5 GB of zeros and an add a step on an H100); the default loss now asks for the loss
+    alone, the logits stay inside the graph. Every op of the backward, observed: none makes a logits-sized zeros."""
+    env = clean_env(ACCELERATE_DYNAMO_BACKEND="aot_eager")
+    result = run([sys.executable, "-c", ZEROS_IN_BACKWARD.format(root=str(ROOT))], env=env)
+    assert "compiled whole (aot_eager)" in result.stdout, result.stdout
+    # The backward is seen: the logits' own gradient is made there.
+    assert "LOGITS_SIZED []" not in result.stdout, result.stdout
+    assert "ZEROS []" in result.stdout, result.stdout
+    assert "OUTPUT [2, 32, 512] 0.0" in result.stdout, result.stdout

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from trainer.errors import LossFnError
+from trainer.parallel.compiling import LOSS_ONLY, answers_loss_only
 
 # -> a scalar tensor, or (loss_sum, count)
 LossFn = Callable[[torch.nn.Module, Any], Any]
@@ -33,6 +34,9 @@ def model_loss(model: torch.nn.Module, batch: Any, **loss_kwargs: Any) -> torch.
         )
     if keeps_a_cache(model):
         loss_kwargs = {"use_cache": False, **loss_kwargs}
+    if answers_loss_only(model):
+        # Compiled whole: no gradient of zeros for outputs the loss does not read (the logits).
+        loss_kwargs = {LOSS_ONLY: True, **loss_kwargs}
     output = model(**batch, **loss_kwargs)
     loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
     if loss is None:

@@ -13,12 +13,16 @@ compiles the whole model unless the accelerate config asks for regional compilat
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 
 from trainer.parallel.blocks import largest_module_list, named_blocks
+
+# What the default loss passes a model compiled whole (``LossAlone``): its forward returns the loss alone.
+LOSS_ONLY = "_loss_only"
 
 
 @dataclass(frozen=True)
@@ -48,12 +52,13 @@ def compile_in_place(
     a block's inputs that are views copied first (``_own_inputs``: tensor parallelism)."""
     backend = compilation.kwargs["backend"]
     blocks = compiled_blocks(model) if per_block else []
-    if not blocks and per_block:
-        # No blocks to compile one by one: the model's forward, its hooks (a sharded root's all-gather) outside.
-        model.forward = torch.compile(model.forward, **compilation.kwargs)
-        return f"compiled whole ({backend})"
     if not blocks:
-        model.compile(**compilation.kwargs)
+        model.forward = LossAlone(model)
+        if per_block:
+            # No blocks to compile one by one: the model's forward, its hooks (a sharded root's all-gather) outside.
+            model.forward = torch.compile(model.forward, **compilation.kwargs)
+        else:
+            model.compile(**compilation.kwargs)
         return f"compiled whole ({backend})"
     for block in blocks:
         # An attribute of the block, not of its class: the state dict and the hooks are the block's own.
@@ -61,6 +66,34 @@ def compile_in_place(
         block.forward = _own_inputs(compiled) if copy_views else compiled
     names = sorted({_block_name(block) for block in blocks})
     return f"compiled per block: {len(blocks)} x {'/'.join(names)} ({backend})"
+
+
+class LossAlone:
+    """A model's forward, which returns ``{"loss": loss}`` alone when called with ``_loss_only=True`` (the default
+    loss does, ``answers_loss_only``). A compiled graph's outputs that the loss does not read still get a gradient:
+    autograd fills the compiled function's with zeros before its backward. A GPT-2's logits (16 x 1024 x 50257 in
+    bf16) got 1.5 GB of zeros and an add each step; left inside the graph, they get none (docs/performance.md#compile).
+    An object rather than a closure: a copy of the model (``copy.deepcopy``, pickle) calls its own forward."""
+
+    answers_loss_only = True
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        # A forward set on the instance before, else the class's; inspect.signature reads through to it.
+        self.__wrapped__ = model.__dict__.get("forward") or type(model).forward.__get__(model)
+
+    def __call__(self, *args: Any, _loss_only: bool = False, **kwargs: Any) -> Any:
+        output = self.__wrapped__(*args, **kwargs)
+        if not _loss_only:
+            return output
+        loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+        return output if loss is None else {"loss": loss}
+
+
+def answers_loss_only(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (under DDP's wrapper) was compiled whole here: its forward takes ``_loss_only``."""
+    inner = getattr(model, "module", model)
+    return getattr(inner.forward, "answers_loss_only", False)
 
 
 def _own_inputs(compiled: Callable) -> Callable:
