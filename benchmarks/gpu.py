@@ -10,7 +10,7 @@ peak memory, and each variant's speed and memory against the raw PyTorch loop.
     bash benchmarks/gpu.sh                       # the whole grid on one GPU: 25-30 minutes (--modes splits it)
     python benchmarks/gpu.py --models hf --modes blocks --batches 16 --variants torch,ours,fsdp_torch,fsdp_ours
     python benchmarks/gpu.py --smoke             # the same code on a tiny model, on the CPU, in a few minutes
-    python benchmarks/gpu.py --size cpu --models hf --modes compiled --batches 8 --variants torch,ours \
+    python benchmarks/gpu.py --size cpu --models hf --modes compiled,blocks --batches 8 --variants torch,ours \
         --steps 30 --warmup 10                   # a 2-block GPT-2 with GPT-2's vocabulary (the logits' weight), CPU
 
 Every variant: the same weights and tokens (seed 0), 1024 tokens x B sequences a step, AdamW (fused on the GPU,
@@ -137,15 +137,25 @@ def blocks_of(model) -> list:
     return list(model.transformer.h if hasattr(model, "transformer") else model.blocks)
 
 
+def compile_blocks(model) -> None:
+    """torchtitan's recipe: each block's forward compiled on its own, and the loss (a transformers model's
+    ``loss_function``; the compact GPT computes its loss in its forward, eagerly)."""
+    import torch
+
+    for block in blocks_of(model):
+        block.forward = torch.compile(block.forward)
+    if hasattr(type(model), "loss_function"):
+        model.loss_function = torch.compile(model.loss_function)
+
+
 def run_torch(model, data, batch: int, mode: str, clock: Clock, sharded: bool = False) -> None:
     import torch
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     model.to(device)
-    if mode == "blocks":  # torchtitan's recipe: each block's forward compiled, before fully_shard where sharded
-        for block in blocks_of(model):
-            block.forward = torch.compile(block.forward)
+    if mode == "blocks":  # before fully_shard where sharded
+        compile_blocks(model)
     if sharded:  # torch's FSDP2 recipe: each block, then the root; bf16 compute, fp32 masters and reduction
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -260,8 +270,7 @@ def run_lightning(model, data, batch: int, mode: str, clock: Clock) -> None:
             clock.tick()
 
     if mode == "blocks":
-        for block in blocks_of(model):
-            block.forward = torch.compile(block.forward)
+        compile_blocks(model)
     elif mode == "compiled":  # the model in place: torch.compile of the LightningModule itself fails in dynamo
         model.compile()
     module = Module()

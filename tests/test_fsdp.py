@@ -1093,10 +1093,10 @@ def test_compile_goes_block_by_block_under_fsdp2_and_ddp_and_equals_eager(fsdp):
     with activation checkpointing, an average of the weights, evaluation and auto_microbatch."""
     runs, result = fsdp
     for words in (
-        "device cpu (FSDP2, compiled per block: 2 x GPT2Block (inductor))",
+        "device cpu (FSDP2, compiled per block: 2 x GPT2Block and the loss (inductor))",
         "device cpu (MULTI_CPU, compiled whole (inductor))",
-        "device cpu (MULTI_CPU, compiled per block: 2 x GPT2Block (inductor))",
-        "device cpu (FSDP2, compiled per block: 4 x GPT2Block (aot_eager))",
+        "device cpu (MULTI_CPU, compiled per block: 2 x GPT2Block and the loss (inductor))",
+        "device cpu (FSDP2, compiled per block: 4 x GPT2Block and the loss (aot_eager))",
     ):
         assert words in result.stdout, words
     for name, reference in (

@@ -21,6 +21,13 @@ def peft_model(model: torch.nn.Module) -> bool:
     return hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None))
 
 
+def loss_owner(model: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """The transformers model whose ``loss_function`` computes ``model``'s own loss (a PEFT model's base model), or
+    None for a model of another kind."""
+    owner = model.get_base_model() if peft_model(model) else model
+    return owner if is_transformers_model(owner) and hasattr(type(owner), "loss_function") else None
+
+
 def is_dataset(data: Any) -> bool:
     """A ``datasets.Dataset`` (map-style, arrow-backed)."""
     return type(data).__module__.startswith("datasets.") and type(data).__name__ == "Dataset"
@@ -75,7 +82,7 @@ class LossFunctionProbe:
     @classmethod
     def install(cls, model: torch.nn.Module) -> "LossFunctionProbe":
         # A PEFT wrapper only forwards the call.
-        owner = model.get_base_model() if peft_model(model) else model
+        owner = loss_owner(model) or model
         current = owner.loss_function
         if not isinstance(current, cls):
             # Transformers' setter: the model's for the rest of its life.

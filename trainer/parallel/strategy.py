@@ -36,7 +36,7 @@ class Strategy:
         self.recompute = run.config.activation_checkpointing
         self.optimizer: Any = None
         self.compilation = Compilation.of(run.config.compile)
-        # The banner's words for it ("compiled per block: 12 x GPT2Block (inductor)").
+        # The banner's words for it ("compiled per block: 12 x GPT2Block and the loss (inductor)").
         self.compiled = ""
         self.float8 = Float8.of_launch(run.device)
         self.fp8 = ""
