@@ -2,7 +2,8 @@
 keeps its module names (checkpoints and the export hold plain weights): either each transformer block's
 ``forward`` on its own (one graph per block type, compiled once and reused by every block; the hooks FSDP2 puts
 on a block, its all-gather and reshard, run outside the graph, as in torchtitan, where a block is compiled before
-``fully_shard``), or the whole model (``Module.compile``; its ``forward`` alone when it is sharded).
+``fully_shard``) and a transformers model's loss function, or the whole model (``Module.compile``; its ``forward``
+alone when it is sharded), which the default loss then asks for the loss alone (``LossAlone``).
 
 FSDP2, HSDP and TP x FSDP compile per block: compiled whole, a sharded model ran 2.4x slower than eager
 (huggingface/accelerate#4022). DDP
@@ -49,7 +50,7 @@ def compile_in_place(
     model: torch.nn.Module, compilation: Compilation, *, per_block: bool, copy_views: bool = False
 ) -> str:
     """Compile ``model`` (lazily: the first forward traces it); the banner's words for what was compiled.
-    ``per_block``: its blocks only (the rest runs eagerly), or the whole model where it has none. ``copy_views``:
+    ``per_block``: its blocks and loss (the rest runs eagerly), or the whole model where it has none. ``copy_views``:
     a block's inputs that are views copied first (``_own_inputs``: tensor parallelism)."""
     backend = compilation.kwargs["backend"]
     blocks = compiled_blocks(model) if per_block else []
