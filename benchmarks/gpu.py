@@ -214,7 +214,8 @@ def run_accelerate(model, data, batch: int, mode: str, clock: Clock) -> None:
 
 def run_hf_trainer(model, data, batch: int, mode: str, clock: Clock) -> None:
     """transformers' Trainer with its fastest settings: bf16, fused AdamW, pinned memory, torch_compile when compiled
-    (the whole model; per block it has no switch for, so "blocks" compiles whole too)."""
+    (the whole model; for "blocks" its Accelerator reads ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION as ours does and
+    compiles the blocks alone, its loss eager)."""
     import torch
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
