@@ -323,7 +323,6 @@ def run_ours(model, data, batch: int, mode: str, clock: Clock) -> None:
 
 
 def worker(args) -> None:
-
     size = SIZES[args.size]
     model, data = build(args.model, size, (args.steps + 2) * args.batch)
     per_token = flops_per_token(model, size)
