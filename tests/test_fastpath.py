@@ -123,7 +123,8 @@ twin = copy.deepcopy(model)
 with torch.no_grad():
     for p in twin.parameters():
         p.zero_()
-    own, copied = model(input_ids=tokens[:2]).logits, twin(input_ids=tokens[:2]).logits
+    ids = tokens[:2].to(next(model.parameters()).device)  # a GPU host trains on its GPU
+    own, copied = model(input_ids=ids).logits, twin(input_ids=ids).logits
     print("OUTPUT", list(own.shape), copied.abs().max().item())
 """
 
