@@ -618,6 +618,22 @@ class NanoGPTLike(TinyClassifier):
             torch.nn.init.zeros_(module.bias)
 
 
+def lengths(args) -> None:
+    """A tiny GPT-2 on 12 sequences of 12 lengths (batches of one, unpadded), compiled as the launch asks: how many
+    graphs dynamo made for its 12 steps."""
+    from torch._dynamo.utils import counters
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=32, vocab_size=64))
+    rows = [torch.randint(0, 64, (length,)) for length in range(8, 20)]
+    config = TrainConfig(output_dir=args.output_dir, batch_size=1, epochs=1, compile=args.compile, log_every=6)
+    trainer = Trainer(model, config, train_data=[{"input_ids": row, "labels": row} for row in rows])
+    trainer.fit()
+    if trainer.accelerator.is_main_process:
+        say(f"GRAPHS {counters['stats']['unique_graphs']} for {len(rows)} lengths")
+
+
 def nanogpt_meta(args) -> None:
     """NanoGPTLike built on the meta device: its weights as placed (the LayerNorm's whole), then 2 steps."""
     with torch.device("meta"):
@@ -650,6 +666,7 @@ if __name__ == "__main__":
             "faults",
             "outputs",
             "nanogpt_meta",
+            "lengths",
         ],
     )
     parser.add_argument("--resume", default="auto", type=lambda v: None if v == "none" else v)

@@ -79,6 +79,25 @@ def test_torch_dynamo_with_fsdp_compiles_the_sharded_model_and_trains(tmp_path):
     assert moved["dict"] > 1e-3 and moved["dataclass"] > 1e-3, "the sharded weights trained"
 
 
+def test_torch_dynamo_makes_a_changing_sequence_length_dynamic_rather_than_a_graph_for_each(tmp_path):
+    """Torch dynamo from accelerate config, torch.compile's defaults left alone (dynamic shapes never asked for):
+    accelerate launch passes dynamic=False all the same (huggingface/accelerate#4254), and torch.compile then compiles
+    one graph for every new sequence length until dynamo gives up at 8 and runs eagerly. Here a size that changes is
+    made dynamic, as torch.compile does by default: 6 lengths a process (batches of one), 2 graphs, whole or per
+    block (the block's and the loss's); the strategy used to make one for each length."""
+    path = tmp_path / "dynamo.yaml"
+    accelerate_config(path, {**GPUS, "torch dynamo": "yes", "dynamo backend": "aot_eager"})
+    assert "dynamo_use_dynamic" not in path.read_text()
+    whole = run([str(c) for c in launch_command(path, "lengths", "--output_dir", tmp_path / "whole")])
+    assert "(MULTI_CPU, compiled whole (aot_eager))" in whole.stdout
+    assert "GRAPHS 2 for 12 lengths" in whole.stdout, whole.stdout
+    regional = launch_command(path, "lengths", "--output_dir", tmp_path / "blocks")
+    regional[regional.index("--config_file") : regional.index("--config_file")] = ["--dynamo_use_regional_compilation"]
+    blocks = run([str(c) for c in regional])
+    assert "compiled per block: 1 x GPT2Block and the loss (aot_eager)" in blocks.stdout
+    assert "GRAPHS 4 for 12 lengths" in blocks.stdout, blocks.stdout
+
+
 REFUSED = {  # answers, what the preflight says, what the launch's one trainer: line says
     "fsdp version 1": (
         {**FSDP, "FSDP version": "1"},

@@ -37,13 +37,20 @@ class Compilation:
     @classmethod
     def of(cls, compile_: bool) -> Optional[Compilation]:
         """``compile: true`` (inductor), else the accelerate config's torch dynamo answer (``ACCELERATE_DYNAMO_*``:
-        backend, mode, fullgraph, dynamic, regional compilation) as accelerate reads it; None for neither."""
+        backend, mode, fullgraph, dynamic shapes if asked for, regional compilation) as accelerate reads it; None
+        for neither."""
         from accelerate.utils import DynamoBackend, TorchDynamoPlugin
 
         plugin = TorchDynamoPlugin(backend="inductor") if compile_ else TorchDynamoPlugin()
         if plugin.backend == DynamoBackend.NO:
             return None
-        return cls(kwargs={"backend": "inductor", **plugin.to_kwargs()}, per_block=plugin.use_regional_compilation)
+        kwargs = {"backend": "inductor", **plugin.to_kwargs()}
+        if kwargs.get("dynamic") is False:
+            # accelerate launch writes dynamic False whether or not it was asked for (its flag's default,
+            # huggingface/accelerate#4254), which compiles a graph for every new sequence length until dynamo gives
+            # up (8) and runs the rest eagerly. torch's default instead: a size that changes is made dynamic.
+            del kwargs["dynamic"]
+        return cls(kwargs=kwargs, per_block=plugin.use_regional_compilation)
 
 
 def compile_in_place(
