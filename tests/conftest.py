@@ -49,6 +49,20 @@ def pytest_configure(config):
         config.option.loadgroup = True
 
 
+def pytest_terminal_summary(terminalreporter):
+    """The releases the suite ran on, last (with -q too): a test that breaks on a fresh install names them."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    names = ("torch", "accelerate", "transformers", "datasets", "wandb", "safetensors", "peft", "torchao")
+    found = []
+    for name in names:
+        try:
+            found.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            found.append(f"{name} absent")
+    terminalreporter.write_line("releases: " + ", ".join(found))
+
+
 def free_port() -> int:
     """A port free now, below Linux's ephemeral range (32768 and up): a port the OS hands out (bind to 0) it may
     hand out again, to another test's connection, before the job binds it (seen once: accelerate launch refused

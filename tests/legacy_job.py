@@ -5,7 +5,8 @@ every 2, through the public API alone, so that one version of the trainer can wr
     accelerate launch --config_file accelerate_configs/fsdp.yaml tests/legacy_job.py OUT [--resume CKPT] [--ddp]
 
 ``tests/data/ddp-checkpoint-v1/`` holds step 2 of this job as the trainer wrote DDP checkpoints before every
-strategy wrote DCP (``model.safetensors``, ``optimizer.bin``), and ``final.safetensors`` its uninterrupted end.
+strategy wrote DCP (``model.safetensors``, ``optimizer.bin``). Its numbers are those of the machine and releases
+that wrote it; tests/test_checkpoint.py compares a resume with an uninterrupted run of the same environment.
 """
 
 from __future__ import annotations
