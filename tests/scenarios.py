@@ -371,10 +371,10 @@ def stop(args) -> None:
 
 
 class Remembers:
-    """A user's callback with state (a count and a tensor): it gets both back at a resume."""
+    """A user's callback with state (counts and a tensor): it gets them back at a resume."""
 
     def __init__(self, fail_load_rank: int = -1):
-        self.seen, self.total = 0, torch.zeros(1)
+        self.seen, self.total, self.steps = 0, torch.zeros(1), 0
         # This rank's load_state_dict raises (a user's callback that cannot take what was saved).
         self.fail_load_rank = fail_load_rank
 
@@ -382,13 +382,16 @@ class Remembers:
         self.seen += 1
         self.total += metrics["eval_loss"]
 
+    def on_step_end(self, trainer) -> None:
+        self.steps += 1
+
     def state_dict(self) -> dict:
-        return {"seen": self.seen, "total": self.total}
+        return {"seen": self.seen, "total": self.total, "steps": self.steps}
 
     def load_state_dict(self, state: dict) -> None:
         if int(os.environ.get("RANK", "0")) == self.fail_load_rank:
             raise KeyError("Remembers cannot take this state")
-        self.seen, self.total = state["seen"], state["total"]
+        self.seen, self.total, self.steps = state["seen"], state["total"], state["steps"]
 
 
 def patience(args) -> None:
@@ -408,6 +411,7 @@ def patience(args) -> None:
         eval_every=2,
         lr=0.0,
         resume="auto",
+        ema_decay=args.ema_decay,
     )
     stopping, remembers = EarlyStopping(monitor="eval_loss", patience=3), Remembers(args.fail_load_rank)
     callbacks = [stopping, remembers] + ([SignalAfter(args.signal_at, 1, "SIGUSR1")] if args.signal_at else [])
@@ -424,6 +428,7 @@ def patience(args) -> None:
                 "best_step": stopping.best_step,
                 "seen": remembers.seen,
                 "total": remembers.total.item(),
+                "steps": remembers.steps,
             }
         )
     )
@@ -694,6 +699,7 @@ if __name__ == "__main__":
     parser.add_argument("--forbid_unsafe_load", action="store_true")
     parser.add_argument("--output_dir", default="runs/scenario")
     parser.add_argument("--fail_load_rank", type=int, default=-1)
+    parser.add_argument("--ema_decay", type=float, default=None)
     parser.add_argument("--signal_at", type=int, default=0)
     parser.add_argument("--signal_rank", type=int, default=1)
     parser.add_argument("--signal", default="SIGUSR1")

@@ -597,11 +597,13 @@ def trainer_lines(output: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def patience_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    """The patience case (2 ranks, stateful callbacks, checkpoints of steps 8 and 10) whose final export cannot be
-    written (its folder blocked by a file, as a read-only disk refuses it; root ignores permissions)."""
+    """The patience case (2 ranks, stateful callbacks, an average of the weights, checkpoints of steps 8 and 10)
+    whose final export cannot be written (its folder blocked by a file, as a read-only disk refuses it; root ignores
+    permissions)."""
     base = tmp_path_factory.mktemp("patience")
     (base / ".final.writing").write_text("not a folder")
-    return base, accelerate_launch(SCENARIOS, "patience", "--output_dir", base, expect_ok=False, timeout=180)
+    args = ["--output_dir", base, "--ema_decay", "0.9"]
+    return base, accelerate_launch(SCENARIOS, "patience", *args, expect_ok=False, timeout=180)
 
 
 # Resumes of copies of the patience run's checkpoints, each with one thing wrong: name -> (what was done to the
@@ -621,8 +623,9 @@ DAMAGED = {
 
 @pytest.fixture(scope="module")
 def damaged(patience_run, tmp_path_factory) -> dict[str, tuple[Path, int, str, str]]:
-    """Every case of DAMAGED in one launch of 2 processes (tests/jobs.py): name -> (its output_dir, exit status,
-    stdout, stderr). A case that left one rank waiting would time the launch out (120 s)."""
+    """Every case of DAMAGED in one launch of 2 processes (tests/jobs.py), an average of the weights kept (its
+    part is read by every rank together, after the callbacks'): name -> (its output_dir, exit status, stdout,
+    stderr). A case that left one rank waiting would time the launch out (120 s)."""
     root, base = tmp_path_factory.mktemp("damaged"), patience_run[0] / "checkpoints"
     other = root / "other" / "checkpoints" / "step-00000008"
     shutil.copytree(base / "step-00000008", other)
@@ -630,7 +633,7 @@ def damaged(patience_run, tmp_path_factory) -> dict[str, tuple[Path, int, str, s
     for i, name in enumerate(DAMAGED):
         out = folders[name] = root / f"case{i}"
         args = ["--fail_load_rank", "1"] if "load_state_dict raises" in name else []
-        jobs.append([str(SCENARIOS), "patience", "--output_dir", str(out), *args])
+        jobs.append([str(SCENARIOS), "patience", "--output_dir", str(out), "--ema_decay", "0.9", *args])
         if name.startswith("no checkpoint"):
             (out / "checkpoints").mkdir(parents=True)
             (out / "checkpoints" / ".tmp-step-00000002").write_text("not a folder")
@@ -670,7 +673,20 @@ def test_a_failed_export_is_one_line_from_every_rank_and_leaves_the_checkpoints(
     assert "[rank0]: Traceback" not in ended.stderr and "[rank1]: Traceback" not in ended.stderr, ended.stderr
     assert (base / "checkpoints" / "latest").read_text() == "step-00000010" and not (base / "final").exists()
     # Said at the start, on the banner: the run may end before max_steps.
-    assert "| early stopping on eval_loss (patience 3 evaluations)" in ended.stdout, ended.stdout
+    assert "early stopping on eval_loss (patience 3 evaluations)" in ended.stdout, ended.stdout
+
+
+def test_a_checkpoint_holds_a_stateful_callback_as_of_its_steps_end(patience_run, damaged):
+    """Step 10's checkpoint is written after step 10's on_step_end: a callback counting steps holds 10 (9 before,
+    and a resume from it had seen one step fewer than the run had taken, at every resume); resumed, it goes on
+    from 10."""
+    base, _ = patience_run
+    for rank in (0, 1):
+        saved = torch.load(base / "checkpoints" / "step-00000010" / f"callback_states_{rank}.pt", weights_only=True)
+        assert saved["Remembers"]["steps"] == 10, saved
+    out, status, stdout, _ = damaged["rank 1's random states unloadable"]
+    begin = [json.loads(line.split(" ", 2)[2]) for line in stdout.splitlines() if line.startswith("BEGIN ")]
+    assert status == 0 and [(row["step"], row["steps"]) for row in begin] == [(10, 10)] * 2, begin
 
 
 @pytest.mark.parametrize("name", list(DAMAGED))

@@ -113,8 +113,8 @@ class Trainer(TrainerView):
             "ema": self.ema,
             "microbatch": self.steps.split,
         }
-        setup = RunSetup(run, built, streaming=stream is not None)
-        self.checkpoints = Checkpointer(run, parts=parts, setup=setup, best=self.keep_best)
+        setup, watch = RunSetup(run, built, data=data), self.steps.reporter.watching
+        self.checkpoints = Checkpointer(run, parts=parts, setup=setup, best=self.keep_best, watch=watch)
         # Why fit() cannot go on from a loaded checkpoint (another global batch, a setting), or None.
         self.cannot_train_on = self.checkpoints.start()
         self.telemetry.open(self.state.run_id, step=self.state.step)
@@ -200,7 +200,7 @@ class Trainer(TrainerView):
         ):
             if self.state.evaluation_owed and self.data.eval:
                 say(f"step {self.state.step}'s evaluation, put off by the preemption for its checkpoint, runs first")
-                self._evaluate_and_save(self.state.step, owed=True)
+                self._evaluate_due(self.state.step, owed=True), self._save_due(self.state.step)
             self.steps.begin()
             with progress_bar(self.total_steps, self.state.step, show=self.run.main) as bar, self.preemption:
                 self._train(bar)
@@ -235,28 +235,29 @@ class Trainer(TrainerView):
                 state.next_epoch()
 
     def _after_step(self, bar: Any) -> None:
-        """Logging, evaluation and checkpoints due after optimizer step ``global_step``; then the callbacks."""
+        """The log and evaluation due after step ``global_step``, ``on_step_end``, then the checkpoint (of them all)."""
         step = self.state.step
         if self._logs(step):
             self.steps.phases(step, "log")
             self._log(bar)
-        self._evaluate_and_save(step)
+        self._evaluate_due(step)
         hooks.call(self.callbacks, "on_step_end", self)
+        self._save_due(step)
 
-    def _evaluate_and_save(self, step: int, owed: bool = False) -> None:
-        """The evaluation and checkpoint due at ``step``. A signal noted puts both off: its checkpoint comes first (an
-        evaluation can outlast the launcher's grace), and the resumed run evaluates first (``owed``), saving the
-        step's checkpoint again with it where one was due (keep_best's judgement, the callbacks'), as if never cut."""
-        cfg, phases = self.config, self.steps.phases
-        if owed or (cfg.eval_every and step % cfg.eval_every == 0 and self.data.eval):
+    def _evaluate_due(self, step: int, owed: bool = False) -> None:
+        """The evaluation due at ``step``. A signal noted puts it off (an evaluation can outlast the launcher's grace):
+        the resumed run evaluates first (``owed``) and saves the step's checkpoint again where one was due."""
+        if owed or (self.config.eval_every and step % self.config.eval_every == 0 and self.data.eval):
             self.state.evaluation_owed = self.preemption.agree_now()
             if not self.state.evaluation_owed:
-                phases(step, "evaluate")
+                self.steps.phases(step, "evaluate")
                 self.evaluate()
+
+    def _save_due(self, step: int) -> None:
+        cfg = self.config
         due = cfg.save_every and (step % cfg.save_every == 0 or step == self.total_steps or self.stopped is not None)
-        # A signal noted: the preemption's save, not this one, comes next.
-        if due and not self.preemption.agree_now():
-            phases(step, "checkpoint")
+        if due and not self.preemption.agree_now():  # a signal noted: the preemption's save comes next, not this one
+            self.steps.phases(step, "checkpoint")
             self.save_checkpoint(wait=False)
 
     def _logs(self, step: int) -> bool:

@@ -47,7 +47,7 @@ def parts_of(run: Run, model: torch.nn.Module, callbacks: list) -> tuple[Checkpo
         "callbacks": CallbackStates(run, callbacks, named=stateful),
         "data": None,
     }
-    return Checkpointer(run, parts=parts, setup=RunSetup(run, built, streaming=False), best=best), state, built
+    return Checkpointer(run, parts=parts, setup=RunSetup(run, built), best=best), state, built
 
 
 def step(model: torch.nn.Module, built) -> None:

@@ -1,11 +1,15 @@
 """A checkpoint's failures agreed on by every rank: which rank failed first and why, so that no rank goes on into a
-collective while another has stopped, and DCP's wrapped failure told as the one exception that matters.
+collective while another has stopped, DCP's wrapped failure told as the one exception that matters, and a part's
+failed read said in one line naming the checkpoint.
 """
 
 from __future__ import annotations
 
+import pickle
+from pathlib import Path
 from typing import Any, Callable, Optional
 
+from trainer.checkpoint.safe_dcp import refused_pickle
 from trainer.errors import CheckpointError, Refusal
 
 
@@ -43,3 +47,31 @@ def agreed_failure(run: Any, attempt: Callable[[], None]) -> Optional[tuple[int,
     if mine is not None and failing[0] == run.rank:
         return run.rank, mine, alone
     return failing[0], CheckpointError(said[failing[0]]), alone
+
+
+def read_part(path: Path, attempt: Callable[[], None], *, refused: Optional[CheckpointError]) -> None:
+    """``attempt()``, a part's read, its failure said as one line naming the checkpoint."""
+    try:
+        attempt()
+    # torch.load(weights_only=True) refused it, or it ends early.
+    except (pickle.UnpicklingError, EOFError) as err:
+        detail = refused_pickle(err)
+        raise CheckpointError(
+            f"checkpoint {path} holds a file that cannot be loaded safely (nothing in it was "
+            f"run): {type(err).__name__}: {detail}. Resume from another checkpoint "
+            f"(resume=<path>), or delete this one"
+        ) from None
+    except (RuntimeError, LookupError, ValueError, OSError) as err:
+        if isinstance(err, Refusal):
+            raise
+        # A part that does not load for the reason the refusal names (the schedule of another optimizer).
+        if refused is not None:
+            raise refused from err
+        # torch's size-mismatch report spans many lines.
+        detail = " ".join(str(err).split())[:2000]
+        raise CheckpointError(f"checkpoint {path} does not fit this run: {detail}") from err
+    # A callback's own load_state_dict, say: one line all the same.
+    except Exception as err:
+        if isinstance(err, Refusal):
+            raise
+        raise CheckpointError(f"checkpoint {path} could not be loaded: {type(err).__name__}: {err}") from err

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import pickle
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -20,9 +19,8 @@ from typing import Any, Callable, Iterator, Optional
 from trainer.checkpoint import bucket, integrity, store, transfers
 from trainer.checkpoint.background import BackgroundSaves
 from trainer.checkpoint.best import KeepBest
-from trainer.checkpoint.failures import agreed_failure
+from trainer.checkpoint.failures import agreed_failure, read_part
 from trainer.checkpoint.policy import RunSetup, group_settings, random_states
-from trainer.checkpoint.safe_dcp import refused_pickle
 from trainer.checkpoint.store import checkpoint_root, staging_folder, write_failed
 from trainer.checkpoint.transfers import DOWNLOADS
 from trainer.errors import CheckpointError, Refusal
@@ -39,10 +37,15 @@ class Checkpointer:
         setup: how the run is set up (``trainer.checkpoint.policy.RunSetup``): each checkpoint records it, a resume
             compares it.
         best: ``keep_best``'s record (a part too), which the ``best`` pointer follows.
+        watch: the stall reporter's ``watching`` (``trainer.telemetry.stall``): a resume that waits is reported
+            as a step that waits is.
     """
 
-    def __init__(self, run: Any, *, parts: dict[str, Any], setup: RunSetup, best: KeepBest):
+    def __init__(
+        self, run: Any, *, parts: dict[str, Any], setup: RunSetup, best: KeepBest, watch: Optional[Callable] = None
+    ):
         self.run, self.setup, self.best = run, setup, best
+        self.watch = watch or (lambda phase: contextlib.nullcontext())
         self.parts = {name: part for name, part in parts.items() if part is not None}
         # Refused at the start, on every rank, rather than at the first checkpoint.
         store.check_writable(run.config.output_dir)
@@ -60,6 +63,10 @@ class Checkpointer:
         """The main process locks the output_dir and finds the checkpoint ``resume`` asks for (setting a damaged one
         aside); every rank resumes from it (``resume``'s answer) or starts fresh, or raises the main process's
         refusal (a locked output_dir, checkpoints a run without resume would overwrite, ...)."""
+        with self.watch("resume"):
+            return self._start()
+
+    def _start(self) -> Optional[CheckpointError]:
         found = self.run.main_decides(self._find)
         if self.bucket is not None:
             return transfers.resume_from_bucket(self, found)
@@ -209,6 +216,10 @@ class Checkpointer:
         global batch, this run's changed settings applied (``trainer.checkpoint.policy``), said in a line or two.
         Returns why ``fit()`` cannot go on from it (another global batch, a setting the saved state cannot go on
         under), or None; the weights are loaded either way, for ``evaluate()`` and ``predict()``."""
+        with self.watch("resume"):
+            return self._resume(path, verified)
+
+    def _resume(self, path: Path, verified: bool) -> Optional[CheckpointError]:
         state = self.read(path, verified)
         batches, resplit, misfit, refused = self.setup.judge(state, path)
         # This run's; the checkpoint's replace them.
@@ -242,8 +253,19 @@ class Checkpointer:
     ) -> None:
         """Every registered part but those in ``skip`` back from checkpoint ``path`` (its ``state``): the files
         first (a failure to fit is said as one line), then the plain data. ``refused``: this run's settings cannot
-        go on with the saved optimizer state, so the model's weights alone are loaded (for evaluate and predict)."""
-        failed = agreed_failure(self.run, lambda: self._load_parts(path, state, skip=skip, refused=refused))
+        go on with the saved optimizer state, so the model's weights alone are loaded (for evaluate and predict).
+        Every rank agrees on each part before the next is read: a part read by every rank together (the average's
+        DCP read) must not wait for a rank that stopped at the one before (a callback's file refused on that rank)."""
+        for name, part in self.parts.items():
+            if name == "model" and refused is not None:
+                self._agreed(path, functools.partial(part.load_weights, path), refused=refused)
+            elif callable(getattr(part, "load", None)) and name not in skip:
+                self._agreed(path, functools.partial(part.load, path, state), refused=refused)
+        self._agreed(path, functools.partial(self._load_states, path, state, skip=skip), refused=refused)
+
+    def _agreed(self, path: Path, attempt: Callable[[], None], *, refused: Optional[CheckpointError]) -> None:
+        """``attempt()`` on every rank, and on every rank the first failing rank's failure raised."""
+        failed = agreed_failure(self.run, functools.partial(read_part, path, attempt, refused=refused))
         if failed is not None:
             rank, err, alone = failed
             # The same words on every rank, said once by the first process: which rank could not load what, where
@@ -251,37 +273,8 @@ class Checkpointer:
             kind = type(err) if isinstance(err, Refusal) else CheckpointError
             raise kind(f"{err} (rank {rank})" if alone else str(err), job_wide=True) from None
 
-    def _load_parts(
-        self, path: Path, state: dict[str, Any], *, skip: tuple[str, ...], refused: Optional[CheckpointError]
-    ) -> None:
-        try:
-            for name, part in self.parts.items():
-                if name == "model" and refused is not None:
-                    part.load_weights(path)
-                elif callable(getattr(part, "load", None)) and name not in skip:
-                    part.load(path, state)
-        # torch.load(weights_only=True) refused it, or it ends early.
-        except (pickle.UnpicklingError, EOFError) as err:
-            detail = refused_pickle(err)
-            raise CheckpointError(
-                f"checkpoint {path} holds a file that cannot be loaded safely (nothing in it was "
-                f"run): {type(err).__name__}: {detail}. Resume from another checkpoint "
-                f"(resume=<path>), or delete this one"
-            ) from None
-        except (RuntimeError, LookupError, ValueError, OSError) as err:
-            if isinstance(err, Refusal):
-                raise
-            # A part that does not load for the reason the refusal names (the schedule of another optimizer).
-            if refused is not None:
-                raise refused from err
-            # torch's size-mismatch report spans many lines.
-            detail = " ".join(str(err).split())[:2000]
-            raise CheckpointError(f"checkpoint {path} does not fit this run: {detail}") from err
-        # A callback's own load_state_dict, say: one line all the same.
-        except Exception as err:
-            if isinstance(err, Refusal):
-                raise
-            raise CheckpointError(f"checkpoint {path} could not be loaded: {type(err).__name__}: {err}") from err
+    def _load_states(self, path: Path, state: dict[str, Any], *, skip: tuple[str, ...]) -> None:
+        """The plain-data parts' states, from ``trainer_state.json``."""
         for name, part in self.parts.items():
             if name in state and name not in skip and callable(getattr(part, "load_state_dict", None)):
                 try:

@@ -89,6 +89,17 @@ def refusal(
     return None
 
 
+def resized_mid_epoch(saved: dict[str, int], now: dict[str, int], path: Path) -> CheckpointError:
+    """The refusal of a resume mid-epoch whose training sets do not have the sizes the checkpoint recorded."""
+    sizes = lambda sizes: ", ".join(f"{name} {count}" for name, count in sizes.items())  # noqa: E731
+    return CheckpointError(
+        f"checkpoint {path}: the training data has changed size since it was written ({sizes(saved)} examples "
+        f"then, {sizes(now)} now), in the epoch it stopped in: its order is drawn from the sizes, so some examples "
+        "would be read twice and others never. Resume with the data it was written with until the epoch ends (a "
+        "checkpoint at an epoch's end takes any), or start a new run in another output_dir"
+    )
+
+
 def _one_group(config: dict[str, Any]) -> bool:
     """Whether a config's optimizer (trainer.optim) has a single parameter group."""
     return config.get("weight_decay", 0) == 0 or bool(config.get("decay_biases_and_norms"))
@@ -204,8 +215,12 @@ class RunSetup:
     """How this run is set up, as far as its checkpoints go: what each records of it (``run``), what a resume
     compares with it, and the optimizer and (torch) scheduler a resume applies this run's settings to."""
 
-    def __init__(self, run: Any, optimization: Optimization, *, streaming: bool):
-        self.config, self.optimization, self.streaming = run.config, optimization, streaming
+    def __init__(self, run: Any, optimization: Optimization, *, data: Any = None):
+        self.config, self.optimization = run.config, optimization
+        # data: the Trainer's loaders (trainer.data.loaders), if any. A stream's position is kept per process; the
+        # sizes of the training sets are what an epoch's order is drawn from.
+        self.streaming = getattr(data, "stream", None) is not None
+        self.sizes: Optional[dict[str, int]] = getattr(data, "sizes", None)
         # The data-parallel processes, and the launch's mixed precision (no, bf16, fp16).
         self.processes, self.mixed_precision = run.dp.size, run.accelerator.mixed_precision
         self.optimizer, self.scheduler = optimization.optimizer, optimization.scheduler
@@ -222,6 +237,7 @@ class RunSetup:
             "config": self.config.to_dict(),
             "optimizer_class": type(self.optimizer).__name__,
             "mixed_precision": self.mixed_precision,
+            "data_sizes": self.sizes,
         }
 
     def judge(self, state: dict[str, Any], path: Path) -> tuple[int, str, Any, Any]:
@@ -243,6 +259,9 @@ class RunSetup:
             saved_class=run.get("optimizer_class"),
             optimizer_class=type(self.optimizer).__name__,
         )
+        resized = run.get("data_sizes") and self.sizes and run["data_sizes"] != self.sizes
+        if settings is None and batches > 0 and resized:
+            settings = resized_mid_epoch(run["data_sizes"], self.sizes, path)
         return batches, resplit, misfit, settings
 
     def apply_changes(self, run: dict[str, Any], step: int, own_settings: list[dict[str, Any]]) -> str:

@@ -49,6 +49,8 @@ class Loaders:
         stream = getattr(self.train, "dataset", None)
         # The training data as a stream, whose position checkpoints hold (trainer.data.streams).
         self.stream = stream if isinstance(stream, StreamShard) else None
+        # The training sets' sizes, which an epoch's order depends on (a checkpoint records them), or None.
+        self.sizes = train_sizes(self.train)
 
     def require_train(self) -> None:
         if self.train is None:
@@ -74,6 +76,15 @@ class Loaders:
         if change:
             say(f"trainer | {change}")
         return data
+
+
+def train_sizes(loader: Optional[DataLoader]) -> Optional[dict[str, int]]:
+    """The examples of each training set the trainer's sampler deals (``{"train_data": n}`` for one set, each
+    set's by name for a mixture); None for a stream or a user's DataLoader, whose order is theirs."""
+    sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+    if isinstance(sampler, MixtureSampler):
+        return {name: len(part) for name, part in zip(sampler.dataset.names, sampler.dataset.datasets, strict=True)}
+    return {"train_data": len(sampler.dataset)} if isinstance(sampler, ResumableSampler) else None
 
 
 def build_train_loader(data: Dataset | DataLoader, run: Any, *, collate_fn: Optional[Callable]) -> DataLoader:

@@ -2,7 +2,8 @@
 ``load_state_dict()`` is also checkpointed and gets its state back at a resume. Shipped here: ``EarlyStopping``.
 
 Hooks, each called as ``hook(trainer, ...)``: ``on_train_begin``, ``on_epoch_begin``, ``on_step_end`` (after that
-step's logging, evaluation and checkpoint), ``on_log(metrics)``, ``on_evaluate(metrics)``, ``on_train_end(result)``.
+step's logging and evaluation, before its checkpoint: a checkpoint holds every callback's state as of the step's
+end), ``on_log(metrics)``, ``on_evaluate(metrics)``, ``on_train_end(result)``.
 """
 
 from __future__ import annotations

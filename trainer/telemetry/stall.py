@@ -13,18 +13,18 @@ import os
 import socket
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 
 from trainer.errors import PREEMPTED_EXIT
 from trainer.telemetry.console import warn
 
-# What a rank can be doing, in the order one optimizer step goes through them. The rank furthest behind in this
-# order is the one the others wait for: "backward" and later phases hold collectives, earlier ones do not.
-PHASES = ("data", "forward", "backward", "optimizer", "log", "evaluate", "checkpoint")
+# What a rank can be doing, in the order one optimizer step goes through them (a resume before the first). The rank
+# furthest behind in this order is the one the others wait for: "backward" and later phases hold collectives.
+PHASES = ("resume", "data", "forward", "backward", "optimizer", "log", "evaluate", "checkpoint")
 # Phases that may rightly go long without a mark of progress (no block or step boundary inside them).
-LONG_PHASES = ("evaluate", "checkpoint")
+LONG_PHASES = ("resume", "evaluate", "checkpoint")
 
 
 class StallReporter:
@@ -47,9 +47,26 @@ class StallReporter:
         self._thread: Any = None
 
     @contextlib.contextmanager
-    def watching(self) -> Iterator[None]:
-        """The thread watches while the context lasts (``fit()``), then is stopped and joined: a daemon thread still
-        inside a store call when the interpreter shuts down is killed in C++ code, which aborts the process."""
+    def watching(self, phase: Optional[str] = None) -> Iterator[None]:
+        """The thread watches while the context lasts (``fit()``, or a resume: ``phase`` "resume", noted for the
+        context's length), then is stopped and joined: a daemon thread still inside a store call when the interpreter
+        shuts down is killed in C++ code, which aborts the process. Inside a context already watched, only the phase
+        is noted."""
+        before = self.where
+        if phase is not None:
+            self.at(before[0], phase)
+        try:
+            if self._thread is not None and self._thread.is_alive():
+                yield
+            else:
+                with self._thread_running():
+                    yield
+        finally:
+            if phase is not None:
+                self.at(*before)
+
+    @contextlib.contextmanager
+    def _thread_running(self) -> Iterator[None]:
         self._stop.clear()
         self._changed = time.monotonic()
         interval = min(5.0, max(0.2, self.warning_s / 4))
@@ -135,6 +152,8 @@ def report(notes: dict[int, dict], world: int, now: float, *, stalled_s: float) 
         return note["step"], PHASES.index(note["phase"]), note.get("blocks", 0)
 
     def doing(note: dict) -> str:
+        if note["phase"] == "resume":
+            return f"resuming from a checkpoint (step {note['step']})"
         blocks = note.get("blocks", 0)
         inside = f" (sharded block {blocks})" if blocks else ""
         return f"{note['phase']} at step {note['step']}{inside}"
@@ -149,10 +168,10 @@ def report(notes: dict[int, dict], world: int, now: float, *, stalled_s: float) 
     behind = min(position(n) for n in notes.values())
     laggards = [r for r, n in notes.items() if position(n) == behind]
     if len(laggards) == len(notes):
-        where = doing(next(iter(notes.values())))
+        first = next(iter(notes.values()))
         return (
-            line + f" Every rank is at the same place ({where}): a long {where.split()[0]} or a slow collective "
-            "(network?), rather than one rank."
+            line + f" Every rank is at the same place ({doing(first)}): a long {first['phase']} or a slow "
+            "collective (network?), rather than one rank."
         )
     return line + f" Waiting for rank(s) {', '.join(map(str, laggards))} ({doing(notes[laggards[0]])})."
 
@@ -167,7 +186,7 @@ class NoStalls:
         pass
 
     @contextlib.contextmanager
-    def watching(self) -> Iterator[None]:
+    def watching(self, phase: Optional[str] = None) -> Iterator[None]:
         yield
 
 
