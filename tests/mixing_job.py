@@ -2,7 +2,8 @@
 for the first 6 steps, then 0.75 and 0.25: an epoch of 40 (5 steps of 8) draws half of each at first (b's each
 twice), then 6 of a's and 2 of b's a step; 2 epochs, a checkpoint every 2 steps, a log every step.
 ``--crash_at N``: rank 1 dies after step N (the first attempt), and a rerun resumes. ``--streams``: the two as
-datasets streams, interleaved, 0.5 each. The main process writes
+datasets streams, interleaved, 0.5 each. ``--size_a N``: ``a`` has N examples; ``--weights JSON``: other
+data_weights. The main process writes
 ``<output_dir>/mixing.json``: each log's step, loss and shares (``data/a``, ``data/b``)."""
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ def main() -> None:
     parser.add_argument("--batch_size", type=int, default=4)
     parser.add_argument("--crash_at", type=int, default=0)
     parser.add_argument("--streams", action="store_true")
+    parser.add_argument("--size_a", type=int, default=30)
+    parser.add_argument("--weights", type=json.loads, default=None)
     args = parser.parse_args()
-    sets = {"a": Examples(30, seed=2), "b": Examples(10, seed=3)}
+    sets = {"a": Examples(args.size_a, seed=2), "b": Examples(10, seed=3)}
     if args.streams:
         from datasets import Dataset
 
@@ -55,7 +58,8 @@ def main() -> None:
         log_every=1,
         resume="auto",
         # Streams take one weight each.
-        data_weights={"a": 0.5, "b": 0.5} if args.streams else {"a": [[0, 0.5], [6, 0.75]], "b": [[0, 0.5], [6, 0.25]]},
+        data_weights=args.weights
+        or ({"a": 0.5, "b": 0.5} if args.streams else {"a": [[0, 0.5], [6, 0.75]], "b": [[0, 0.5], [6, 0.25]]}),
     )
     shares = Shares()
     torch.manual_seed(0)

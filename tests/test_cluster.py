@@ -154,6 +154,21 @@ def test_preflight_reads_a_config_and_names_each_problem():
     assert "  network: gloo on eth7" in named.stdout
 
 
+def test_preflight_says_what_it_cannot_check_and_names_a_folder_passed_as_the_file(tmp_path):
+    """A block class that names no module (GPT2Blok) went with "no problems found": the check has no model, and
+    says so; a folder was "config file not found"."""
+    path = tmp_path / "blok.yaml"
+    path.write_text(
+        (CONFIGS / "fsdp.yaml")
+        .read_text()
+        .replace("fsdp_config:\n", "fsdp_config:\n  fsdp_transformer_layer_cls_to_wrap: GPT2Blok\n")
+    )
+    said = run([sys.executable, "-m", "trainer.check", "--config_file", path]).stdout
+    assert "  blocks: GPT2Blok (fsdp_transformer_layer_cls_to_wrap), not checked: this check builds no model" in said
+    folder = run([sys.executable, "-m", "trainer.check", "--config_file", tmp_path], expect_ok=False)
+    assert folder.returncode == 1 and f"PROBLEM: config file {tmp_path} is a folder" in folder.stdout
+
+
 @pytest.mark.parametrize("shared", [True, False, "unwritable"])
 def test_preflight_inside_a_two_node_launch_checks_the_shared_output_dir(tmp_path, shared):
     port, nodes = free_port(), [tmp_path / "node0", tmp_path / "node1"]

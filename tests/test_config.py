@@ -35,7 +35,8 @@ def test_overrides_win_over_the_file(tmp_path):
         ("learning_rate: 0.1\n", "unknown key 'learning_rate'"),
         ("zzz: 1\n", "unknown key 'zzz'. The keys are TrainConfig's fields: help(trainer.TrainConfig)."),
         ("batchsize: 4\n", "Did you mean: batch_size"),
-        ("lerning_rate: 0.1\n", "Did you mean: lr, "),  # transformers' name, misspelt: ours first
+        ("lerning_rate: 0.1\n", "Did you mean: lr?"),  # transformers' name, misspelt: ours
+        ("max_step: 3\n", "Did you mean: max_steps?"),  # the closest alone, not save_every and eval_every too
         ("batch_size: 0\n", "batch_size must be >= 1"),
         ("batch_size: 2.5\n", "batch_size must be int"),
         ("batch_size: '8'\n", "batch_size must be int"),
@@ -78,17 +79,26 @@ def test_bad_yaml_names_the_culprit(tmp_path, text, culprit):
     assert len(str(err.value)) < 300 + len(str(path)) and "\n" not in str(err.value), str(err.value)
 
 
-def test_bad_override_names_the_key(tmp_path):
+def test_bad_override_names_the_override_not_the_file(tmp_path):
+    """``overrides=["lr=abc"]`` blamed the YAML file before ("run.yaml: lr must be float")."""
     path = write(tmp_path, "seed: 0\n")
-    with pytest.raises(ConfigError, match="unknown key 'lrr'.*Did you mean: lr"):
+    with pytest.raises(ConfigError) as err:
         TrainConfig.from_yaml(path, overrides=["lrr=0.1"])
+    assert str(err.value) == "override 'lrr=0.1': unknown key 'lrr'. Did you mean: lr?"
+    with pytest.raises(ConfigError) as err:
+        TrainConfig.from_yaml(path, overrides=["seed=1", "lr=abc"])
+    assert str(err.value) == "override 'lr=abc': lr must be float, got 'abc' (str)"
     with pytest.raises(ConfigError, match="not of the form key=value"):
         TrainConfig.from_yaml(path, overrides=["lr"])
+    with pytest.raises(ConfigError, match=f"^{path}: unknown key 'zzz'"):
+        TrainConfig.from_yaml(write(tmp_path, "zzz: 1\n"), overrides=["lr=0.1"])
 
 
 def test_missing_file_is_named(tmp_path):
     with pytest.raises(ConfigError, match="config file not found: .*nope.yaml"):
         TrainConfig.from_yaml(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match=f"config file {tmp_path} is a folder: pass a YAML file"):
+        TrainConfig.from_yaml(tmp_path)
 
 
 def test_constructor_validates_too():
@@ -154,17 +164,22 @@ def test_a_setting_of_the_accelerate_config_names_the_file_that_sets_it(key, fil
 
 
 def test_the_main_jobs_config_mistakes_are_one_line_naming_the_file(tmp_path):
-    """``python examples/gpt2.py --config run.yaml`` with a misspelt key and a wrong value (two runs in one process,
-    tests/jobs.py): one ``trainer:`` line each, naming the file, exit 1."""
-    texts = {"misspelt": "batchsize: 4\n", "wrong value": "lr: fast\n"}
+    """``python examples/gpt2.py --config run.yaml`` with a misspelt key, a wrong value and a bucket's URL as
+    output_dir (three runs in one process, tests/jobs.py): one ``trainer:`` line each, naming the file, exit 1."""
+    texts = {"misspelt": "batchsize: 4\n", "wrong value": "lr: fast\n", "a URL": "output_dir: s3://bucket/run\n"}
     files = {name: tmp_path / f"{i}.yaml" for i, name in enumerate(texts)}
     for name, text in texts.items():
         files[name].write_text(text)
     jobs = [[str(ROOT / "examples" / "gpt2.py"), "--config", str(path)] for path in files.values()]
     result = python(JOBS, json.dumps(jobs), expect_ok=False)
-    assert job_exits(result.stderr, 2) == [1, 1], result.stderr
+    assert job_exits(result.stderr, 3) == [1, 1, 1], result.stderr
     said = [[line for line in out.splitlines() if line.startswith("trainer: ")] for out in split_jobs(result.stderr)]
     assert said == [
         [f"trainer: {files['misspelt']}: unknown key 'batchsize'. Did you mean: batch_size?"],
         [f"trainer: {files['wrong value']}: lr must be float, got 'fast' (str)"],
+        # A bucket as output_dir made a local folder named "s3:" before, and no checkpoint reached the bucket.
+        [
+            f"trainer: {files['a URL']}: output_dir is a URL (s3://bucket/run); it is a local folder (logs, the lock, "
+            "final/): keep the checkpoints in a bucket with checkpoint_storage: s3://bucket/run, and a local output_dir"
+        ],
     ], result.stderr

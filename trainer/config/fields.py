@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from trainer.config.reading import check_choice, check_keys, coerce, parse_overrides, read_yaml, steps_of
+from trainer.config.reading import built_from_yaml, check_choice, check_keys, coerce, steps_of
 from trainer.errors import ConfigError
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "muon")
@@ -195,10 +195,7 @@ class TrainConfig:
 
             TrainConfig.from_yaml("run.yaml", overrides=["lr=1e-3", "max_steps=100"])
         """
-        path = Path(path)
-        values = read_yaml(path)
-        values.update(parse_overrides(overrides))
-        return cls.from_dict(values, source=str(path))
+        return built_from_yaml(cls, Path(path), overrides)
 
     @property
     def signal_names(self) -> tuple[str, ...]:
@@ -263,6 +260,11 @@ class TrainConfig:
         if self.checkpoint_storage is not None and "://" not in self.checkpoint_storage:
             raise ConfigError(
                 f"checkpoint_storage must be an object store's URL (s3://bucket/run); got {self.checkpoint_storage!r}"
+            )
+        if "://" in self.output_dir:
+            raise ConfigError(
+                f"output_dir is a URL ({self.output_dir}); it is a local folder (logs, the lock, final/): keep the "
+                f"checkpoints in a bucket with checkpoint_storage: {self.output_dir}, and a local output_dir"
             )
         if "://" in (self.resume or "") and not self.checkpoint_storage:
             raise ConfigError(f"resume is a URL ({self.resume}): set checkpoint_storage, the bucket checkpoints go to")

@@ -37,6 +37,8 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     """A YAML config file's mapping; a missing or empty file, a repeated key, bad YAML or anything but a mapping
     is a ConfigError naming the file."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a folder: pass a YAML file of TrainConfig keys")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     text = path.read_text()
@@ -100,12 +102,31 @@ def check_keys(cls: type, values: dict[str, Any], source: str) -> None:
         if key not in valid:
             names = {**{name: name for name in valid}, **{k: v for k, v in OTHER_NAMES.items() if v in valid}}
             close = difflib.get_close_matches(str(key).lower(), list(names), n=3, cutoff=0.5)
+            # Only those near the closest: max_step is max_steps, not save_every.
+            ratios = [difflib.SequenceMatcher(None, str(key).lower(), name).ratio() for name in close]
+            close = [name for name, ratio in zip(close, ratios, strict=True) if ratio >= ratios[0] - 0.15]
             # Another trainer's name: ours.
             close = list(dict.fromkeys(names[name] for name in close))
             # The closest keys when there are some; else where all of them are listed (53 keys in a line: unread).
             every = "The keys are TrainConfig's fields: help(trainer.TrainConfig)."
             hint = f"Did you mean: {', '.join(close)}?" if close else every
             raise ConfigError(f"{source}: unknown key '{key}'. {hint}")
+
+
+def built_from_yaml(cls: type, path: Path, overrides: list[str] | tuple[str, ...]) -> Any:
+    """``cls`` (TrainConfig) from YAML file ``path`` and ``key=value`` overrides; a mistake names the file, or the
+    override that made it."""
+    values = read_yaml(path)
+    check_keys(cls, values, str(path))
+    for item in overrides:
+        check_keys(cls, parse_overrides([item]), f"override {item!r}")
+    try:
+        return cls.from_dict({**values, **parse_overrides(overrides)})
+    except ConfigError as err:
+        # Each message opens with the key it is about.
+        key = str(err).split(maxsplit=1)[0] if str(err) else ""
+        blamed = [item for item in overrides if item.partition("=")[0].strip() == key]
+        raise ConfigError(f"{f'override {blamed[-1]!r}' if blamed else path}: {err}") from None
 
 
 def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:

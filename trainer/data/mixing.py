@@ -168,7 +168,7 @@ def weight_phases(weights: Mapping[str, Any], sets: Mapping[str, Any]) -> Option
             f"data_weights names {', '.join(sorted(weights))}, but train_data's sets are {', '.join(sorted(sets))}: "
             "give a weight for each set, and for no other"
         )
-    number = lambda w: isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0  # noqa: E731
+    number = lambda w: isinstance(w, (int, float)) and not isinstance(w, bool) and 0 <= w < math.inf  # noqa: E731
     pairs = {name: [(0, given)] if number(given) else given for name, given in weights.items()}
     for name, given in pairs.items():
         if not (
@@ -179,14 +179,19 @@ def weight_phases(weights: Mapping[str, Any], sets: Mapping[str, Any]) -> Option
             and given[0][0] == 0
         ):
             raise ConfigError(
-                f"data_weights[{name!r}] is {given!r}: a weight (a number, 0 or more), or [step, weight] pairs in "
-                "step order from step 0, [[0, 0.7], [1000, 0.5]]"
+                f"data_weights[{name!r}] is {given!r}: a weight (a finite number, 0 or more), or [step, weight] "
+                "pairs in step order from step 0, [[0, 0.7], [1000, 0.5]]"
             )
     steps = sorted({step for given in pairs.values() for step, _ in given})
     phases = [(step, {name: [w for s, w in given if s <= step][-1] for name, given in pairs.items()}) for step in steps]
     for step, shares in phases:
         if not sum(shares.values()) > 0:
             raise ConfigError(f"data_weights are all 0 from step {step}: give some set a weight")
+        if not math.isfinite(sum(shares.values())):
+            raise ConfigError(
+                f"data_weights from step {step} sum to {sum(shares.values())} ({shares}): give weights whose sum is a "
+                "finite number (they are shares: 0.7 and 0.3, or 7 and 3)"
+            )
     return phases
 
 

@@ -49,6 +49,12 @@ def describe_config(
     rendezvous evidently worked (and may have come from --main_process_ip), so its settings are not judged."""
     from accelerate.commands.config.config_args import load_config_from_file
 
+    if Path(path).is_dir():
+        return (
+            [],
+            [f"config file {path} is a folder: pass an accelerate config file (accelerate config writes one)"],
+            None,
+        )
     if not Path(path).is_file():
         return [], [f"config file not found: {path}"], None
     if not Path(path).read_text().strip():
@@ -96,6 +102,11 @@ def describe_config(
         except ShardingError as err:
             problems.append(str(err))
         fsdp = config.fsdp_config or {}
+        if wrap := str(fsdp.get("fsdp_transformer_layer_cls_to_wrap") or "").strip():
+            lines.append(
+                f"  blocks: {wrap} (fsdp_transformer_layer_cls_to_wrap), not checked: this check builds no model; "
+                "a launch refuses a class the model has no module of, in one line"
+            )
         if str(fsdp.get("fsdp_offload_params", False)).lower() == "true":
             problems.append(NO_OFFLOAD)
         if config.mixed_precision == "fp16":
