@@ -241,7 +241,7 @@ def ours(args) -> dict:
         eval_every=args.eval_every or (args.save_every if args.best else None),
         keep_best=("eval_tail_loss" if args.eval_sets else "eval_loss") if args.best else None,
         keep_best_mode="max",
-        stall_warning_s=1.0 if args.stall_in_block else 60.0,
+        stall_warning_s=args.stall_warning_s or (1.0 if args.stall_in_block else 60.0),
         ema_decay=args.ema,
         ema_start_step=args.ema_start,
         auto_microbatch=args.auto_microbatch,
@@ -511,6 +511,7 @@ def main() -> None:
     parser.add_argument("--oom_in", choices=["forward", "backward", "middle_block_backward"], default="forward")
     parser.add_argument("--eval_every", type=int, default=None, help="evaluate every N steps while training")
     parser.add_argument("--ema", type=float, default=None, help="ema_decay")
+    parser.add_argument("--stall_warning_s", type=float, default=None)
     parser.add_argument("--ema_start", type=int, default=0, help="ema_start_step")
     parser.add_argument("--history", action="store_true", help="record every step's weights")
     parser.add_argument("--best", action="store_true", help="keep_best the highest eval loss (the first, as it falls)")

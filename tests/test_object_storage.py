@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import psutil
 import pytest
@@ -32,7 +33,8 @@ BUCKET = "checkpoints"
 
 class S3:
     """moto's S3 server on a loopback port, in this process: ``env`` points a job at it (botocore reads
-    ``AWS_ENDPOINT_URL``); ``kill`` makes it SIGKILL a job's every process when an upload reaches a key."""
+    ``AWS_ENDPOINT_URL``); ``kill`` makes it SIGKILL a job's every process when an upload reaches a key, ``pause``
+    hold the first download of a key for some seconds, as a server that stops answering for a while."""
 
     def __init__(self):
         from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
@@ -43,6 +45,7 @@ class S3:
         self.kill: dict = {}  # "key": a part of the key; "after": PUTs to let through first; "pid": the job's
         self.refuse = "/refused/step-00000004/"  # PUTs to these keys are answered 403
         self.killed: list[str] = []
+        self.pause: dict = {}  # "key": a part of the key; "s": seconds
         self.server = make_server("127.0.0.1", free_port(), self.serve, threaded=True)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         self.endpoint = f"http://127.0.0.1:{self.server.server_port}"
@@ -57,6 +60,10 @@ class S3:
         if environ["REQUEST_METHOD"] == "PUT" and self.refuse in environ["PATH_INFO"]:
             start_response("403 Forbidden", [("Content-Type", "application/xml")])
             return [b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"]
+        pause = self.pause
+        if environ["REQUEST_METHOD"] == "GET" and pause and pause["key"] in environ["PATH_INFO"]:
+            self.pause = {}
+            time.sleep(pause["s"])
         kill = self.kill
         if environ["REQUEST_METHOD"] == "PUT" and kill and kill["key"] in environ["PATH_INFO"]:
             kill["after"] -= 1
@@ -111,7 +118,8 @@ def test_ddp_a_crashed_run_resumes_from_the_bucket_bit_identical_and_keep_best_r
     """2 processes (DDP): the last rank dies after step 7; run again, the job downloads step 6 from the bucket and
     ends with the weights of the run never interrupted. Only the last two checkpoints stay in the bucket; the local
     output_dir holds no checkpoint. A store that refuses an upload is named, the last checkpoint kept. With keep_best
-    (the highest eval loss: step 6's), step 6 is spared and read back from the bucket at the end, as from a disk."""
+    (the highest eval loss: step 6's), step 6 is spared and read back from the bucket at the end, as from a disk.
+    The server pausing 8 s while the resume downloads, the stall reporter says so (stall_warning_s 2)."""
     url = f"s3://{BUCKET}/ddp"
     straight = ["--storage", f"{url}/straight"]
     crashed = ["--storage", f"{url}/crashed", "--crash_at", "7", "--crash_once"]
@@ -122,8 +130,12 @@ def test_ddp_a_crashed_run_resumes_from_the_bucket_bit_identical_and_keep_best_r
     first = launch(s3, tmp_path, {**variants, "crashed": crashed}, expect_ok=False)
     assert "CRASH after step 7" in first.stdout, first.stdout[-3000:] + first.stderr[-3000:]
     assert s3.fs.cat(f"{BUCKET}/ddp/crashed/latest") == b"step-00000006"
-    again = launch(s3, tmp_path, {"crashed": crashed})
+    # The server stops answering for 8 s while the resume downloads: the stall reporter speaks (nothing did).
+    s3.pause = {"key": "/ddp/crashed/step-00000006/shards/", "s": 8}
+    again = launch(s3, tmp_path, {"crashed": [*crashed, "--stall_warning_s", "2"]})
     assert f"downloaded {url}/crashed/step-00000006 into" in again.stdout, again.stdout[-3000:]
+    assert "s: rank 0 (" in again.stderr and " resuming from a checkpoint since " in again.stderr, again.stderr[-3000:]
+    assert "Every rank is at the same place (resuming from a checkpoint): a long resume" in again.stderr
     assert "resumed from" in again.stdout and ": step 6, " in again.stdout
     assert summary(tmp_path / "crashed")["weights"] == summary(tmp_path / "straight")["weights"]
     kept = {key.split("/")[0] for key in s3.keys("ddp/straight")}

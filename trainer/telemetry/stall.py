@@ -153,7 +153,7 @@ def report(notes: dict[int, dict], world: int, now: float, *, stalled_s: float) 
 
     def doing(note: dict) -> str:
         if note["phase"] == "resume":
-            return f"resuming from a checkpoint (step {note['step']})"
+            return "resuming from a checkpoint"
         blocks = note.get("blocks", 0)
         inside = f" (sharded block {blocks})" if blocks else ""
         return f"{note['phase']} at step {note['step']}{inside}"
