@@ -616,6 +616,8 @@ DAMAGED = {
     "a step folder linked to another run's, named by latest": 0,
     "keep_best's record edited": 1,
     "rank 1's random states unloadable": 0,
+    "rank 1's random states missing": 0,
+    "the average's index removed": 1,
     "an index placing tensors in another run's shard": 1,
     "no checkpoint, the first save's folder blocked": 1,
 }
@@ -649,8 +651,13 @@ def damaged(patience_run, tmp_path_factory) -> dict[str, tuple[Path, int, str, s
             state = json.loads((latest / "trainer_state.json").read_text())
             state["best"] = {"figure": "eval_loss", "value": 1.0, "step": "abc"}
             (latest / "trainer_state.json").write_text(json.dumps(state))
-        elif name.startswith("rank 1's random states"):
+        elif name == "rank 1's random states unloadable":
             torch.save({"random_state": Path("/etc/passwd")}, latest / "random_states_1.pkl")
+        elif name == "rank 1's random states missing":  # the manifest still lists it
+            (latest / "random_states_1.pkl").unlink()
+            continue
+        elif name.startswith("the average's index"):
+            (latest / "ema" / "shards" / ".metadata").unlink()
         elif name.startswith("an index"):
             index = pickle.loads((latest / "shards" / ".metadata").read_bytes())
             for info in index.storage_data.values():
@@ -710,6 +717,8 @@ def test_a_damaged_resume_ends_as_it_should_on_every_rank_in_one_line(damaged, n
         "a step folder linked to another run's, named by latest": "step-00000099 is not to be trusted: it is a symb",
         "keep_best's record edited": f"checkpoint {latest}: the 'best' state in trainer_state.json cannot be used",
         "rank 1's random states unloadable": "random_states_1.pkl cannot be loaded safely",
+        "rank 1's random states missing": "random_states_1.pkl is missing or truncated; continuing from the newest",
+        "the average's index removed": f"checkpoint {latest}: ema/ holds no whole average of the weights",
         "an index placing tensors in another run's shard": "not within a file of its own shards folder: the checkpo",
         "no checkpoint, the first save's folder blocked": "could not write checkpoint step-00000002: NotADirectoryE",
     }[name]

@@ -16,6 +16,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from trainer.checkpoint.safe_dcp import SHARDS, read_shards
+from trainer.errors import CheckpointError
 from trainer.parallel.gradients import local
 from trainer.telemetry.console import say
 
@@ -89,9 +90,16 @@ class WeightAverage:
         dcp.save({EMA: self._by_name()}, checkpoint_id=str(folder / EMA / SHARDS))
 
     def load(self, folder: Path, state: dict[str, Any]) -> None:
-        if not (folder / EMA / SHARDS / ".metadata").is_file():
+        if not (folder / EMA).exists():
             self.restart(folder)
             return
+        if not (folder / EMA / SHARDS / ".metadata").is_file():
+            # Part of an average is no average: said, rather than started again from the weights without a word.
+            raise CheckpointError(
+                f"checkpoint {folder}: {EMA}/ holds no whole average of the weights (no {EMA}/{SHARDS}/.metadata). "
+                f"Resume from another checkpoint (resume=<path>), or delete its {EMA}/ folder to start the average "
+                "from its weights"
+            )
         # In place, this process's part.
         read_shards({EMA: self._by_name()}, folder / EMA)
 
