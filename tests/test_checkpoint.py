@@ -264,6 +264,8 @@ def refused_on_one(one_process_run, tmp_path_factory) -> dict[str, tuple]:
     state["files"]["scheduler.bin"], state["crc32"]["scheduler.bin"] = len(data), f"{zlib.crc32(data):08x}"
     (checkpoint / "trainer_state.json").write_text(json.dumps(state))
     missing = one_process_run / "checkpoints" / "step-00000099"
+    loop = tmp_path_factory.mktemp("loop") / "out"
+    loop.symlink_to(loop)
     runs = {
         "overwrite": (one_process_run, "--resume", "none"),
         "another model": (one_process_run, "--hidden", 16),
@@ -272,6 +274,7 @@ def refused_on_one(one_process_run, tmp_path_factory) -> dict[str, tuple]:
         "torn, the one before": (torn, "--resume", torn / "checkpoints" / "step-00000032"),
         "crafted": (crafted, "--resume", checkpoint),
         "unwritable": (one_process_run / "checkpoints" / "latest" / "sub",),
+        "a link loop": (loop,),
     }
     jobs = [[str(SCENARIOS), "resume", "--output_dir", str(folder), *map(str, args)] for folder, *args in runs.values()]
     result = python(JOBS, json.dumps(jobs), expect_ok=False)
@@ -438,7 +441,12 @@ def test_a_full_disk_during_a_checkpoint_is_named_and_loses_nothing(tmp_path):
 
 
 def test_unwritable_output_dir_is_named(refused_on_one):
-    assert "cannot be written" in refusal(refused_on_one, "unwritable")
+    """A file in the way, or a link that leads to itself (\"File exists\" before), said in words."""
+    latest = refused_on_one["unwritable"][3].parent
+    assert f"cannot be written: {latest} is a file, not a folder" in refusal(refused_on_one, "unwritable")
+    loop = refused_on_one["a link loop"][3]
+    said = f"output_dir {loop} cannot be written: {loop} is a symbolic link to {loop}, which leads to no folder"
+    assert said in refusal(refused_on_one, "a link loop")
 
 
 def test_a_different_global_batch_on_resume_stops_naming_both(refused_on_two):

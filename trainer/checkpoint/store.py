@@ -48,7 +48,17 @@ def check_writable(output_dir: str | Path) -> None:
         probe.write_text("")
         probe.unlink()
     except OSError as err:
-        raise CheckpointError(f"output_dir {output_dir} cannot be written: {err}") from None
+        raise CheckpointError(f"output_dir {output_dir} cannot be written: {_why(Path(output_dir), err)}") from None
+
+
+def _why(path: Path, err: OSError) -> str:
+    """Why a folder cannot be made at ``path``, in words (``File exists`` for a link that leads nowhere, before)."""
+    for part in [path, *path.parents]:
+        if part.is_symlink() and not part.exists():
+            return f"{part} is a symbolic link to {os.readlink(part)}, which leads to no folder (a loop of links?)"
+        if part.exists() and not part.is_dir():
+            return f"{part} is a file, not a folder"
+    return err.strerror or str(err)
 
 
 def newest_whole_checkpoint(root: Path) -> Optional[Path]:
