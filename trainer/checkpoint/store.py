@@ -5,6 +5,7 @@ aside; one job per output_dir (docs/internals.md#the-checkpoint-store, docs/chec
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -85,6 +86,9 @@ def newest_whole_checkpoint(root: Path) -> Optional[Path]:
             continue
         moved = f" ({'; '.join(set_aside)})" if set_aside else ""
         warn(f"{problem}; continuing from the newest whole checkpoint, {found}{moved}")
+        # latest names it from now on (a failed save said the damaged one was "still the latest").
+        with contextlib.suppress(OSError):
+            _write_atomically(root / POINTER_FILE, found.name)
         return found
     raise CheckpointError(f"{problem}, and no other checkpoint under {root} is whole")
 
