@@ -245,6 +245,16 @@ def resume(args) -> None:
             save_state(*a, **kw)
 
         written_last.save = hang
+    if args.signal_in_export:  # SIGTERM to every rank as final/ is being written (a job's time limit, say)
+        save_model = trainer.save_model
+
+        def signalled_save_model(*a, **kw):
+            say(f"EXPORTING rank {trainer.accelerator.process_index}: SIGTERM to this process")
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.5)
+            return save_model(*a, **kw)
+
+        trainer.save_model = signalled_save_model
     result = trainer.fit()
     if trainer.accelerator.is_main_process:
         say("RESULT " + json.dumps(result))
@@ -705,6 +715,7 @@ if __name__ == "__main__":
     parser.add_argument("--signal", default="SIGUSR1")
     parser.add_argument("--step_sleep", type=float, default=0)
     parser.add_argument("--hang_in_preemption_save", action="store_true")
+    parser.add_argument("--signal_in_export", action="store_true")
     parser.add_argument("--save_async", action="store_true")
     parser.add_argument("--slow_background_write", type=float, default=0)
     parser.add_argument("--preemption_grace_s", type=float, default=180)

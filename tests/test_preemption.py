@@ -119,6 +119,16 @@ def test_sigterm_to_the_job_saves_exits_in_seconds_and_the_rerun_is_bit_identica
     assert_bit_identical(final_weights(reference), final_weights(tmp_path))
 
 
+def test_a_signal_while_final_is_written_lets_it_finish_and_says_so(tmp_path):
+    """SIGTERM to every rank as the export begins (after the last step's check): it ended every process with no line
+    before, final/ not written; now the export finishes within the grace, every rank says why it went on, exit 0."""
+    ended = launch_resume(tmp_path, "--max_steps", 4, "--signal_in_export")
+    assert "EXPORTING rank 0" in ended.stdout and "EXPORTING rank 1" in ended.stdout, ended.stdout[-3000:]
+    said = "trainer: SIGTERM received after the last step: the run was finished first (final/ written); nothing is"
+    assert ended.stderr.count(said) == 2, ended.stderr[-3000:]
+    assert (tmp_path / "final" / "model.safetensors").is_file() and "RESULT" in ended.stdout
+
+
 def test_a_killed_launcher_takes_its_workers_with_it_after_their_checkpoint(tmp_path, reference):  # noqa: F811
     launcher, log = start_slow_job(tmp_path)
     seconds = kill_the_launcher(launcher, tmp_path, within_s=30)

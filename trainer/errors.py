@@ -78,20 +78,28 @@ class PeerLost(Refusal, RuntimeError):
 
 # What gloo says when the process at the other end of a collective is gone.
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing")
+# What gloo and NCCL say when collective_timeout_s passed with another process not there.
+TIMED_OUT = ("Timed out waiting", "Watchdog caught collective operation timeout")
 
 
 @contextlib.contextmanager
 def peer_loss_in_a_line() -> Iterator[None]:
-    """Around ``fit()``: the error a collective raises when another process ended becomes one line, not a second
-    traceback beside that process's own."""
+    """Around ``fit()``: the error a collective raises when another process ended, or did not arrive before
+    ``collective_timeout_s``, becomes one line, not a second traceback beside that process's own."""
     try:
         yield
     except RuntimeError as err:
         text = " ".join(str(err).split())
-        if isinstance(err, Refusal) or not any(sign in text for sign in PEER_GONE):
+        timed_out = any(sign in text for sign in TIMED_OUT)
+        if isinstance(err, Refusal) or not (timed_out or any(sign in text for sign in PEER_GONE)):
             raise
         # gloo's source path and advice left out.
         detail = text.split("] ", 1)[-1].split(". This is typically")[0]
+        if timed_out:
+            raise PeerLost(
+                f"a collective ended at collective_timeout_s, another process not there ({detail}): the stall "
+                "report above names the rank it waited for; rerun to resume from the last checkpoint"
+            ) from err
         raise PeerLost(
             f"another process of the job ended while this one waited for it in a collective ({detail}): "
             "its own error, above, is the cause"

@@ -180,8 +180,8 @@ class Trainer(TrainerView):
         """Train for ``max_steps`` optimizer steps, or ``epochs`` epochs; return ``global_step``, ``epoch``,
         ``train_loss`` (the last log window's mean; NaN when no step was trained), ``train_runtime_s``,
         ``skipped_steps``, ``stopped`` (None, or why it stopped early) and, with eval data, ``evaluate()``'s figures.
-        A preemption signal on any rank stops every rank after the same step, with a checkpoint, raising
-        ``trainer.Preempted`` (exit status 75): run it again with ``resume="auto"`` to continue."""
+        A preemption signal on any rank stops every rank after the same step with a checkpoint, raising ``Preempted``
+        (exit status 75; run it again with ``resume="auto"``); one after the last step lets final/ be written first."""
         self.data.require_train()
         if self.cannot_train_on is not None:
             raise self.cannot_train_on
@@ -204,8 +204,8 @@ class Trainer(TrainerView):
             self.steps.begin()
             with progress_bar(self.total_steps, self.state.step, show=self.run.main) as bar, self.preemption:
                 self._train(bar)
-            self.checkpoints.wait()
-            return self._finish(started)
+                self.checkpoints.wait()
+                return self._finish(started)
 
     def _train(self, bar: Any) -> None:
         state = self.state

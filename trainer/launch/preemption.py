@@ -31,7 +31,8 @@ CHECK_EVERY_S = 1.0
 
 
 class PreemptionWatch:
-    """Notes the configured signals while fit() runs; ``agreed()`` at each optimizer step says whether to stop."""
+    """Notes the configured signals while fit() runs (its final export too); ``agreed()`` at each optimizer step says
+    whether to stop."""
 
     def __init__(self, run: Any, *, save_at: Optional[Callable[[int], Any]] = None):
         self.signals = [getattr(signal, name) for name in run.config.signal_names]
@@ -70,6 +71,12 @@ class PreemptionWatch:
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
+        if kind is None and self.received:
+            # After the last step's check: the run ended (final/ written) within the grace; said, not silent.
+            warn(
+                f"{signal.Signals(self.received).name} received after the last step: the run was finished first "
+                "(final/ written); nothing is left to resume"
+            )
         launched = "TORCHELASTIC_RUN_ID" in os.environ
         for number, handler in self._previous.items():
             # Preempted under a launcher: the checkpoint is committed, and the launcher sends SIGTERM to the workers
