@@ -649,10 +649,26 @@ def lengths(args) -> None:
         say(f"GRAPHS {counters['stats']['unique_graphs']} for {len(rows)} lengths")
 
 
+class BrokenNorm(torch.nn.LayerNorm):
+    """A user's module whose own initialisation raises (once its tensors are real)."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            raise ValueError("BrokenNorm cannot initialise itself")
+
+
 def nanogpt_meta(args) -> None:
-    """NanoGPTLike built on the meta device: its weights as placed (the LayerNorm's whole), then 2 steps."""
+    """NanoGPTLike built on the meta device: its weights as placed (the LayerNorm's whole), then 2 steps. --fault
+    broken_reset: its LayerNorm's reset_parameters() raises; nan_range: a GPT-2 whose initializer_range is NaN."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
     with torch.device("meta"):
         model = NanoGPTLike()
+        if args.fault == "broken_reset":
+            model.net[1] = BrokenNorm(32)
+        elif args.fault == "nan_range":
+            model = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=2))
+            model.config.initializer_range = float("nan")
     config = TrainConfig(output_dir=args.output_dir, max_steps=2, batch_size=4, log_every=1)
     trainer = Trainer(model, config, train_data=Examples(16))
     norm = trainer.unwrapped_model.net[1]

@@ -1143,3 +1143,25 @@ def test_muon_trains_the_hidden_matrices_under_fsdp2_as_under_ddp_and_resumes_bi
     for name, values in ddp["weights"].items():
         np.testing.assert_allclose(sharded["weights"][name], values, rtol=0, atol=5e-3, err_msg=name)
     assert runs["fsdp, muon, resumed at step 4"][0]["weights"] == sharded["weights"]
+
+
+def test_a_meta_models_initialisation_that_raises_is_one_line_naming_the_module(tmp_path):
+    """Built on meta and sharded: a module's own reset_parameters() that raises, and a GPT-2 whose
+    initializer_range is NaN (torch's normal_ refuses the std), came out as raw tracebacks from every rank; one
+    line from the job now, naming the module (one launch, tests/jobs.py)."""
+    from conftest import JOBS, SCENARIOS, job_exits, split_jobs
+
+    faults = ("broken_reset", "nan_range")
+    jobs = [[str(SCENARIOS), "nanogpt_meta", "--output_dir", str(tmp_path / f), "--fault", f] for f in faults]
+    launched = accelerate_launch(JOBS, json.dumps(jobs), config="fsdp.yaml", num_processes=2, expect_ok=False)
+    assert job_exits(launched.stderr, 2) == [1, 1], launched.stderr[-3000:]
+    said = [[line for line in err.splitlines() if "trainer: " in line] for err in split_jobs(launched.stderr)]
+    opening = "[rank0]: trainer: the model was built on the meta device, and the initialisation of its module"
+    assert said == [
+        [f"{opening} net.1 (BrokenNorm) raised ValueError: BrokenNorm cannot initialise itself"],
+        [
+            f"{opening} transformer.h.0.attn.c_attn (Conv1D) raised RuntimeError: normal expects std >= 0.0, but "
+            "found std nan"
+        ],
+    ], launched.stderr[-3000:]
+    assert "[rank0]: Traceback" not in launched.stderr and "[rank1]: Traceback" not in launched.stderr

@@ -116,11 +116,18 @@ def initialise(model: torch.nn.Module, modules: list[torch.nn.Module], seed: int
             )
         with torch.random.fork_rng(devices=forked, device_type=device.type):
             torch.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
-            with torch.no_grad():
-                if not by_transformers and hasattr(module, "reset_parameters"):
-                    module.reset_parameters()
-                if own is not None:
-                    own(module)
+            try:
+                with torch.no_grad():
+                    if not by_transformers and hasattr(module, "reset_parameters"):
+                        module.reset_parameters()
+                    if own is not None:
+                        own(module)
+            # A user's initialisation, or a config's value it takes (a NaN initializer_range): named, in one line.
+            except Exception as err:
+                raise ShardingError(
+                    f"the model was built on the meta device, and the initialisation of its module {name or '(root)'} "
+                    f"({type(module).__name__}) raised {type(err).__name__}: {' '.join(str(err).split())[:300]}"
+                ) from err
     floating = [(module, attribute, t) for module, attribute, _, t in _slots(modules) if t.is_floating_point()]
     # One host read for them all (on a GPU each would wait for the device).
     nan = torch.stack([t.isnan().any() for *_, t in floating]).tolist() if floating else []
@@ -131,7 +138,7 @@ def initialise(model: torch.nn.Module, modules: list[torch.nn.Module], seed: int
         raise ShardingError(
             f"the model was built on the meta device, and its initialisation (each module's reset_parameters(), "
             f"then the model's _init_weights) left {', '.join(unwritten[:3])}{', ...' if len(unwritten) > 3 else ''} "
-            "unwritten: initialise it there, or build the model on the CPU"
+            "unwritten or NaN: initialise it there, or build the model on the CPU"
         )
 
 
