@@ -44,8 +44,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-import torch
-from transformers import (
+# trainer before the libraries: it quiets what they say at import that no user can act on (torchao's).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+from trainer import TrainConfig, Trainer, distributed_state  # noqa: E402
+from trainer.config import read_yaml  # noqa: E402
+from trainer.hf import no_progress_bars_off_a_terminal  # noqa: E402
+
+# isort: split
+import torch  # noqa: E402
+from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     AutoTokenizer,
     DataCollatorWithFlattening,
@@ -53,11 +60,6 @@ from transformers import (
     GPT2LMHeadModel,
     HfArgumentParser,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
-from trainer import TrainConfig, Trainer, distributed_state  # noqa: E402
-from trainer.config import read_yaml  # noqa: E402
-from trainer.hf import no_progress_bars_off_a_terminal  # noqa: E402
 
 EOS = "<|endoftext|>"
 TOKENIZER_TEXTS = 20_000  # documents of a stream a new tokenizer is trained on

@@ -27,9 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-import datasets
-import torch
-from transformers import (
+# trainer before the libraries: it quiets what they say at import that no user can act on (torchao's).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+from trainer import EarlyStopping, TrainConfig, Trainer, distributed_state  # noqa: E402
+
+# isort: split
+import datasets  # noqa: E402
+import torch  # noqa: E402
+from transformers import (  # noqa: E402
     AutoModelForSequenceClassification,
     AutoTokenizer,
     BertConfig,
@@ -37,9 +42,6 @@ from transformers import (
     DataCollatorWithPadding,
     HfArgumentParser,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
-from trainer import EarlyStopping, TrainConfig, Trainer, distributed_state  # noqa: E402
 
 EXAMPLE_DEFAULTS = dict(
     output_dir="runs/text_classification",

@@ -81,6 +81,9 @@ def test_two_processes_train_save_a_loadable_model_and_resume(two_processes):
     assert re.search(step_line, first, re.M)
     assert "\nsample: " in first
     assert "Writing model shards" not in first_err, "no progress bar when the output is not a terminal"
+    # What torchao (the test extra's; transformers imports it with any model) says at import, once per rank, that
+    # no user can act on: its kernels for another Python failing to load, torch deprecating a call it makes.
+    assert "Failed to load" not in first_err and "register_constant()" not in first_err, first_err[:3000]
     assert f"saved to {tmp_path}/final" in first
 
     from transformers import AutoModelForCausalLM, AutoTokenizer

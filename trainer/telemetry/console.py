@@ -20,6 +20,24 @@ LIBRARIES = ("transformers", "accelerate", "datasets", "torch")
 NOT_FOR_USERS = ("`loss_type=None` was set in the config but it is unrecognized",)
 # PEFT reading a property transformers renamed, once on every rank (PeftModel's own __init__).
 warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+
+
+class _Unactionable(logging.Filter):
+    """Drops a logger's records that start with one of ``openings``."""
+
+    def __init__(self, *openings: str):
+        super().__init__()
+        self.openings = openings
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.openings)
+
+
+# Said at import by torchao (which transformers imports with any model class), once per rank: its kernels built for
+# another Python or GPU failing to load (the trainer's fp8 uses none of them), and torch deprecating a call torchao
+# makes. Filtered on their loggers, so only where trainer is imported before transformers.
+logging.getLogger("torchao").addFilter(_Unactionable("Failed to load "))
+logging.getLogger("torch.utils._pytree").addFilter(_Unactionable("<enum "))
 # The rest: a callback's.
 STEP_FIGURES = ("step", "epoch", "train_loss", "lr", "examples_per_s", "tokens_per_s", "mfu")
 # This process's place in the job, set once it has joined.
