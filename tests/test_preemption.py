@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from test_checkpoint import assert_bit_identical, final_weights, launch_resume, reference  # noqa: F401
 
-from conftest import CONFIGS, SCENARIOS, clean_env, free_port, python
+from conftest import CONFIGS, SCENARIOS, clean_env, free_port, python, run
 
 PREEMPTED_EXIT = 75
 
@@ -42,14 +42,16 @@ def test_one_ranks_signal_is_enough_every_rank_checkpoints_the_same_step(tmp_pat
     assert_bit_identical(final_weights(reference), final_weights(tmp_path))
 
 
-def start_slow_job(output_dir: Path, *args: str, until: str = "") -> tuple[subprocess.Popen, tempfile.TemporaryFile]:
-    """The 2-process `resume` job at 0.3 s a step, returned once it is past step 6 (and its checkpoint of step 4),
-    or once its output holds ``until``."""
+def start_slow_job(
+    output_dir: Path, *args: str, until: str = "", launcher: str = "accelerate.commands.launch"
+) -> tuple[subprocess.Popen, tempfile.TemporaryFile]:
+    """The 2-process `resume` job at 0.3 s a step (started by ``python -m <launcher>``), returned once it is past
+    step 6 (and its checkpoint of step 4), or once its output holds ``until``."""
     log = tempfile.TemporaryFile("w+")
     command = [
         sys.executable,
         "-m",
-        "accelerate.commands.launch",
+        launcher,
         "--config_file",
         str(CONFIGS / "multi_gpu.yaml"),
         "--main_process_port",
@@ -127,6 +129,29 @@ def test_a_signal_while_final_is_written_lets_it_finish_and_says_so(tmp_path):
     said = "trainer: SIGTERM received after the last step: the run was finished first (final/ written); nothing is"
     assert ended.stderr.count(said) == 2, ended.stderr[-3000:]
     assert (tmp_path / "final" / "model.safetensors").is_file() and "RESULT" in ended.stdout
+
+
+def test_trainer_launch_ends_a_job_as_its_processes_chose_without_the_launchers_traceback(tmp_path):
+    """accelerate launch (and torchrun) end a failed job with torch's 20-35-line ChildFailedError or SignalException
+    traceback and status 1, a preemption's 75 lost to the scheduler. python -m trainer.launch, given the same
+    arguments, ends a refusal with its one line and status 1, and a SIGTERM to the launcher alone with the
+    processes' preemption checkpoint and 75, no traceback."""
+    refused = run(
+        [sys.executable, "-m", "trainer.launch", "--config_file", CONFIGS / "multi_gpu.yaml", "--main_process_port",
+         str(free_port()), SCENARIOS, "resume", "--output_dir", tmp_path / "refused", "--resume", tmp_path / "nope"],
+        expect_ok=False,
+    )  # fmt: skip
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    said = [line for line in refused.stderr.splitlines() if "trainer: " in line]
+    assert len(said) == 1 and f"checkpoint {tmp_path / 'nope'} does not exist" in said[0], refused.stderr[-3000:]
+    launcher, log = start_slow_job(tmp_path / "signalled", launcher="trainer.launch")
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=60) == PREEMPTED_EXIT
+    log.seek(0)
+    output = log.read()
+    assert "trainer: the launcher received SIGTERM, and passed it to the job's processes" in output, output[-3000:]
+    step = preempted_at(output, "SIGTERM")
+    assert latest(tmp_path / "signalled") == f"step-{step:08d}" and "Traceback" not in output, output[-3000:]
 
 
 def test_a_killed_launcher_takes_its_workers_with_it_after_their_checkpoint(tmp_path, reference):  # noqa: F811
