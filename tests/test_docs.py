@@ -184,3 +184,20 @@ def test_the_project_pages_blocks_run_with_the_names_they_leave_to_the_reader(tm
     )
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
     assert "RAN" in ran.stdout and "once" in ran.stdout
+
+
+def test_every_install_hint_names_this_projects_distribution_or_a_real_package():
+    """``pip install 'trainer[fp8]'`` installs another PyPI project named trainer: an extra is asked of this
+    project's own distribution (or of ``.`` in a checkout), and a package hint names the package itself."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = set(project["optional-dependencies"])
+    sources = [*sorted((ROOT / "trainer").rglob("*.py")), ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    sources += sorted((ROOT / "examples").rglob("*.py"))
+    found = []
+    for path in sources:
+        for target, extra in re.findall(r"pip install (?:-e )?['\"]?([\w.-]+)\[(\w+)\]", path.read_text()):
+            if target not in (project["name"], ".") or extra not in extras:
+                found.append(f"{path.relative_to(ROOT)}: {target}[{extra}]")
+    assert not found, found

@@ -67,7 +67,7 @@ class Bucket:
         # fsspec names the package a scheme needs ("Install s3fs to access S3").
         except (ImportError, ValueError) as err:
             raise ConfigError(
-                f"checkpoint_storage {url}: {err} (pip install 'trainer[s3]' for s3://, gcsfs for gs://)"
+                f"checkpoint_storage {url}: {err} (pip install s3fs for s3://, gcsfs for gs://)"
             ) from None
 
     @classmethod

@@ -35,7 +35,7 @@ MEGATRON = (
 )
 FP8 = (
     "the accelerate config asks for mixed_precision: fp8, which this trainer runs through torchao, not installed "
-    "here: pip install 'trainer[fp8]', or use bf16 (accelerate_configs/bf16.yaml; any GPU since Ampere)"
+    "here: pip install torchao, or use bf16 (accelerate_configs/bf16.yaml; any GPU since Ampere)"
 )
 XLA = "the accelerate config asks for XLA (TPU), which this trainer does not run: it runs on CUDA GPUs and CPUs"
 
@@ -65,7 +65,7 @@ def refusal_of_fp8(backend: Optional[str]) -> Optional[str]:
     if backend is not None and str(backend).upper() not in ("AO", "NO", "NONE", ""):
         return (
             f"the accelerate config asks for fp8 through {backend}; this trainer runs fp8 through torchao: set "
-            "fp8_config's backend: AO (pip install 'trainer[fp8]'), or use bf16"
+            "fp8_config's backend: AO (pip install torchao), or use bf16"
         )
     try:
         import torchao.float8  # noqa: F401
