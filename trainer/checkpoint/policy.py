@@ -221,6 +221,8 @@ class RunSetup:
         # sizes of the training sets are what an epoch's order is drawn from.
         self.streaming = getattr(data, "stream", None) is not None
         self.sizes: Optional[dict[str, int]] = getattr(data, "sizes", None)
+        # A Trainer for evaluate() and predict() alone trains with none of its settings.
+        self.trains = data is None or getattr(data, "train", None) is not None
         # The data-parallel processes, and the launch's mixed precision (no, bf16, fp16).
         self.processes, self.mixed_precision = run.dp.size, run.accelerator.mixed_precision
         self.optimizer, self.scheduler = optimization.optimizer, optimization.scheduler
@@ -273,7 +275,7 @@ class RunSetup:
         lrs = apply_settings(
             self.optimizer, self.scheduler, own_settings, step=step, schedule_moved=moved, built_scheduler=built
         )
-        lines = [said(changed_settings(saved, self.config.to_dict()), step, lrs)]
+        lines = [said(changed_settings(saved, self.config.to_dict()), step, lrs) if self.trains else ""]
         # Older checkpoints did not record it.
         written = run.get("mixed_precision", self.mixed_precision)
         # The weights and the optimizer state are fp32 either way: it goes on.
