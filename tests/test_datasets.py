@@ -37,6 +37,8 @@ def test_text_classification_recipe_through_two_processes(recipe_runs, padding):
     out, output_dir = recipe_runs[padding]
     if padding == "dynamic":  # DataCollatorWithPadding pads each batch; the strings never reach it
         assert out.count("trainer | train_data: left out text (not inputs of model.forward)") == 1
+        # The test split, read by predict() after training, is named as what it is ("data" before).
+        assert out.count("trainer | predict(data): left out text (not inputs of model.forward)") == 1
     else:  # no collate_fn: the raw tokenised Dataset is formatted for the model, and said once
         assert (
             out.count(

@@ -106,7 +106,7 @@ class Evaluator:
     def loaders(self, data: Any) -> dict[str, DataLoader]:
         """Each set of ``data`` (a data set, or a dict of named ones: ``named_sets``) as this process's loader."""
         return {
-            name: self.data.of(part, name=f"eval_data[{name!r}]" if name else "data")
+            name: self.data.of(part, name=f"evaluate(data)[{name!r}]" if name else "evaluate(data)")
             for name, part in named_sets(data).items()
         }
 
@@ -119,7 +119,7 @@ class Evaluator:
             )
         if len(data) == 0:
             raise DataError("predict() got a data set with no examples")
-        loader = self.data.of(data, name="data")
+        loader = self.data.of(data, name="predict(data)")
         with self._in_eval_mode():
             return predict(
                 self.model,
