@@ -199,3 +199,15 @@ def test_preflight_names_more_processes_than_gpus_and_passes_cpu_yaml():
             env=pretend_gpus(1),
         )
         assert "gloo on CPU" in cpu.stdout and "preflight: no problems found" in cpu.stdout
+
+
+def test_a_busy_machine_is_told_what_thread_count_to_use():
+    """Nothing said what thread count suits a shared host, where 2 threads a process ran 10x slower than 1 at
+    load 30: past twice its cores' load, the job's first line of advice says so (its figures in-process here: a
+    test cannot load the machine to order)."""
+    from trainer.launch.host import busy_host
+
+    said = busy_host(30.0, cores=2, threads=2)
+    assert said.startswith("this machine is busy (load 30 on 2 cores): 2 CPU threads per process can run far")
+    assert "OMP_NUM_THREADS=1" in said
+    assert busy_host(3.0, cores=2, threads=2) is None and busy_host(30.0, cores=2, threads=1) is None

@@ -145,13 +145,27 @@ def _lone_process_of_a_cpu_launch() -> bool:
     return launcher is not None and "MASTER_ADDR" not in launcher[0]
 
 
-def share_cpu_threads(device: torch.device) -> None:
+def share_cpu_threads(device: torch.device) -> Optional[str]:
     """On CPU, each process of this machine gets an equal share of its cores, unless the user chose
-    OMP_NUM_THREADS: the launchers set it to 1 when unset, which starves a lone CPU process (31% slower here)."""
+    OMP_NUM_THREADS: the launchers set it to 1 when unset, which starves a lone CPU process (31% slower here).
+    Returns a word of advice where the machine is busy with other work (``busy_host``), else None."""
     if device.type != "cpu" or _user_chose_threads():
-        return
-    processes_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // processes_here))
+        return None
+    processes_here, cores = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), len(os.sched_getaffinity(0))
+    torch.set_num_threads(max(1, cores // processes_here))
+    return busy_host(os.getloadavg()[0], cores=cores, threads=torch.get_num_threads())
+
+
+def busy_host(load: float, *, cores: int, threads: int) -> Optional[str]:
+    """Advice for a CPU job whose processes take several threads each on a machine already loaded past twice its
+    cores: threads that wait for cores others hold stall each other (2 threads a process ran 10x slower than 1
+    at load 30 on 2 cores)."""
+    if threads < 2 or load <= 2 * cores:
+        return None
+    return (
+        f"this machine is busy (load {load:.0f} on {cores} cores): {threads} CPU threads per process can run far "
+        "slower than 1 on cores others hold; launch with OMP_NUM_THREADS=1 (or a share of the idle cores)"
+    )
 
 
 def _user_chose_threads() -> bool:

@@ -197,7 +197,8 @@ def build_accelerator(config: TrainConfig) -> Accelerator:
             mixed_precision="bf16" if launch_asks_for_fp8() else None,
         )
     check_world_size(accelerator)
-    host.share_cpu_threads(accelerator.device)
+    if (advice := host.share_cpu_threads(accelerator.device)) is not None:
+        console.say(advice, once=True)
     host.apply_tf32(config.tf32, accelerator.device)
     if (words := host.precision_words(accelerator.device, accelerator.mixed_precision)) is not None:
         console.say(words, once=True)
