@@ -189,14 +189,15 @@ class History:
 
 
 class CrashAfter:
-    """The last rank dies after ``step`` (once: not again where ``marker`` says it did, as a restarted run would)."""
+    """The last rank dies after ``step`` and any checkpoint of it (in the next step, whose checkpoint would come after
+    its on_step_end; once: not again where ``marker`` says it did, as a restarted run would)."""
 
     def __init__(self, step: int, marker: Path | None = None):
         self.step, self.marker = step, marker
 
     def on_step_end(self, trainer) -> None:
         last_rank = trainer.accelerator.num_processes - 1
-        if trainer.global_step == self.step and trainer.accelerator.process_index == last_rank:
+        if trainer.global_step == self.step + 1 and trainer.accelerator.process_index == last_rank:
             if self.marker is not None:
                 if self.marker.exists():
                     return

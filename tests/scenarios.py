@@ -130,15 +130,16 @@ class SignalAfter:
 
 
 class CrashAfter:
-    """Kills one rank the hard way right after optimizer step ``step`` (after any checkpoint of that step), in the
-    first attempt only: a restart by the elastic agent (TORCHELASTIC_RESTART_COUNT > 0) runs on."""
+    """Kills one rank the hard way after optimizer step ``step`` and any checkpoint of it (in the next step, whose
+    checkpoint would come after its on_step_end), in the first attempt only: a restart by the elastic agent
+    (TORCHELASTIC_RESTART_COUNT > 0) runs on."""
 
     def __init__(self, step: int, rank: int):
         self.step, self.rank = step, rank
 
     def on_step_end(self, trainer) -> None:
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        if first_attempt and trainer.global_step == self.step and trainer.accelerator.process_index == self.rank:
+        if first_attempt and trainer.global_step == self.step + 1 and trainer.accelerator.process_index == self.rank:
             say(f"CRASH rank {self.rank} after step {self.step}")
             os._exit(1)
 
