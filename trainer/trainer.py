@@ -27,13 +27,13 @@ from trainer.data.loaders import Loaders, batches_per_epoch, examples_per_proces
 from trainer.data.mixing import MixtureShares
 from trainer.data.streams import StreamPositions
 from trainer.errors import DataError, peer_loss_in_a_line
-from trainer.launch.preemption import PreemptionWatch, stop
+from trainer.launch.preemption import PreemptionWatch
 from trainer.launch.run import Run
 from trainer.loop import callbacks as hooks
 from trainer.loop.evaluation import Evaluator, MetricsFn
 from trainer.loop.losses import LossFn, model_loss
 from trainer.loop.prediction import PredictFn
-from trainer.loop.state import TrainerView, TrainState
+from trainer.loop.state import TrainState
 from trainer.loop.step import StepRunner
 from trainer.optim import build as optim
 from trainer.optim.ema import WeightAverage
@@ -43,17 +43,13 @@ from trainer.telemetry.profiling import StepProfiler
 from trainer.telemetry.sinks import new_run_id
 from trainer.telemetry.telemetry import Telemetry
 
-FINISHED = "already finished at step {step} of {total}: nothing to train; raise max_steps (or epochs) to train on"
 NO_BATCH = "train_data gave some process no batch in epoch {epoch}: the stream is empty, or too short for every process"
 
 
-class Trainer(TrainerView):
-    """Trains ``model`` on ``train_data`` across however many processes were launched: DDP, or the model sharded
-    over them (FSDP2, HSDP, tensor parallelism) as the launch's accelerate config asks. ``config.batch_size`` is per
-    process; ``train_data`` a Dataset, a stream or a DataLoader (None: ``evaluate`` and ``predict`` alone); the
-    keywords are ``eval_data``, ``loss_fn``, ``metrics_fn``, ``optimizer``, ``lr_scheduler`` (each a factory or
-    built from the config), ``collate_fn``, ``callbacks`` and ``parallelize_fn``: docs/api.md says what each takes.
-    """
+class Trainer:
+    """Trains ``model`` on ``train_data`` (a Dataset, a stream or a DataLoader; None: ``evaluate`` and ``predict``
+    alone) over however many processes were launched, DDP or sharded as the launch's accelerate config asks;
+    ``config.batch_size`` is per process. What each keyword takes: docs/api.md."""
 
     def __init__(
         self,
@@ -90,11 +86,13 @@ class Trainer(TrainerView):
         self.ema = WeightAverage.for_run(run, strategy, plain)
         self.telemetry = Telemetry(run, utilisation=Utilisation(run, plain))
         window, stream = self.telemetry.window, data.stream
-        self.steps = StepRunner(
+        steps = self.steps = StepRunner(
             run, strategy, self.model, optimization=built, loss_fn=loss, window=window, ema=self.ema, stream=stream
         )
+        # The step's parts the Trainer asks too: the loss's weighing, nan_policy's guard, the stall reporter.
+        self.weighing, self.nonfinite, self.reporter = steps.weighing, steps.nonfinite, steps.reporter
         self.evaluator = Evaluator(
-            run, strategy, plain, loss_fn=loss, metrics_fn=metrics_fn, weighing=self.steps.weighing, data=data
+            run, strategy, plain, loss_fn=loss, metrics_fn=metrics_fn, weighing=self.weighing, data=data
         )
         # The trainer's own figures first, so that a user's on_log sees them.
         self.callbacks = [*MixtureShares.for_loader(data.train, run.dp.size), *callbacks, *StepProfiler.for_run(run)]
@@ -113,7 +111,7 @@ class Trainer(TrainerView):
             "ema": self.ema,
             "microbatch": self.steps.split,
         }
-        setup, watch = RunSetup(run, built, data=data), self.steps.reporter.watching
+        setup, watch = RunSetup(run, built, data=data), self.reporter.watching
         self.checkpoints = Checkpointer(run, parts=parts, setup=setup, best=self.keep_best, watch=watch)
         # Why fit() cannot go on from a loaded checkpoint (another global batch, a setting), or None.
         self.cannot_train_on = self.checkpoints.start()
@@ -122,27 +120,25 @@ class Trainer(TrainerView):
     def log(self, values: dict[str, float | torch.Tensor]) -> None:
         """Add figures to this process's next log (every sink, ``log_history``, the step line): each name's mean over
         its calls since the last log. A tensor is read only when the trainer logs: ``trainer.log({"aux": aux})``."""
-        self.telemetry.figures.add(values)
+        self.telemetry.add(values)
 
     def evaluate(self, data: Optional[Any] = None) -> dict[str, float]:
-        """``eval_loss``, ``eval_examples``, ``eval_<name>`` of each ``metrics_fn`` figure (``eval_perplexity`` for a
-        language model's own loss): means over the whole eval set, every example counted once whatever the process
-        count; for named sets ``eval_<set>_loss``, ... ``data``: other data than ``eval_data``, whose figures are
-        logged and returned but not judged by ``keep_best`` or the callbacks' ``on_evaluate``."""
+        """``eval_loss``, ``eval_examples`` and ``eval_<name>`` of each ``metrics_fn`` figure (``eval_perplexity`` for a
+        language model): means over the whole eval set, each example counted once (``eval_<set>_...`` for named sets).
+        ``data``: other data, its figures logged and returned but not judged by ``keep_best`` or ``on_evaluate``."""
         step = self.state.step
         with self.ema.swapped_in() if self.ema and self.config.ema_eval else contextlib.nullcontext():
             metrics = self.evaluator.evaluate(data, step=step)
         self.telemetry.log_evaluation(metrics, step)
-        self.steps.nonfinite.check_evaluation(metrics, step, str(self.last_checkpoint or ""))
+        self.nonfinite.check_evaluation(metrics, step, self.last_checkpoint)
         if data is None:
             self.last_eval = (step, metrics)
             hooks.call(self.callbacks, "on_evaluate", self, metrics=metrics)
         return metrics
 
     def predict(self, data: Dataset, predict_fn: Optional[PredictFn] = None) -> torch.Tensor:
-        """One row per example of ``data`` (a map-style Dataset), in dataset order, on every process (CPU, fp32);
-        ``predict_fn(model, batch) -> tensor`` (default ``model(**batch).logits``) runs on the plain module in eval
-        mode, without gradients, under the launch's autocast."""
+        """One row per example of ``data`` (a map-style Dataset), in its order, on every process (CPU, fp32) from
+        ``predict_fn(model, batch)`` (default ``model(**batch).logits``): the plain module, eval mode, no gradients."""
         return self.evaluator.predict(data, predict_fn)
 
     def save_checkpoint(self, wait: bool = True) -> Path | str:
@@ -150,53 +146,47 @@ class Trainer(TrainerView):
         it. A non-finite loss stops it first. With ``save_async`` and ``wait=False`` it is committed later."""
         # One save in flight: the last good checkpoint is the one committed.
         self.checkpoints.wait()
-        self.steps.nonfinite.check(self.telemetry.window.first_bad_step(), str(self.last_checkpoint or ""))
+        self.nonfinite.check(self.telemetry.first_bad_step(), self.last_checkpoint)
         return self.checkpoints.save(self.state.step, wait=wait, evaluated=self.last_eval)
+
+    def _checkpoint_of(self, step: int) -> Path | str:
+        """Step ``step``'s checkpoint (a preemption's): the one saved there, else one saved now."""
+        return self.checkpoints.of_step(step, save=self.save_checkpoint)
 
     def wait_for_checkpoint(self) -> None:
         """Until the checkpoint written in the background (``save_async``) is committed; every rank."""
         self.checkpoints.wait()
 
     def load_checkpoint(self, path: str | Path, verified: bool = False) -> None:
-        """Continue from checkpoint ``path`` (weights, optimizer, schedule, RNG, the position in the data, every
-        stateful callback), on any number of processes and batch size; ``fit()`` then refuses a different global
-        batch (``cannot_train_on``), while ``evaluate()`` and ``predict()`` use the weights as they are."""
+        """Continue from checkpoint ``path`` (its whole state) on any number of processes; ``fit()`` then refuses a
+        different global batch (``cannot_train_on``), ``evaluate()`` and ``predict()`` take the weights as they are."""
         self.cannot_train_on = self.checkpoints.resume(Path(path), verified=verified)
 
     def save_model(self, directory: str | Path | None = None, merged: bool = False) -> Path:
-        """Export the weights to ``<output_dir>/final`` by default: ``model.safetensors`` (past 5 GB numbered files
-        and an index) and a transformers model's config, written a file at a time by the main process; a PEFT model's
-        adapter, or with ``merged`` its base model with the adapter folded in. Every process calls it."""
+        """Export the weights (default ``<output_dir>/final``) as transformers reads them, a PEFT model's adapter as
+        PEFT does (``merged``: the base model with it folded in); every process calls it (docs/checkpoints.md)."""
         directory = Path(directory or Path(self.config.output_dir) / "final")
         export_model(self.unwrapped_model, directory, run=self.run, merged=merged)
         return directory
 
-    best_checkpoint = property(
-        lambda self: self.checkpoints.best_checkpoint(),
-        doc="With ``keep_best``: the checkpoint of the best evaluation so far (``load_checkpoint`` it), else None.",
-    )
-
     def fit(self) -> dict[str, Any]:
-        """Train for ``max_steps`` optimizer steps, or ``epochs`` epochs; return ``global_step``, ``epoch``,
-        ``train_loss`` (the last log window's mean; NaN when no step was trained), ``train_runtime_s``,
-        ``skipped_steps``, ``stopped`` (None, or why it stopped early) and, with eval data, ``evaluate()``'s figures.
-        A preemption signal on any rank stops every rank after the same step with a checkpoint, raising ``Preempted``
-        (exit status 75; run it again with ``resume="auto"``); one after the last step lets final/ be written first."""
+        """Train for ``max_steps`` optimizer steps (or ``epochs``); return ``global_step``, ``epoch``, ``train_loss``
+        (the last log window's mean; NaN when no step was trained), ``train_runtime_s``, ``skipped_steps``, ``stopped``
+        (None, or why it stopped early) and, with eval data, ``evaluate()``'s figures. A preemption signal stops every
+        rank after the same step with a checkpoint, raising ``Preempted`` (docs/launching.md#how-a-job-ends)."""
         self.data.require_train()
         if self.cannot_train_on is not None:
             raise self.cannot_train_on
         say(self.describe())
         self.evaluator.check_figures(self.keep_best.figure, self.callbacks)
         self.should_stop, self.stop_reason, self.stopped = False, None, None
-        if self.state.step >= self.total_steps:
-            say(FINISHED.format(step=self.state.step, total=self.total_steps))
         hooks.call(self.callbacks, "on_train_begin", self)
-        started, self.preemption = time.perf_counter(), PreemptionWatch.of(self)
+        started, self.preemption = time.perf_counter(), PreemptionWatch(self.run, save_at=self._checkpoint_of)
         with (
             peer_loss_in_a_line(),
             self.telemetry.closing(),
             self.checkpoints.cleaned_up_on_error(),
-            self.steps.reporter.watching(),
+            self.reporter.watching(),
         ):
             if self.state.evaluation_owed and self.data.eval:
                 say(f"step {self.state.step}'s evaluation, put off by the preemption for its checkpoint, runs first")
@@ -223,10 +213,9 @@ class Trainer(TrainerView):
                 self._after_step(bar)
                 # The same answer on every rank.
                 if signalled := self.preemption.agreed(state.step):
-                    if self.telemetry.window.steps:
+                    if self.telemetry.steps_unlogged:
                         self._log(bar)
-                    now = functools.partial(self.checkpoints.of_step, state.step, self.save_checkpoint)
-                    raise stop(signalled, state.step, total_steps=self.total_steps, checkpoint_now=now, run=self.run)
+                    raise self.preemption.stop(signalled, state.step, total_steps=self.total_steps)
                 if state.step >= self.total_steps or self.stopped is not None:
                     break
             else:
@@ -268,19 +257,17 @@ class Trainer(TrainerView):
         step's one agreement), then each rank's figures to its sinks; every rank stops after a step some rank asked."""
         norm, lr = self.steps.take_grad_norm(), self.steps.current_lr
         rows = self.telemetry.gather(stop=bool(self.should_stop), lr=lr, grad_norm=norm)
-        self.steps.nonfinite.raise_if_bad([row["first_bad"] for row in rows], str(self.last_checkpoint or ""))
+        self.nonfinite.raise_if_bad([row["first_bad"] for row in rows], self.last_checkpoint)
         on_log = functools.partial(hooks.call, self.callbacks, "on_log", self)
-        total = self.total_steps
-        global_view = self.telemetry.log(rows, state=self.state, total_steps=total, on_log=on_log, progress=bar)
-        self.preemption.pace(global_view["global/step_time_max_s"])
+        view = self.telemetry.log(rows, state=self.state, total_steps=self.total_steps, on_log=on_log, progress=bar)
+        self.preemption.pace(view["global/step_time_max_s"])
         if self.stopped is None and (stopped := hooks.asked_to_stop(rows, self.stop_reason)):
             self.stopped = stopped
             say(f"stopping at step {self.state.step} of {self.total_steps}: {stopped}")
 
     def _finish(self, started: float) -> dict[str, Any]:
-        nonfinite = self.steps.nonfinite
-        nonfinite.check(self.telemetry.window.first_bad_step(), str(self.last_checkpoint or ""))
-        skipped, stopped = nonfinite.skipped_steps, self.stopped
+        self.nonfinite.check(self.telemetry.first_bad_step(), self.last_checkpoint)
+        skipped, stopped = self.nonfinite.skipped_steps, self.stopped
         result = self.telemetry.result(self.state, started=started, skipped=skipped, stopped=stopped)
         if self.data.eval:
             evaluated_now = self.last_eval is not None and self.last_eval[0] == self.state.step
@@ -295,6 +282,19 @@ class Trainer(TrainerView):
 
     def describe(self) -> str:
         """What ``fit()`` is about to do, as it says at its start: the launch, the global batch, steps, optimizer."""
-        share, weighs = examples_per_process(self.data.train), self.steps.weighing.counts_tokens
+        share, weighs = examples_per_process(self.data.train), self.weighing.counts_tokens
         words = dict(share=share, weighs=weighs, words=self.optimization.words, callbacks=self.callbacks)
         return banner(self.strategy.describe(), self.config, self.state, total_steps=self.total_steps, **words)
+
+    # What a callback reads of where training stands.
+    unwrapped_model = property(lambda self: self.strategy.unwrap(self.model), doc="The plain module, on every rank.")
+    global_step = property(lambda self: self.state.step, doc="Optimizer steps taken.")
+    epoch = property(lambda self: self.state.epoch, doc="The epoch being read.")
+    epoch_progress = property(lambda self: self.state.epoch_progress, doc="Epochs done, as a fraction.")
+    batches_per_epoch = property(lambda self: self.state.batches_per_epoch, doc="This process's, None for a stream.")
+    global_batch_size = property(lambda self: self.run.global_batch, doc="Examples an optimizer step takes.")
+    step_lr = property(lambda self: self.steps.lr, doc="The lr the last optimizer step used.")
+    log_history = property(lambda self: self.telemetry.log_history, doc="Each log's step figures, on this rank.")
+    last_checkpoint = property(lambda self: self.checkpoints.last, doc="The newest checkpoint committed or loaded.")
+    best = property(lambda self: self.keep_best.best, doc="keep_best's {figure, value, step}, or None.")
+    best_checkpoint = property(lambda self: self.checkpoints.best_checkpoint(), doc="keep_best's checkpoint, or None.")

@@ -1,6 +1,6 @@
-"""The package's shape, checked as code is: every module at most 300 lines and the Trainer class at most 250 of code, no
-formatter markers, FSDP2 named only inside the parallelism package, keyword-only arguments past the third, and no
-import cycle among the package's modules (read with ast, imports inside functions included)."""
+"""The package's shape, checked as code is: every module at most 300 lines and the Trainer class at most 250 of code,
+read in one file; no formatter markers, FSDP2 named only inside the parallelism package, keyword-only arguments past
+the third, and no import cycle among the package's modules (read with ast, imports inside functions included)."""
 
 from __future__ import annotations
 
@@ -46,6 +46,23 @@ def test_the_trainer_class_is_at_most_250_lines_of_code():
         if number not in docstrings and line.strip() and not line.strip().startswith("#")
     ]
     assert len(code) <= 250, f"{len(code)} lines of code"
+
+
+def test_the_trainer_is_read_in_one_file_without_reaching_into_its_parts_parts():
+    """No base class elsewhere to learn it from, and no ``self.part.inner.x``: what the Trainer asks of a part's own
+    part is named once, where the parts are built."""
+    tree = ast.parse((PACKAGE / "trainer.py").read_text())
+    (trainer,) = [node for node in tree.body if isinstance(node, ast.ClassDef)]
+    assert not trainer.bases
+
+    def chain(node: ast.AST) -> list[str]:
+        names = []
+        while isinstance(node, ast.Attribute):
+            names, node = [node.attr, *names], node.value
+        return [node.id, *names] if isinstance(node, ast.Name) else []
+
+    reaches = {".".join(names) for node in ast.walk(trainer) if len(names := chain(node)) > 3 and names[0] == "self"}
+    assert not reaches
 
 
 def test_only_the_parallelism_package_knows_fsdp2():

@@ -6,7 +6,6 @@ job from it (docs/internals.md#preemption, docs/checkpoints.md).
 
 from __future__ import annotations
 
-import functools
 import os
 import signal
 import subprocess
@@ -32,13 +31,14 @@ CHECK_EVERY_S = 1.0
 
 class PreemptionWatch:
     """Notes the configured signals while fit() runs (its final export too); ``agreed()`` at each optimizer step says
-    whether to stop."""
+    whether to stop, ``stop()`` then commits the checkpoint of that step (``save_at(step)``, which also serves Ray
+    Train's notice of a preemption)."""
 
-    def __init__(self, run: Any, *, save_at: Optional[Callable[[int], Any]] = None):
-        self.signals = [getattr(signal, name) for name in run.config.signal_names]
+    def __init__(self, run: Any, *, save_at: Callable[[int], Any]):
+        self.run, self.signals = run, [getattr(signal, name) for name in run.config.signal_names]
         # Under Ray Train: its preemption notice (a barrier of Ray's, asked at every check on every rank), and the
-        # checkpoint of a step it asks for (save_at), once.
-        self._notice = ray_notice() if save_at is not None else None
+        # checkpoint of a step it asks for, once.
+        self._notice = ray_notice()
         self._save_at, self._noticed = save_at, False
         self.grace_s = run.config.preemption_grace_s
         group = run.host
@@ -56,12 +56,6 @@ class PreemptionWatch:
         self._agreed = 0
         # From the next check on (a check issued at the old pace is read at it)
         self._next_every = 1
-
-    @classmethod
-    def of(cls, trainer: Any) -> "PreemptionWatch":
-        """The watch of a Trainer's ``fit()``, saving a checkpoint of a step (or taking the one saved there) where
-        Ray's notice asks."""
-        return cls(trainer.run, save_at=functools.partial(trainer.checkpoints.of_step, save=trainer.save_checkpoint))
 
     def __enter__(self) -> "PreemptionWatch":
         # Only the main thread may set handlers.
@@ -141,6 +135,25 @@ class PreemptionWatch:
             self._pending = None
         return seen
 
+    def stop(self, signal_number: int, step: int, *, total_steps: int) -> Preempted:
+        """What every rank does once the ranks agreed on a signal: commit a checkpoint of the step reached (whatever
+        save_every says), requeue the job under Slurm (``slurm_requeue``, the main process once the checkpoint is
+        committed), and return the ``Preempted`` to leave ``fit()`` with (status 75)."""
+        started, run = time.monotonic(), self.run
+        saved = self._save_at(step)
+        requeued = ""
+        if run.config.slurm_requeue:
+            if run.main:
+                requeued = f"; {requeue_slurm_job()}"
+            # No rank leaves (and gets the others signalled) before the requeue.
+            run.barrier()
+        name = signal.Signals(signal_number).name
+        return Preempted(
+            f"trainer: preempted ({name}) at step {step} of {total_steps}: checkpoint {saved} committed in "
+            f"{time.monotonic() - started:.1f} s{requeued}; exiting with status {PREEMPTED_EXIT}. Start the "
+            "job again with resume='auto' to continue."
+        )
+
     def _heed_notice(self, step: int) -> None:
         """Ray Train's notice that a node of the job is to be reclaimed (the same on every rank): a checkpoint of this
         step, once, as Ray asks; training goes on, and when the node is gone Ray restarts the job, which resumes
@@ -185,26 +198,6 @@ def ray_notice() -> Optional[Callable[[], Any]]:
     except Exception:
         return None
     return ray.train.get_preemption_info
-
-
-def stop(signal_number: int, step: int, *, total_steps: int, checkpoint_now: Callable[[], Any], run: Any) -> Preempted:
-    """What every rank does once the ranks agreed on a signal: commit a checkpoint of the step reached
-    (``checkpoint_now``, whatever save_every says), requeue the job under Slurm (``slurm_requeue``, the main process
-    once the checkpoint is committed), and return the ``Preempted`` to leave ``fit()`` with (status 75)."""
-    started = time.monotonic()
-    saved = checkpoint_now()
-    requeued = ""
-    if run.config.slurm_requeue:
-        if run.main:
-            requeued = f"; {requeue_slurm_job()}"
-        # No rank leaves (and gets the others signalled) before the requeue.
-        run.barrier()
-    name = signal.Signals(signal_number).name
-    return Preempted(
-        f"trainer: preempted ({name}) at step {step} of {total_steps}: checkpoint {saved} committed in "
-        f"{time.monotonic() - started:.1f} s{requeued}; exiting with status {PREEMPTED_EXIT}. Start the "
-        "job again with resume='auto' to continue."
-    )
 
 
 def requeue_slurm_job() -> str:

@@ -94,6 +94,11 @@ class Run:
     world = property(lambda self: self.accelerator.num_processes, doc="The job's processes.")
     main = property(lambda self: self.accelerator.is_main_process, doc="Whether this is the job's first process.")
 
+    @property
+    def global_batch(self) -> int:
+        """Examples an optimizer step takes: data-parallel processes x batch_size x gradient_accumulation_steps."""
+        return self.dp.size * self.config.batch_size * self.config.gradient_accumulation_steps
+
     def barrier(self) -> None:
         self.accelerator.wait_for_everyone()
 

@@ -6,7 +6,8 @@ log's one gather; ``skip``: agreed every step, the update and the schedule dropp
 from __future__ import annotations
 
 import math
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
 import torch
 
@@ -63,13 +64,13 @@ class NonFiniteGuard:
                 torch._foreach_copy_(*((self._buffers, self._kept) if bad else (self._kept, self._buffers)))
         return bad
 
-    def check(self, first_bad_step: torch.Tensor, last_good: str = "") -> None:
+    def check(self, first_bad_step: torch.Tensor, last_good: Optional[Path | str] = None) -> None:
         """Under "raise": stop on every rank if any rank saw a non-finite loss; ``first_bad_step`` is this rank's
         (``LogWindow.first_bad_step``), gathered here: a collective, call it on every rank."""
         if self.policy == "raise":
             self.raise_if_bad(self.accelerator.gather(first_bad_step.view(1)).tolist(), last_good)
 
-    def raise_if_bad(self, first_bad_steps: list[float], last_good: str = "") -> None:
+    def raise_if_bad(self, first_bad_steps: list[float], last_good: Optional[Path | str] = None) -> None:
         """Stop if any rank's first bad step (every rank's, in rank order: the same list on every rank) is a step."""
         bad = {rank: int(step) for rank, step in enumerate(first_bad_steps) if step < NONE}
         if self.policy != "raise" or not bad:
@@ -84,7 +85,7 @@ class NonFiniteGuard:
             + "Set nan_policy='skip' to drop such steps instead."
         )
 
-    def check_evaluation(self, metrics: dict[str, float], step: int, last_good: str = "") -> None:
+    def check_evaluation(self, metrics: dict[str, float], step: int, last_good: Optional[Path | str] = None) -> None:
         """Stop if an evaluation's loss is NaN or inf (the same reduced figure on every rank: all stop together)."""
         bad = [
             (key, value)

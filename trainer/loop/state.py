@@ -65,20 +65,3 @@ class TrainState:
         self.batches_into_epoch = state["batches_into_epoch"]
         self.run_id = state.get("run_id") or self.run_id
         self.evaluation_owed = state.get("evaluation_owed") is True
-
-
-class TrainerView:
-    """What a callback reads of where the Trainer stands (its ``state``, ``keep_best``, ``checkpoints``, ...)."""
-
-    unwrapped_model = property(
-        lambda self: self.strategy.unwrap(self.model), doc="The plain module (no DDP wrapper), the same on every rank."
-    )
-    global_step = property(lambda self: self.state.step, doc="Optimizer steps taken.")
-    epoch = property(lambda self: self.state.epoch, doc="The epoch being read.")
-    batches_per_epoch = property(lambda self: self.state.batches_per_epoch, doc="This process's, None for a stream.")
-    best = property(lambda self: self.keep_best.best, doc="keep_best's {figure, value, step}, or None.")
-    step_lr = property(lambda self: self.steps.lr, doc="The lr the last optimizer step used.")
-    epoch_progress = property(lambda self: self.state.epoch_progress, doc="Epochs done, as a fraction.")
-    global_batch_size = property(lambda self: self.checkpoints.setup.split.global_batch, doc="Examples per step.")
-    last_checkpoint = property(lambda self: self.checkpoints.last, doc="The newest checkpoint committed or loaded.")
-    log_history = property(lambda self: self.telemetry.log_history, doc="Each log's step figures, on this rank.")

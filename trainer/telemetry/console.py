@@ -140,7 +140,7 @@ def banner(
     """What a run is about to do, said once at the start of ``fit()``: the launch and what sharding did
     (``Strategy.describe``), the global batch and how its loss is weighed (``share``: the examples a process
     reads per epoch; fewer than a step takes, each step takes them all), the steps, the optimizer and schedule
-    (``words``), and what else changes what the run ends with (``what_else``)."""
+    (``words``), and what else changes what the run ends with (``what_else``); or that there is nothing to train."""
     batch, accumulation, processes, reader = config.batch_size, config.gradient_accumulation_steps, *launch[2:]
     global_batch, short = batch * processes * accumulation, ""
     if share is not None and share < batch * accumulation:
@@ -160,6 +160,8 @@ def banner(
         short,
         f"{state.steps_per_epoch or 'unknown'} optimizer steps per epoch, {total_steps} in all ({until}); {words}",
         what_else(config, callbacks),
+        state.step >= total_steps
+        and f"already finished at step {state.step} of {total_steps}: nothing to train; raise max_steps (or epochs)",
     )
     return "trainer | " + "\n        | ".join(line for line in lines if line)
 

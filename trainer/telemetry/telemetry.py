@@ -39,6 +39,19 @@ class Telemetry:
         ``step``)."""
         self.sinks = open_sinks(self.run, run_id=run_id, resumed_at=step)
 
+    def add(self, values: dict[str, Any]) -> None:
+        """Figures for this rank's next log (``Trainer.log``)."""
+        self.figures.add(values)
+
+    @property
+    def steps_unlogged(self) -> int:
+        """Steps taken since the last log."""
+        return self.window.steps
+
+    def first_bad_step(self) -> torch.Tensor:
+        """This rank's first step with a non-finite loss since the last log (``trainer.loop.nonfinite.NONE``: none)."""
+        return self.window.first_bad_step()
+
     def gather(self, stop: bool, lr: Any = 0.0, grad_norm: Optional[torch.Tensor] = None) -> list[dict[str, float]]:
         """Every rank's window since the last log (``WINDOW_FIELDS``, by name), gathered once: the one agreement of
         a log step, and its only host synchronisation. ``stop``: this rank's ``trainer.should_stop``; ``lr`` and
