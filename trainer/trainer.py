@@ -23,6 +23,7 @@ from trainer.checkpoint.manager import Checkpointer
 from trainer.checkpoint.parts import AccelerateState, CallbackStates, ModelPart
 from trainer.checkpoint.policy import RunSetup
 from trainer.config import TrainConfig
+from trainer.console import banner, progress_bar, say
 from trainer.data.loaders import Loaders, batches_per_epoch, examples_per_process, start_epoch
 from trainer.data.mixing import MixtureShares
 from trainer.data.streams import StreamPositions
@@ -33,11 +34,10 @@ from trainer.loop import callbacks as hooks
 from trainer.loop.evaluation import Evaluator, MetricsFn
 from trainer.loop.losses import LossFn, model_loss
 from trainer.loop.prediction import PredictFn
-from trainer.loop.state import TrainState
 from trainer.loop.step import StepRunner
 from trainer.optim import build as optim
 from trainer.optim.ema import WeightAverage
-from trainer.telemetry.console import banner, progress_bar, say
+from trainer.state import TrainState
 from trainer.telemetry.mfu import Utilisation
 from trainer.telemetry.profiling import StepProfiler
 from trainer.telemetry.sinks import new_run_id

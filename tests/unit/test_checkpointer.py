@@ -27,9 +27,9 @@ from trainer.errors import ExportError, ShardingError
 from trainer.launch.run import Run
 from trainer.loop.callbacks import stateful
 from trainer.loop.microbatch import MicroBatchSplit
-from trainer.loop.state import TrainState
 from trainer.optim import build as optim
 from trainer.parallel.placement import whole_on_device
+from trainer.state import TrainState
 
 from conftest import resign
 

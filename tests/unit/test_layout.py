@@ -1,6 +1,7 @@
 """The package's shape, checked as code is: every module at most 300 lines and the Trainer class at most 250 of code,
 read in one file; no formatter markers, FSDP2 named only inside the parallelism package, keyword-only arguments past
-the third, and no import cycle among the package's modules (read with ast, imports inside functions included)."""
+the third, and no import cycle among the package's modules or its folders (read with ast, imports inside functions
+included)."""
 
 from __future__ import annotations
 
@@ -119,3 +120,52 @@ def test_no_import_cycle_among_the_modules():
     for name in sorted(names):
         if name not in state:
             visit(name, [name])
+
+
+def test_no_import_cycle_among_the_folders():
+    """A folder (``checkpoint/``, ``loop/``, ...) or a top-level module (``console``, ``state``: the words every
+    folder uses) imports from another only one way, so the folders stack in layers. What runs counts: an import for
+    type checking alone (under ``if TYPE_CHECKING:``) does not."""
+
+    def unit(name: str) -> str:
+        parts = name.split(".")
+        return parts[1] if len(parts) > 2 or (len(parts) == 2 and (PACKAGE / parts[1]).is_dir()) else name
+
+    names = {name_of(path): path for path in MODULES}
+    edges: dict[str, set[str]] = {}
+    for name, path in names.items():
+        tree = ast.parse(path.read_text())
+        typing_only = {
+            id(inner)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for inner in ast.walk(node)
+        }
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found = {
+                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in names else node.module for a in node.names
+                }
+            elif isinstance(node, ast.Import):
+                found = {alias.name for alias in node.names}
+            else:
+                continue
+            for other in found & set(names):
+                if unit(other) != unit(name):
+                    edges.setdefault(unit(name), set()).add(unit(other))
+    state: dict[str, int] = {}
+
+    def visit(here: str, trail: list[str]) -> None:
+        state[here] = 1
+        for other in sorted(edges.get(here, ())):
+            if state.get(other) == 1:
+                pytest.fail("folders in a cycle: " + " -> ".join([*trail[trail.index(other) :], other]))
+            if other not in state:
+                visit(other, [*trail, other])
+        state[here] = 2
+
+    for here in sorted(edges):
+        if here not in state:
+            visit(here, [here])

@@ -15,10 +15,10 @@ from trainer import TrainConfig
 from trainer.data.loaders import Loaders
 from trainer.launch.run import Run
 from trainer.loop.evaluation import Evaluator
-from trainer.loop.state import TrainState
 from trainer.loop.step import StepRunner
 from trainer.optim import build as optim
 from trainer.parallel import for_run
+from trainer.state import TrainState
 from trainer.telemetry.telemetry import Telemetry
 
 

@@ -6,9 +6,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from trainer.console import say, warn
 from trainer.errors import ConfigError
-from trainer.loop.callbacks import improves
-from trainer.telemetry.console import say, warn
+
+
+def improves(value: float, best: float | None, mode: str, *, min_delta: float = 0.0) -> bool:
+    """``value`` beats ``best`` (None: nothing yet) by more than ``min_delta``: lower with mode "min", higher with
+    "max". EarlyStopping and keep_best both judge by it."""
+    if best is None:
+        return True
+    return value < best - min_delta if mode == "min" else value > best + min_delta
 
 
 class KeepBest:

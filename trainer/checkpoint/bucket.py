@@ -22,8 +22,8 @@ from typing import Any, Callable, Optional
 from trainer.checkpoint import integrity
 from trainer.checkpoint.integrity import PREFIX, STATE_FILE, STEP_FOLDER, crc32, without_alternatives
 from trainer.checkpoint.store import BEST_FILE, POINTER_FILE, checked_name
+from trainer.console import warn
 from trainer.errors import CheckpointError, ConfigError, Refusal
-from trainer.telemetry.console import warn
 
 # The job that writes here now (Bucket.claim).
 OWNER_FILE = ".owner"

@@ -21,11 +21,10 @@ from trainer.checkpoint.background import BackgroundSaves
 from trainer.checkpoint.best import KeepBest
 from trainer.checkpoint.failures import agreed_failure, read_part
 from trainer.checkpoint.policy import RunSetup, group_settings, random_states
-from trainer.checkpoint.store import checkpoint_root, staging_folder, write_failed
+from trainer.checkpoint.store import checkpoint_root, staging_folder, warn_of_a_slow_save, write_failed
 from trainer.checkpoint.transfers import DOWNLOADS
+from trainer.console import say
 from trainer.errors import CheckpointError, Refusal
-from trainer.launch.preemption import warn_of_a_slow_save
-from trainer.telemetry.console import say
 
 
 class Checkpointer:

@@ -19,7 +19,7 @@ import torch
 
 from trainer.checkpoint.hf_files import MODEL_FILE, save_model_config
 from trainer.checkpoint.safe_dcp import SHARDS, read_shards, refused_pickle
-from trainer.telemetry.console import warn
+from trainer.console import warn
 
 # DDP's optimizer file in a checkpoint written before every strategy wrote DCP (with MODEL_FILE).
 OPTIMIZER_FILE = "optimizer.bin"

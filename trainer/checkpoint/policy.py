@@ -9,12 +9,14 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from trainer.errors import CheckpointError
-from trainer.optim.build import Optimization
+
+if TYPE_CHECKING:
+    from trainer.optim.build import Optimization
 
 NOT_COMPARED = ("output_dir", "resume", "batch_size", "gradient_accumulation_steps")
 # (data_weights: the order of a mixture of training sets, trainer.data.mixing)

@@ -25,8 +25,8 @@ from trainer.checkpoint.integrity import (
     verify,
     without_alternatives,
 )
+from trainer.console import warn
 from trainer.errors import CheckpointError
-from trainer.telemetry.console import warn
 
 POINTER_FILE = "latest"
 # With keep_best: the checkpoint of the best evaluation, spared by keep_last.
@@ -278,3 +278,21 @@ def resume_point(root: Path, resume: Optional[str]) -> Optional[Path]:
     if resume == "auto":
         return newest_whole_checkpoint(root)
     return verify(Path(resume))
+
+
+def warn_of_a_slow_save(config: Any, seconds: float) -> None:
+    """Once: a checkpoint that took longer than ``preemption_grace_s``, so that a preemption's would be cut off (the
+    grace must also stay under the launcher's: Kubernetes' terminationGracePeriodSeconds, Slurm's signal lead)."""
+    global _SLOW_SAVE_SAID
+    if _SLOW_SAVE_SAID or not config.signal_names or seconds <= config.preemption_grace_s:
+        return
+    _SLOW_SAVE_SAID = True
+    warn(
+        f"a checkpoint took {seconds:.1f} s, longer than preemption_grace_s ({config.preemption_grace_s:g} s): a "
+        "preemption would exit before its checkpoint is committed. Raise preemption_grace_s, and keep the "
+        "launcher's grace above it (Kubernetes' terminationGracePeriodSeconds, Slurm's --signal lead time)",
+        main_only=True,
+    )
+
+
+_SLOW_SAVE_SAID = False

@@ -14,8 +14,8 @@ from trainer.checkpoint import integrity
 from trainer.checkpoint.bucket import Bucket
 from trainer.checkpoint.failures import agreed_failure
 from trainer.checkpoint.integrity import without_alternatives
+from trainer.console import say
 from trainer.errors import CheckpointError
-from trainer.telemetry.console import say
 
 # Where each machine keeps a checkpoint downloaded from the bucket, in <output_dir>/checkpoints: not a candidate for a
 # resume from the disk (a hidden folder), removed once read.

@@ -18,12 +18,12 @@ from accelerate import skip_first_batches
 from accelerate.data_loader import get_sampler, prepare_data_loader
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
+from trainer.console import say
 from trainer.data.columns import ready_columns
 from trainer.data.mixing import Mixture, MixtureSampler, mixture_of
 from trainer.data.samplers import ResumableSampler, ShardSampler
 from trainer.data.streams import StreamShard
 from trainer.errors import ConfigError, DataError
-from trainer.telemetry.console import say
 
 
 class Loaders:

@@ -13,7 +13,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from trainer.errors import CheckpointError, StreamPositionError
 from trainer.hf import is_stream
-from trainer.loop.state import TrainState
+from trainer.state import TrainState
 
 
 class StreamShard(IterableDataset):

@@ -1,7 +1,7 @@
 """``python -m trainer.launch``: accelerate launch, ending as the trainer promises; it lives in
-``trainer.tools.launcher``."""
+``trainer.launch.launcher``."""
 
-from trainer.tools.launcher import main
+from trainer.launch.launcher import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

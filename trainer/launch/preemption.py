@@ -18,8 +18,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from trainer.console import warn
 from trainer.errors import PREEMPTED_EXIT, Preempted
-from trainer.telemetry.console import warn
 
 # Slurm signals every process of the job and the launcher forwards its own copy; a terminal's Ctrl-C reaches the
 # launcher and the workers alike. Copies this close to the first are the same event, not a second signal.
@@ -221,21 +221,3 @@ def requeue_slurm_job() -> str:
             said = f"scontrol was killed by {signal.Signals(-done.returncode).name}"
         return f"scontrol requeue {job} failed: {said}"
     return f"job {job} requeued ({time.monotonic() - started:.1f} s)"
-
-
-def warn_of_a_slow_save(config: Any, seconds: float) -> None:
-    """Once: a checkpoint that took longer than ``preemption_grace_s``, so that a preemption's would be cut off (the
-    grace must also stay under the launcher's: Kubernetes' terminationGracePeriodSeconds, Slurm's signal lead)."""
-    global _SLOW_SAVE_SAID
-    if _SLOW_SAVE_SAID or not config.signal_names or seconds <= config.preemption_grace_s:
-        return
-    _SLOW_SAVE_SAID = True
-    warn(
-        f"a checkpoint took {seconds:.1f} s, longer than preemption_grace_s ({config.preemption_grace_s:g} s): a "
-        "preemption would exit before its checkpoint is committed. Raise preemption_grace_s, and keep the "
-        "launcher's grace above it (Kubernetes' terminationGracePeriodSeconds, Slurm's --signal lead time)",
-        main_only=True,
-    )
-
-
-_SLOW_SAVE_SAID = False

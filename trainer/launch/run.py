@@ -19,6 +19,7 @@ import torch.distributed as dist
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, set_seed
 
+from trainer import console
 from trainer.config import TrainConfig
 from trainer.errors import ConfigError, Refusal, WorldSizeMismatch
 from trainer.launch import host
@@ -30,7 +31,6 @@ from trainer.launch.accelerate_config import (
     sharding_requested,
 )
 from trainer.launch.mesh import Layout, data_parallel_group, requested_layout
-from trainer.telemetry import console
 
 T = TypeVar("T")
 ELASTIC_RECIPE = (

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Optional
 
+from trainer.checkpoint.best import improves
 from trainer.errors import ConfigError
 
 
@@ -42,14 +43,6 @@ def stateful(callbacks: Iterable[Any]) -> dict[str, Any]:
                 count += 1
             named[key] = callback
     return named
-
-
-def improves(value: float, best: float | None, mode: str, *, min_delta: float = 0.0) -> bool:
-    """``value`` beats ``best`` (None: nothing yet) by more than ``min_delta``: lower with mode "min", higher with
-    "max". EarlyStopping and keep_best both judge by it."""
-    if best is None:
-        return True
-    return value < best - min_delta if mode == "min" else value > best + min_delta
 
 
 class EarlyStopping:

@@ -16,13 +16,13 @@ import torch
 from accelerate.utils import find_batch_size
 from torch.utils.data import DataLoader
 
+from trainer.console import say
 from trainer.data.loaders import named_sets
 from trainer.data.samplers import in_lockstep
 from trainer.errors import ConfigError, DataError, EvaluationError
 from trainer.hf import generates
 from trainer.loop.losses import LossFn, checked, model_loss
 from trainer.loop.prediction import PredictFn, model_logits, predict
-from trainer.telemetry.console import say
 
 MetricsFn = Callable[[torch.nn.Module, Any], dict[str, torch.Tensor]]
 

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from accelerate.utils import find_batch_size, recursively_apply
 
+from trainer.console import say
 from trainer.errors import OutOfMemory
-from trainer.telemetry.console import say
 
 
 class RanOutElsewhere(Exception):

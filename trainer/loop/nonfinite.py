@@ -12,9 +12,7 @@ from typing import Any, Optional
 import torch
 
 from trainer.errors import NonFiniteLoss
-
-# "no bad step yet": larger than any step, so the first bad step is a minimum.
-NONE = 2**62
+from trainer.telemetry.window import NONE
 
 
 class NonFiniteGuard:

@@ -16,9 +16,9 @@ from typing import Any, Iterator, Optional
 import torch
 
 from trainer.checkpoint.safe_dcp import SHARDS, read_shards
+from trainer.console import say
 from trainer.errors import CheckpointError
 from trainer.parallel.gradients import local
-from trainer.telemetry.console import say
 
 # The folder of a checkpoint that holds the average.
 EMA = "ema"

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
+from trainer.console import say
 from trainer.errors import ConfigError, ShardingError
 from trainer.parallel.placement import region
-from trainer.telemetry.console import say
 
 
 def named_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:

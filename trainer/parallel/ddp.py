@@ -16,12 +16,12 @@ import torch
 import torch.distributed as dist
 from accelerate.utils import DistributedType
 
+from trainer.console import say
 from trainer.errors import UnusedParameters
 from trainer.parallel.blocks import checkpoint_activations, transformer_blocks
 from trainer.parallel.placement import upcast_words, whole_on_device
 from trainer.parallel.strategy import Strategy, trainable
 from trainer.parallel.tensor_parallel import ParallelizeFn
-from trainer.telemetry.console import say
 
 # Distributed types whose backward and optimizer step are plain torch ones.
 PLAIN_TYPES = {

@@ -11,13 +11,13 @@ from typing import Any, Callable, ContextManager, Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from trainer.console import say
 from trainer.errors import ShardingError
 from trainer.launch.mesh import TP, data_mesh
 from trainer.parallel.gradients import clip_, total_norm
 from trainer.parallel.sharding import ShardedModel, shard
 from trainer.parallel.strategy import Strategy, trainable
 from trainer.parallel.tensor_parallel import ParallelizeFn, tensor_parallel
-from trainer.telemetry.console import say
 
 
 class FSDP2(Strategy):

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from trainer.telemetry.console import say
+from trainer.console import say
 
 # Dense bf16 peaks in FLOP/s, by a part of torch.cuda.get_device_name; a longer name wins over a part of it
 # ("H100 PCIe" over "H100", "L40S" over "L40" over "L4").

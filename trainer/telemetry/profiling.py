@@ -21,7 +21,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from trainer.config.reading import steps_of
-from trainer.telemetry.console import say
+from trainer.console import say
 
 
 class StepProfiler:

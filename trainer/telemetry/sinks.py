@@ -13,8 +13,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Optional, Protocol
 
+from trainer.console import warn
 from trainer.errors import PREEMPTED_EXIT, ConfigError, MetricsError
-from trainer.telemetry.console import warn
 
 
 class Sink(Protocol):

@@ -17,8 +17,8 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from trainer.console import warn
 from trainer.errors import PREEMPTED_EXIT
-from trainer.telemetry.console import warn
 
 # What a rank can be doing, in the order one optimizer step goes through them (a resume before the first). The rank
 # furthest behind in this order is the one the others wait for: "backward" and later phases hold collectives.

@@ -12,9 +12,9 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from trainer.console import STEP_FIGURES, say, step_line
 from trainer.errors import Preempted
-from trainer.loop.state import TrainState
-from trainer.telemetry.console import STEP_FIGURES, say, step_line
+from trainer.state import TrainState
 from trainer.telemetry.sinks import close_all, open_sinks
 from trainer.telemetry.window import NOT_MEASURED, WINDOW_FIELDS, LoggedFigures, LogWindow, memory_gb, summarize
 

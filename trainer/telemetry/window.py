@@ -18,8 +18,10 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 from accelerate.utils import find_batch_size
 
-from trainer.loop.nonfinite import NONE
 from trainer.parallel.gradients import whole
+
+# "no bad step yet": larger than any step, so the first bad step is a minimum.
+NONE = 2**62
 
 # One row of a rank's window, in this order, gathered from every rank at each log.
 # loss_sum / loss_weight is the window's mean loss: weights are a micro-batch's counted tokens (or its loss_fn's
