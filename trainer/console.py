@@ -10,9 +10,12 @@ import os
 import sys
 import threading
 import warnings
-from typing import Any, Iterator, Optional, TextIO
+from typing import TYPE_CHECKING, Any, Iterator, Optional, TextIO
 
 from tqdm.auto import tqdm
+
+if TYPE_CHECKING:
+    from trainer.parallel.strategy import Described
 
 LIBRARIES = ("transformers", "accelerate", "datasets", "torch")
 # What the libraries say to one another, nothing a user's code can change: transformers falling back to its one
@@ -127,7 +130,7 @@ def step_line(metrics: dict[str, Any], total_steps: int) -> str:
 
 
 def banner(
-    launch: tuple[str, str, int, str],
+    launch: Described,
     config: Any,
     state: Any,
     *,
@@ -141,7 +144,8 @@ def banner(
     (``Strategy.describe``), the global batch and how its loss is weighed (``share``: the examples a process
     reads per epoch; fewer than a step takes, each step takes them all), the steps, the optimizer and schedule
     (``words``), and what else changes what the run ends with (``what_else``); or that there is nothing to train."""
-    batch, accumulation, processes, reader = config.batch_size, config.gradient_accumulation_steps, *launch[2:]
+    batch, accumulation = config.batch_size, config.gradient_accumulation_steps
+    processes, reader = launch.readers, launch.reader
     global_batch, short = batch * processes * accumulation, ""
     if share is not None and share < batch * accumulation:
         global_batch = share * processes
@@ -153,8 +157,8 @@ def banner(
     until = f"max_steps={config.max_steps}" if config.max_steps else f"{config.epochs} epochs"
     readers = "processes" if reader == "process" else f"{reader.split(' of ')[0]}s"
     lines = (
-        launch[0],
-        launch[1],
+        launch.launch,
+        launch.placed,
         f"batch {batch} per {reader} x {processes} {readers} x {accumulation} accumulation "
         f"= {global_batch} global{weighs}",
         short,

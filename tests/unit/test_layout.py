@@ -1,7 +1,7 @@
 """The package's shape, checked as code is: every module at most 300 lines and the Trainer class at most 250 of code,
-read in one file; no formatter markers, FSDP2 named only inside the parallelism package, keyword-only arguments past
-the third, and no import cycle among the package's modules or its folders (read with ast, imports inside functions
-included)."""
+read in one file; the parts every module takes typed; no formatter markers, FSDP2 named only inside the parallelism
+package, keyword-only arguments past the third, and no import cycle among the package's modules or its folders (read
+with ast, imports inside functions included)."""
 
 from __future__ import annotations
 
@@ -90,21 +90,54 @@ def test_arguments_past_the_third_are_keyword_only():
     assert not found
 
 
-def test_no_import_cycle_among_the_modules():
-    """Imports at a module's top level (and in its functions: an import deferred to a call is an edge all the same)."""
-    names = {name_of(path): path for path in MODULES}
-    edges: dict[str, set[str]] = {}
-    for name, path in names.items():
-        found = set()
+def test_the_parts_every_module_takes_are_typed():
+    """``run``, ``strategy``, ``optimization`` and ``loss_fn`` are the same objects wherever they are taken: each
+    parameter of those names says its type (under ``if TYPE_CHECKING:`` where an import would close a cycle), so
+    that go-to-definition works on them, not ``Any``."""
+    untyped = []
+    for path in MODULES:
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("trainer"):
-                found |= {f"{node.module}.{alias.name}" for alias in node.names} | {node.module}
-            elif isinstance(node, ast.Import):
-                found |= {alias.name for alias in node.names if alias.name.startswith("trainer")}
-        # A package's __init__ is imported with any of its modules; "from trainer.x import y" names y or x.y.
-        edges[name] = {
-            other for other in found if other in names and other != name and not name.startswith(other + ".")
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                arguments = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+                for argument in arguments:
+                    if argument.arg in ("run", "strategy", "optimization", "loss_fn") and (
+                        argument.annotation is None or ast.unparse(argument.annotation) == "Any"
+                    ):
+                        untyped.append(f"{name_of(path)}.{node.name}({argument.arg})")
+    assert not untyped
+
+
+def imported(path: Path) -> set[str]:
+    """The package's modules ``path`` imports (``from trainer.x import y`` names y or x.y, and x), at its top level
+    and in its functions (an import deferred to a call is an edge all the same), not those for type checking alone
+    (under ``if TYPE_CHECKING:``), which never run."""
+    tree = ast.parse(path.read_text())
+    typing_only = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for inner in ast.walk(node)
+    }
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("trainer"):
+            found |= {f"{node.module}.{alias.name}" for alias in node.names} | {node.module}
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.startswith("trainer")}
+    return found
+
+
+def test_no_import_cycle_among_the_modules():
+    names = {name_of(path): path for path in MODULES}
+    # A package's __init__ is imported with any of its modules.
+    edges = {
+        name: {
+            other for other in imported(path) if other in names and other != name and not name.startswith(other + ".")
         }
+        for name, path in names.items()
+    }
     state: dict[str, int] = {}
 
     def visit(name: str, trail: list[str]) -> None:
@@ -124,8 +157,7 @@ def test_no_import_cycle_among_the_modules():
 
 def test_no_import_cycle_among_the_folders():
     """A folder (``checkpoint/``, ``loop/``, ...) or a top-level module (``console``, ``state``: the words every
-    folder uses) imports from another only one way, so the folders stack in layers. What runs counts: an import for
-    type checking alone (under ``if TYPE_CHECKING:``) does not."""
+    folder uses) imports from another only one way, so the folders stack in layers."""
 
     def unit(name: str) -> str:
         parts = name.split(".")
@@ -134,27 +166,10 @@ def test_no_import_cycle_among_the_folders():
     names = {name_of(path): path for path in MODULES}
     edges: dict[str, set[str]] = {}
     for name, path in names.items():
-        tree = ast.parse(path.read_text())
-        typing_only = {
-            id(inner)
-            for node in ast.walk(tree)
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-            for inner in ast.walk(node)
-        }
-        for node in ast.walk(tree):
-            if id(node) in typing_only:
-                continue
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                found = {
-                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in names else node.module for a in node.names
-                }
-            elif isinstance(node, ast.Import):
-                found = {alias.name for alias in node.names}
-            else:
-                continue
-            for other in found & set(names):
-                if unit(other) != unit(name):
-                    edges.setdefault(unit(name), set()).add(unit(other))
+        # "trainer" itself: every module's parent package ("from trainer import console" names it too).
+        for other in imported(path) & set(names):
+            if unit(other) != unit(name) and other != "trainer":
+                edges.setdefault(unit(name), set()).add(unit(other))
     state: dict[str, int] = {}
 
     def visit(here: str, trail: list[str]) -> None:

@@ -16,13 +16,16 @@ import threading
 from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 from trainer.checkpoint.failures import root_cause
 from trainer.checkpoint.store import write_failed
 from trainer.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from trainer.launch.run import Run
 
 
 class BackgroundSave:
@@ -65,7 +68,7 @@ class BackgroundSaves:
     """At most one checkpoint written in the background; ``wait()`` on every process before anything that needs it
     committed. Every process learns the others' errors over ``run``'s host group."""
 
-    def __init__(self, run: Any):
+    def __init__(self, run: Run):
         self.run, self.main = run, run.main
         # The writes' own collectives, from their own thread: never a group the main thread uses too. A gloo group
         # even for one process: DCP's background save refuses a group without a CPU backend (NCCL on one GPU).

@@ -10,7 +10,7 @@ import errno
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 from safetensors import SafetensorError
@@ -32,11 +32,14 @@ from trainer.errors import ExportError
 from trainer.hf import peft_model
 from trainer.parallel.gradients import whole
 
+if TYPE_CHECKING:
+    from trainer.launch.run import Run
+
 # What writing an export meets on a read-only or full disk (safetensors' own error is not an OSError).
 WRITE_ERRORS = (OSError, SafetensorError)
 
 
-def export_model(model: torch.nn.Module, directory: Path, *, run: Any, merged: bool = False) -> None:
+def export_model(model: torch.nn.Module, directory: Path, *, run: Run, merged: bool = False) -> None:
     """The live ``model`` (the plain or sharded module) into ``directory``; every rank returns once it is written.
     An earlier export's files there are replaced (they would mix with this one's); others, a tokenizer saved beside,
     stay. ``merged``: a PEFT model's base model with its adapter folded in, built from a copy of the whole state
@@ -75,7 +78,7 @@ def export_model(model: torch.nn.Module, directory: Path, *, run: Any, merged: b
 
 
 @contextlib.contextmanager
-def _written_by_main(directory: Path, run: Any) -> Iterator[tuple[Optional[Path], list[BaseException]]]:
+def _written_by_main(directory: Path, run: Run) -> Iterator[tuple[Optional[Path], list[BaseException]]]:
     """The folder the main process writes an export into (None elsewhere, and where it cannot be made), and a list
     for what failed; then every rank raises the main process's failure as one ``ExportError``, so that none waits
     for a peer that left (the folder as it was before)."""

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import pickle
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
 
 from trainer.checkpoint.safe_dcp import refused_pickle
 from trainer.errors import CheckpointError, Refusal
+
+if TYPE_CHECKING:
+    from trainer.launch.run import Run
 
 
 def root_cause(err: BaseException) -> tuple[Optional[int], BaseException]:
@@ -24,7 +27,15 @@ def root_cause(err: BaseException) -> tuple[Optional[int], BaseException]:
     return rank, cause
 
 
-def agreed_failure(run: Any, attempt: Callable[[], None]) -> Optional[tuple[int, BaseException, bool]]:
+class Failure(NamedTuple):
+    """A failure every rank agreed on: the first failing rank, its error, and whether some rank did not fail."""
+
+    rank: int
+    error: BaseException
+    alone: bool
+
+
+def agreed_failure(run: Run, attempt: Callable[[], None]) -> Optional[Failure]:
     """``attempt()`` on every rank, then on every rank the first failing rank, its failure (this rank's own
     exception where it failed, else a ``CheckpointError`` of the failing rank's words) and whether some rank did
     not fail; None when none failed. No rank goes on into a collective while another has stopped (a file refused
@@ -45,8 +56,8 @@ def agreed_failure(run: Any, attempt: Callable[[], None]) -> Optional[tuple[int,
         return None
     alone = len(failing) < len(said)
     if mine is not None and failing[0] == run.rank:
-        return run.rank, mine, alone
-    return failing[0], CheckpointError(said[failing[0]]), alone
+        return Failure(run.rank, mine, alone)
+    return Failure(failing[0], CheckpointError(said[failing[0]]), alone)
 
 
 def read_part(path: Path, attempt: Callable[[], None], *, refused: Optional[CheckpointError]) -> None:

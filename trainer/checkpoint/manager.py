@@ -14,7 +14,7 @@ import contextlib
 import functools
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 from trainer.checkpoint import bucket, integrity, store, transfers
 from trainer.checkpoint.background import BackgroundSaves
@@ -25,6 +25,9 @@ from trainer.checkpoint.store import checkpoint_root, staging_folder, warn_of_a_
 from trainer.checkpoint.transfers import DOWNLOADS
 from trainer.console import say
 from trainer.errors import CheckpointError, Refusal
+
+if TYPE_CHECKING:
+    from trainer.launch.run import Run
 
 
 class Checkpointer:
@@ -41,7 +44,7 @@ class Checkpointer:
     """
 
     def __init__(
-        self, run: Any, *, parts: dict[str, Any], setup: RunSetup, best: KeepBest, watch: Optional[Callable] = None
+        self, run: Run, *, parts: dict[str, Any], setup: RunSetup, best: KeepBest, watch: Optional[Callable] = None
     ):
         self.run, self.setup, self.best = run, setup, best
         self.watch = watch or (lambda phase: contextlib.nullcontext())
@@ -113,8 +116,8 @@ class Checkpointer:
                 # Every rank's files are on disk, or every rank says the first rank's failure.
                 failed = agreed_failure(run, functools.partial(part.save, staging, in_background=in_background))
                 if failed is not None:
-                    rank, err, alone = failed
-                    raise write_failed(staging, self.root, err, rank=rank if alone else None) from None
+                    rank = failed.rank if failed.alone else None
+                    raise write_failed(staging, self.root, failed.error, rank=rank) from None
         keep_last = run.config.keep_last
         if in_background:
             future = self.parts["model"].save_async(staging, self.background.group)
@@ -220,21 +223,23 @@ class Checkpointer:
 
     def _resume(self, path: Path, verified: bool) -> Optional[CheckpointError]:
         state = self.read(path, verified)
-        batches, resplit, misfit, refused = self.setup.judge(state, path)
+        judged = self.setup.judge(state, path)
+        # Why fit() cannot go on from it (another global batch, a setting), or None.
+        cannot = judged.misfit or judged.refused
         # This run's; the checkpoint's replace them.
         own_settings = group_settings(self.setup.optimizer)
         # data: another split's position.
-        self.load(path, state, skip=("data",) if misfit or refused else (), refused=refused)
+        self.load(path, state, skip=("data",) if cannot else (), refused=judged.refused)
         position = self.parts["train"]
-        position.continue_at(batches)
+        position.continue_at(judged.batches)
         self.last = path
         saved_processes, processes = state["run"]["world_size"], self.run.world
         # fit() says why when it is called; evaluate() and predict() go on with the weights.
-        if misfit or refused:
+        if cannot:
             say(f"loaded {path} for evaluate() and predict() only: step {position.step}, epoch {position.epoch}")
-            return misfit or refused
+            return cannot
         say(
-            f"resumed from {path}: step {position.step}, epoch {position.epoch}, batch {batches}{resplit}"
+            f"resumed from {path}: step {position.step}, epoch {position.epoch}, batch {judged.batches}{judged.resplit}"
             f"{random_states(saved_processes, processes)}"
         )
         applied = self.setup.apply_changes(state["run"], position.step, own_settings)
@@ -266,11 +271,11 @@ class Checkpointer:
         """``attempt()`` on every rank, and on every rank the first failing rank's failure raised."""
         failed = agreed_failure(self.run, functools.partial(read_part, path, attempt, refused=refused))
         if failed is not None:
-            rank, err, alone = failed
             # The same words on every rank, said once by the first process: which rank could not load what, where
             # the others could (a refusal of its own kind; anything else, DCP's failure say, as a CheckpointError).
+            err = failed.error
             kind = type(err) if isinstance(err, Refusal) else CheckpointError
-            raise kind(f"{err} (rank {rank})" if alone else str(err), job_wide=True) from None
+            raise kind(f"{err} (rank {failed.rank})" if failed.alone else str(err), job_wide=True) from None
 
     def _load_states(self, path: Path, state: dict[str, Any], *, skip: tuple[str, ...]) -> None:
         """The plain-data parts' states, from ``trainer_state.json``."""

@@ -13,13 +13,16 @@ from __future__ import annotations
 import pickle
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from trainer.checkpoint.hf_files import MODEL_FILE, save_model_config
 from trainer.checkpoint.safe_dcp import SHARDS, read_shards, refused_pickle
 from trainer.console import warn
+
+if TYPE_CHECKING:
+    from trainer.launch.run import Run
 
 # DDP's optimizer file in a checkpoint written before every strategy wrote DCP (with MODEL_FILE).
 OPTIMIZER_FILE = "optimizer.bin"
@@ -29,7 +32,7 @@ class ModelPart:
     """The ``model`` part: ``model`` (the plain or sharded module, not DDP's wrapper) and ``optimizer`` (the torch
     optimizer itself), in ``shards/``; a transformers model's config beside, for the export."""
 
-    def __init__(self, run: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    def __init__(self, run: Run, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
         self.model, self.optimizer, self.main = model, optimizer, run.main
         # Where loaded tensors go (not "cpu:0").
         self.device = "cpu" if run.device.type == "cpu" else str(run.device)
@@ -149,7 +152,7 @@ class AccelerateState:
     accelerate's own ``save_accelerator_state`` / ``load_accelerator_state`` (what ``Accelerator.save_state`` writes,
     less the model and optimizer, which are the ``model`` part's)."""
 
-    def __init__(self, run: Any, scheduler: Any):
+    def __init__(self, run: Run, scheduler: Any):
         self.accelerator, self.scheduler = run.accelerator, scheduler
 
     def save(self, folder: Path, *, in_background: bool = False) -> None:
@@ -192,7 +195,7 @@ class CallbackStates:
     own (their state may hold tensors: ``torch.load(weights_only=True)`` reads it back). A rank the checkpoint had
     not gets the first rank's."""
 
-    def __init__(self, run: Any, callbacks: list, *, named: Callable[[list], dict[str, Any]]):
+    def __init__(self, run: Run, callbacks: list, *, named: Callable[[list], dict[str, Any]]):
         self.callbacks, self.rank, self.named = callbacks, run.rank, named
         # Where loaded tensors go (not "cpu:0").
         self.device = "cpu" if run.device.type == "cpu" else run.device

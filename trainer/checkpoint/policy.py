@@ -9,13 +9,14 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import torch
 
 from trainer.errors import CheckpointError
 
 if TYPE_CHECKING:
+    from trainer.launch.run import Run
     from trainer.optim.build import Optimization
 
 NOT_COMPARED = ("output_dir", "resume", "batch_size", "gradient_accumulation_steps")
@@ -150,6 +151,16 @@ def said(changes: dict[str, tuple[Any, Any]], step: int, lrs: tuple[float, float
     return f"changed since the checkpoint, applied from step {step + 1}: {', '.join(words)}"
 
 
+class Resumption(NamedTuple):
+    """A resume judged: the micro-batch of the epoch to read next, what a change of split means for it (words), and
+    why ``fit()`` cannot go on from the checkpoint's position (another global batch) or under this run's settings."""
+
+    batches: int
+    resplit: str
+    misfit: Optional[CheckpointError]
+    refused: Optional[CheckpointError]
+
+
 @dataclass(frozen=True)
 class Split:
     """How a run splits its global batch: data-parallel processes x batch_size x gradient_accumulation_steps."""
@@ -217,7 +228,7 @@ class RunSetup:
     """How this run is set up, as far as its checkpoints go: what each records of it (``run``), what a resume
     compares with it, and the optimizer and (torch) scheduler a resume applies this run's settings to."""
 
-    def __init__(self, run: Any, optimization: Optimization, *, data: Any = None):
+    def __init__(self, run: Run, optimization: Optimization, *, data: Any = None):
         self.config, self.optimization = run.config, optimization
         # data: the Trainer's loaders (trainer.data.loaders), if any. A stream's position is kept per process; the
         # sizes of the training sets are what an epoch's order is drawn from.
@@ -244,9 +255,8 @@ class RunSetup:
             "data_sizes": self.sizes,
         }
 
-    def judge(self, state: dict[str, Any], path: Path) -> tuple[int, str, Any, Any]:
-        """(the micro-batch of the epoch to read next, what a change of split means, why ``fit()`` cannot go on
-        from the checkpoint's position, why not under this run's settings)."""
+    def judge(self, state: dict[str, Any], path: Path) -> Resumption:
+        """What a resume from checkpoint ``state`` (at ``path``) does, and what it refuses."""
         run, batches = state["run"], state["train"]["batches_into_epoch"]
         misfit = None
         try:
@@ -266,7 +276,7 @@ class RunSetup:
         resized = run.get("data_sizes") and self.sizes and run["data_sizes"] != self.sizes
         if settings is None and batches > 0 and resized:
             settings = resized_mid_epoch(run["data_sizes"], self.sizes, path)
-        return batches, resplit, misfit, settings
+        return Resumption(batches, resplit, misfit, settings)
 
     def apply_changes(self, run: dict[str, Any], step: int, own_settings: list[dict[str, Any]]) -> str:
         """This run's settings where they differ from the checkpoint's (its ``run``), from the next step on; the

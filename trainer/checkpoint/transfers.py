@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from trainer.checkpoint import integrity
 from trainer.checkpoint.bucket import Bucket
@@ -16,6 +16,9 @@ from trainer.checkpoint.failures import agreed_failure
 from trainer.checkpoint.integrity import without_alternatives
 from trainer.console import say
 from trainer.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from trainer.launch.run import Run
 
 # Where each machine keeps a checkpoint downloaded from the bucket, in <output_dir>/checkpoints: not a candidate for a
 # resume from the disk (a hidden folder), removed once read.
@@ -36,7 +39,7 @@ def shares(seen: list[list[str]]) -> list[list[str]]:
     return given
 
 
-def stage_on_every_machine(run: Any, staging: Path) -> None:
+def stage_on_every_machine(run: Run, staging: Path) -> None:
     """Collective, once the main process has made ``staging``: each machine's own where no disk is shared, without
     what a crash there left (it would be uploaded)."""
     if not run.main and run.accelerator.is_local_main_process:
@@ -45,7 +48,7 @@ def stage_on_every_machine(run: Any, staging: Path) -> None:
     staging.mkdir(parents=True, exist_ok=True)
 
 
-def commit_everywhere(run: Any, bucket: Bucket, staging: Path, *, state: dict[str, Any], keep_last: int) -> str:
+def commit_everywhere(run: Run, bucket: Bucket, staging: Path, *, state: dict[str, Any], keep_last: int) -> str:
     """Collective, once every rank's files of a checkpoint are in its machine's ``staging``: each rank uploads its
     share, the main process commits (``Bucket.commit``), each machine's staging folder goes. Returns its URL."""
     name = staging.name.removeprefix(".tmp-")
@@ -55,7 +58,7 @@ def commit_everywhere(run: Any, bucket: Bucket, staging: Path, *, state: dict[st
     sent: dict[str, tuple[int, str]] = {}
     failed = agreed_failure(run, lambda: sent.update(bucket.upload(staging, share)))
     if failed is not None:
-        rank, err, _ = failed
+        rank, err = failed.rank, failed.error
         # Another rank's failure comes in its words.
         said = str(err) if isinstance(err, CheckpointError) else f"{type(err).__name__}: {err}"
         latest = run.main_decides(bucket.pointer)
@@ -78,7 +81,7 @@ def committer(checkpointer: Any, staging: Path, future: Any, *, state: dict[str,
     def commit() -> str:
         failed = agreed_failure(run, future.result)
         if failed is not None:
-            rank, err, _ = failed
+            err = failed.error
             if run.accelerator.is_local_main_process:
                 shutil.rmtree(staging, ignore_errors=True)
             said = str(err) if isinstance(err, CheckpointError) else f"{type(err).__name__}: {err}"
@@ -108,7 +111,7 @@ def resume_from_bucket(checkpointer: Any, found: Optional[str]) -> Optional[Any]
     return answer
 
 
-def on_every_machine(run: Any, found: Optional[str], source: Bucket) -> Optional[Path]:
+def on_every_machine(run: Run, found: Optional[str], source: Bucket) -> Optional[Path]:
     """Collective: the checkpoint the main process downloaded (``found``, its local folder) on every machine too,
     each machine's first process downloading and checking its own copy unless it shares the main process's disk."""
     if found is None:
@@ -125,8 +128,7 @@ def on_every_machine(run: Any, found: Optional[str], source: Bucket) -> Optional
 
     failed = agreed_failure(run, copy)
     if failed is not None:
-        rank, err, _ = failed
-        raise CheckpointError(f"{err} (rank {rank})")
+        raise CheckpointError(f"{failed.error} (rank {failed.rank})")
     return path
 
 

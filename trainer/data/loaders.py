@@ -11,7 +11,7 @@ process (``trainer.data.streams``); a user's DataLoader is used as is, its data 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from accelerate import skip_first_batches
@@ -25,6 +25,9 @@ from trainer.data.samplers import ResumableSampler, ShardSampler
 from trainer.data.streams import StreamShard
 from trainer.errors import ConfigError, DataError
 
+if TYPE_CHECKING:
+    from trainer.launch.run import Run
+
 
 class Loaders:
     """This process's loaders of the Trainer's data: ``train`` (None: a Trainer for ``evaluate`` and ``predict``
@@ -32,7 +35,7 @@ class Loaders:
 
     def __init__(
         self,
-        run: Any,
+        run: Run,
         *,
         model: torch.nn.Module,
         train_data: Any,
@@ -87,7 +90,7 @@ def train_sizes(loader: Optional[DataLoader]) -> Optional[dict[str, int]]:
     return {"train_data": len(sampler.dataset)} if isinstance(sampler, ResumableSampler) else None
 
 
-def build_train_loader(data: Dataset | DataLoader, run: Any, *, collate_fn: Optional[Callable]) -> DataLoader:
+def build_train_loader(data: Dataset | DataLoader, run: Run, *, collate_fn: Optional[Callable]) -> DataLoader:
     """This process's training loader, ready for ``Accelerator.prepare``; its share decided by ``run.dp``, its
     data-parallel coordinates."""
     config, dp = run.config, run.dp
@@ -138,7 +141,7 @@ def build_train_loader(data: Dataset | DataLoader, run: Any, *, collate_fn: Opti
     return _wrap(loader, run.accelerator)
 
 
-def build_eval_loader(data: Dataset | DataLoader, run: Any, *, collate_fn: Optional[Callable]) -> DataLoader:
+def build_eval_loader(data: Dataset | DataLoader, run: Run, *, collate_fn: Optional[Callable]) -> DataLoader:
     """This process's evaluation loader: its share of the examples, each example on exactly one process."""
     dp = run.dp
     if isinstance(data, DataLoader):
@@ -194,7 +197,7 @@ def examples_per_process(loader: DataLoader) -> Optional[int]:
         return None
 
 
-def _loader(data: Any, sampler: Any, run: Any, *, collate_fn: Optional[Callable]) -> DataLoader:
+def _loader(data: Any, sampler: Any, run: Run, *, collate_fn: Optional[Callable]) -> DataLoader:
     config = run.config
     return DataLoader(
         data,

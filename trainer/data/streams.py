@@ -5,7 +5,7 @@ JSON at every batch boundary so that a resume continues there (docs/internals.md
 from __future__ import annotations
 
 import json
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -14,6 +14,9 @@ from torch.utils.data import IterableDataset, get_worker_info
 from trainer.errors import CheckpointError, StreamPositionError
 from trainer.hf import is_stream
 from trainer.state import TrainState
+
+if TYPE_CHECKING:
+    from trainer.launch.run import Run
 
 
 class StreamShard(IterableDataset):
@@ -126,7 +129,7 @@ class StreamPositions:
     """Where every process's part of the stream stands, as a checkpoint holds it (JSON, never a pickle): its
     ``state_dict`` gathers every process's position (collective); at a resume each process takes its own back."""
 
-    def __init__(self, run: Any, stream: StreamShard, position: TrainState):
+    def __init__(self, run: Run, stream: StreamShard, position: TrainState):
         self.run, self.stream, self.position = run, stream, position
 
     def state_dict(self) -> dict[str, Any]:

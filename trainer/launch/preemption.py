@@ -13,13 +13,16 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from trainer.console import warn
 from trainer.errors import PREEMPTED_EXIT, Preempted
+
+if TYPE_CHECKING:
+    from trainer.launch.run import Run
 
 # Slurm signals every process of the job and the launcher forwards its own copy; a terminal's Ctrl-C reaches the
 # launcher and the workers alike. Copies this close to the first are the same event, not a second signal.
@@ -34,7 +37,7 @@ class PreemptionWatch:
     whether to stop, ``stop()`` then commits the checkpoint of that step (``save_at(step)``, which also serves Ray
     Train's notice of a preemption)."""
 
-    def __init__(self, run: Any, *, save_at: Callable[[int], Any]):
+    def __init__(self, run: Run, *, save_at: Callable[[int], Any]):
         self.run, self.signals = run, [getattr(signal, name) for name in run.config.signal_names]
         # Under Ray Train: its preemption notice (a barrier of Ray's, asked at every check on every rank), and the
         # checkpoint of a step it asks for, once.

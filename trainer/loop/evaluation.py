@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-from typing import Any, Callable, ContextManager, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 from accelerate.utils import find_batch_size
@@ -23,6 +23,10 @@ from trainer.errors import ConfigError, DataError, EvaluationError
 from trainer.hf import generates
 from trainer.loop.losses import LossFn, checked, model_loss
 from trainer.loop.prediction import PredictFn, model_logits, predict
+
+if TYPE_CHECKING:
+    from trainer.launch.run import Run
+    from trainer.parallel.strategy import Strategy
 
 MetricsFn = Callable[[torch.nn.Module, Any], dict[str, torch.Tensor]]
 
@@ -41,8 +45,8 @@ class Evaluator:
 
     def __init__(
         self,
-        run: Any,
-        strategy: Any,
+        run: Run,
+        strategy: Strategy,
         model: torch.nn.Module,
         *,
         loss_fn: LossFn,
@@ -146,7 +150,7 @@ def evaluate(
     model: torch.nn.Module,
     loader: Any,
     *,
-    run: Any,
+    run: Run,
     loss_fn: LossFn,
     metrics_fn: Optional[MetricsFn] = None,
     autocast: Callable[[], ContextManager],

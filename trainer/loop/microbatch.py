@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,10 @@ from accelerate.utils import find_batch_size, recursively_apply
 
 from trainer.console import say
 from trainer.errors import OutOfMemory
+
+if TYPE_CHECKING:
+    from trainer.launch.run import Run
+    from trainer.parallel.strategy import Strategy
 
 
 class RanOutElsewhere(Exception):
@@ -29,7 +33,7 @@ class RanOutElsewhere(Exception):
 class MicroBatchSplit:
     """How many pieces each micro-batch is cut into (1, 2, 4, ...), agreed by every rank; a checkpoint part."""
 
-    def __init__(self, run: Any, strategy: Any, model: torch.nn.Module):
+    def __init__(self, run: Run, strategy: Strategy, model: torch.nn.Module):
         self.pieces = 1
         self.strategy, self.model = strategy, model
         self.host, self.world, self.device = run.host, run.dp.size, run.device

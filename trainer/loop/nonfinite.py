@@ -7,18 +7,21 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from trainer.errors import NonFiniteLoss
 from trainer.telemetry.window import NONE
 
+if TYPE_CHECKING:
+    from trainer.launch.run import Run
+
 
 class NonFiniteGuard:
     """``nan_policy`` for one process of ``run`` (its Accelerator's ``gather`` and ``reduce``, on the device)."""
 
-    def __init__(self, run: Any, *, policy: str):
+    def __init__(self, run: Run, *, policy: str):
         self.accelerator = accelerator = run.accelerator
         self.policy = policy
         # "skip": since the update.

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, Callable, ContextManager
+from typing import TYPE_CHECKING, Any, Callable, ContextManager
 
 import torch
 
 from trainer.data.samplers import in_lockstep
 from trainer.errors import EvaluationError
+
+if TYPE_CHECKING:
+    from trainer.launch.run import Run
 
 PredictFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 
@@ -29,7 +32,7 @@ def predict(
     model: torch.nn.Module,
     loader: Any,
     *,
-    run: Any,
+    run: Run,
     predict_fn: PredictFn,
     autocast: Callable[[], ContextManager],
     num_examples: int,

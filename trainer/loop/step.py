@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
 
 import torch
 
@@ -25,6 +25,12 @@ from trainer.loop.packing import looks_packed, refuse_attention_across_documents
 from trainer.loop.weighing import StepBatches, Weighing, accumulation_windows
 from trainer.telemetry.stall import stall_reporter
 from trainer.telemetry.window import LogWindow, examples_in
+
+if TYPE_CHECKING:
+    from trainer.launch.run import Run
+    from trainer.loop.losses import LossFn
+    from trainer.optim.build import Optimization
+    from trainer.parallel.strategy import Strategy
 
 
 class Phases:
@@ -63,12 +69,12 @@ class StepRunner:
 
     def __init__(
         self,
-        run: Any,
-        strategy: Any,
+        run: Run,
+        strategy: Strategy,
         model: torch.nn.Module,
         *,
-        optimization: Any,
-        loss_fn: Any,
+        optimization: Optimization,
+        loss_fn: LossFn,
         window: LogWindow,
         ema: Any = None,
         stream: bool = False,

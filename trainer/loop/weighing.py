@@ -7,7 +7,7 @@ transformers model's own loss, a ``(loss_sum, count)`` loss by its count, any ot
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -15,6 +15,9 @@ import torch.distributed as dist
 from trainer.hf import LossFunctionProbe, accepts_loss_kwargs, causal_lm, is_transformers_model
 from trainer.loop.losses import LossFn, checked, model_loss
 from trainer.parallel.gradients import scale_
+
+if TYPE_CHECKING:
+    from trainer.launch.run import Run
 
 # The label of a token that is not counted (padding, a prompt), as in torch's cross-entropy.
 IGNORE_INDEX = -100
@@ -73,7 +76,7 @@ class Weighing:
     ``windows`` readies each window; per micro-batch, ``loss`` -> (what to call backward on, the loss to log,
     its weight in the logged mean); after the window's last backward, ``finish`` (before clipping)."""
 
-    def __init__(self, run: Any, model: torch.nn.Module, *, loss_fn: LossFn):
+    def __init__(self, run: Run, model: torch.nn.Module, *, loss_fn: LossFn):
         # The data-parallel replicas, whose gradients are averaged.
         self.world, self.group = run.dp.size, run.dp.group
         self.loss_fn = loss_fn

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 
@@ -19,6 +19,10 @@ from trainer.checkpoint.safe_dcp import SHARDS, read_shards
 from trainer.console import say
 from trainer.errors import CheckpointError
 from trainer.parallel.gradients import local
+
+if TYPE_CHECKING:
+    from trainer.launch.run import Run
+    from trainer.parallel.strategy import Strategy
 
 # The folder of a checkpoint that holds the average.
 EMA = "ema"
@@ -39,7 +43,7 @@ class WeightAverage:
             self.average = [p.detach().clone() for p in self.weights]
 
     @classmethod
-    def for_run(cls, run: Any, strategy: Any, model: torch.nn.Module) -> Optional["WeightAverage"]:
+    def for_run(cls, run: Run, strategy: Strategy, model: torch.nn.Module) -> Optional["WeightAverage"]:
         """The average ``ema_decay`` asks for, or None."""
         config = run.config
         if config.ema_decay is None:

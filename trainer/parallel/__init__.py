@@ -6,10 +6,15 @@ no module outside this package knows FSDP2 exists (docs/parallelism.md).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from trainer.parallel.strategy import Strategy
 
+if TYPE_CHECKING:
+    from trainer.launch.run import Run
 
-def for_run(run) -> Strategy:
+
+def for_run(run: Run) -> Strategy:
     """The strategy the launch's accelerate config asks for."""
     if run.layout.sharded:
         from trainer.parallel.fsdp import FSDP2

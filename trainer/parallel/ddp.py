@@ -10,7 +10,7 @@ accelerate's accumulation steps, one more kernel even when that is 1. With a gra
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,9 @@ from trainer.parallel.blocks import checkpoint_activations, transformer_blocks
 from trainer.parallel.placement import upcast_words, whole_on_device
 from trainer.parallel.strategy import Strategy, trainable
 from trainer.parallel.tensor_parallel import ParallelizeFn
+
+if TYPE_CHECKING:
+    from trainer.launch.run import Run
 
 # Distributed types whose backward and optimizer step are plain torch ones.
 PLAIN_TYPES = {
@@ -41,7 +44,7 @@ class DDP(Strategy):
 
     name = "DDP"
 
-    def __init__(self, run: Any):
+    def __init__(self, run: Run):
         super().__init__(run)
         # Trainable tensors of a lower precision upcast to fp32 masters.
         self.upcast: list[str] = []

@@ -6,7 +6,7 @@ docs/parallelism.md).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,9 @@ from trainer.parallel.sharding import ShardedModel, shard
 from trainer.parallel.strategy import Strategy, trainable
 from trainer.parallel.tensor_parallel import ParallelizeFn, tensor_parallel
 
+if TYPE_CHECKING:
+    from trainer.launch.run import Run
+
 
 class FSDP2(Strategy):
     """The model sharded by ``fully_shard`` group by group, the optimizer built over the shards."""
@@ -29,7 +32,7 @@ class FSDP2(Strategy):
     # Compiled whole, a sharded model ran 2.4x slower than eager (huggingface/accelerate#4022).
     compiles_per_block = True
 
-    def __init__(self, run: Any):
+    def __init__(self, run: Run):
         from accelerate.utils import FullyShardedDataParallelPlugin
 
         super().__init__(run)

@@ -7,7 +7,7 @@ hooks ``auto_microbatch`` and the stall reporter need, and the banner's words. `
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Iterable, Optional
+from typing import Any, Callable, ContextManager, Iterable, NamedTuple, Optional
 
 import torch
 
@@ -17,6 +17,16 @@ from trainer.launch.run import Run
 from trainer.parallel.compiling import Compilation, compile_in_place
 from trainer.parallel.float8 import Float8
 from trainer.parallel.tensor_parallel import ParallelizeFn
+
+
+class Described(NamedTuple):
+    """A strategy in the banner's words: the launch, what placing the model did, how many read different data, and
+    what each of those is (a process, or a tensor-parallel group)."""
+
+    launch: str
+    placed: str
+    readers: int
+    reader: str
 
 
 class Strategy:
@@ -119,9 +129,8 @@ class Strategy:
     def reduce_pieces(self, model: torch.nn.Module) -> None:
         """auto_microbatch: the window's gradients reduced once every piece got through (unless ``pieces_reduce``)."""
 
-    def describe(self) -> tuple[str, str, int, str]:
-        """The banner's words: the launch, what placing the model did, how many read different data, and what each
-        of those is (a process, or a tensor-parallel group)."""
+    def describe(self) -> Described:
+        """The banner's words for the launch and the model's placement."""
         run, acc = self.run, self.run.accelerator
         device = run.device
         threads = f", {torch.get_num_threads()} CPU threads per process" if device.type == "cpu" else ""
@@ -132,7 +141,7 @@ class Strategy:
         )
         tp = run.layout.tp
         reader = "process" if tp == 1 else f"tensor-parallel group of {tp}"
-        return launch, self.placed(), run.dp.size, reader
+        return Described(launch, self.placed(), run.dp.size, reader)
 
     def kind(self) -> str:
         return self.name

@@ -11,11 +11,14 @@ or a GPU not in the table, is said once rather than guessed.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from trainer.console import say
+
+if TYPE_CHECKING:
+    from trainer.launch.run import Run
 
 # Dense bf16 peaks in FLOP/s, by a part of torch.cuda.get_device_name; a longer name wins over a part of it
 # ("H100 PCIe" over "H100", "L40S" over "L40" over "L4").
@@ -46,7 +49,7 @@ def peak_flops_of(name: str) -> Optional[float]:
 class Utilisation:
     """MFU from a log step's global tokens/s and examples/s; said once when it cannot be known."""
 
-    def __init__(self, run: Any, model: torch.nn.Module):
+    def __init__(self, run: Run, model: torch.nn.Module):
         config, device = run.config, run.device
         self.given = config.flops_per_token
         shape = getattr(model, "config", None)

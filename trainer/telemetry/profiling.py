@@ -16,12 +16,15 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 
 from trainer.config.reading import steps_of
 from trainer.console import say
+
+if TYPE_CHECKING:
+    from trainer.launch.run import Run
 
 
 class StepProfiler:
@@ -34,7 +37,7 @@ class StepProfiler:
         self.profile: Optional[torch.profiler.profile] = None
 
     @classmethod
-    def for_run(cls, run: Any) -> list["StepProfiler"]:
+    def for_run(cls, run: Run) -> list["StepProfiler"]:
         """The callbacks ``profile_steps`` asks for: this one, or none."""
         config = run.config
         if config.profile_steps is None:

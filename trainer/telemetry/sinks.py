@@ -11,10 +11,13 @@ import socket
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 from trainer.console import warn
 from trainer.errors import PREEMPTED_EXIT, ConfigError, MetricsError
+
+if TYPE_CHECKING:
+    from trainer.launch.run import Run
 
 
 class Sink(Protocol):
@@ -98,7 +101,7 @@ class WandbRun:
     group ``<experiment>``; offline when wandb cannot reach its server (no API key, no network, an outage), with
     one message from the main process."""
 
-    def __init__(self, run: Any, *, project: str, run_id: str):
+    def __init__(self, run: Run, *, project: str, run_id: str):
         import wandb
 
         config, accelerator = run.config, run.accelerator
@@ -173,7 +176,7 @@ class WandbRun:
             warn(f"wandb could not close rank {self.rank}'s run: {err}")
 
 
-def open_sinks(run: Any, *, run_id: str, resumed_at: int = 0) -> list[Sink]:
+def open_sinks(run: Run, *, run_id: str, resumed_at: int = 0) -> list[Sink]:
     """This rank's sinks: its metrics file, and wandb and TensorBoard when the config asks (``resumed_at``: the
     step a resumed run goes on from)."""
     config, rank = run.config, run.rank
@@ -199,7 +202,7 @@ def close_all(sinks: list[Sink], status: str, detail: Any = None) -> None:
         raise failure
 
 
-def new_run_id(run: Any) -> str:
+def new_run_id(run: Run) -> str:
     """A fresh id for this job, drawn on the main process and shared with every rank."""
     return run.main_decides(lambda: os.urandom(4).hex())
 

@@ -13,12 +13,15 @@ import os
 import socket
 import threading
 import time
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 
 from trainer.console import warn
 from trainer.errors import PREEMPTED_EXIT
+
+if TYPE_CHECKING:
+    from trainer.launch.run import Run
 
 # What a rank can be doing, in the order one optimizer step goes through them (a resume before the first). The rank
 # furthest behind in this order is the one the others wait for: "backward" and later phases hold collectives.
@@ -30,7 +33,7 @@ LONG_PHASES = ("resume", "evaluate", "checkpoint")
 class StallReporter:
     """Watches this rank's progress; reports a stall once, from the lowest-numbered rank that is waiting."""
 
-    def __init__(self, run: Any, *, warning_s: float, grace_s: float = 180.0):
+    def __init__(self, run: Run, *, warning_s: float, grace_s: float = 180.0):
         self.rank, self.world = run.rank, run.world
         self.warning_s, self.grace_s = warning_s, grace_s
         # The process that started this one: torch's elastic agent (accelerate launch, torchrun) hosts the store.
@@ -190,7 +193,7 @@ class NoStalls:
         yield
 
 
-def stall_reporter(run: Any) -> StallReporter | NoStalls:
+def stall_reporter(run: Run) -> StallReporter | NoStalls:
     """A ``StallReporter`` when there are other ranks to wait for and ``stall_warning_s`` is set (its ``grace_s``:
     how long a long evaluation or save may go on once the launcher is gone: ``preemption_grace_s``)."""
     config = run.config

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 
@@ -18,11 +18,14 @@ from trainer.state import TrainState
 from trainer.telemetry.sinks import close_all, open_sinks
 from trainer.telemetry.window import NOT_MEASURED, WINDOW_FIELDS, LoggedFigures, LogWindow, memory_gb, summarize
 
+if TYPE_CHECKING:
+    from trainer.launch.run import Run
+
 
 class Telemetry:
     """This process's reporting; its sinks are opened once the run's id is known (``open``)."""
 
-    def __init__(self, run: Any, *, utilisation: Any = None):
+    def __init__(self, run: Run, *, utilisation: Any = None):
         self.run, self.accelerator = run, run.accelerator
         # The data-parallel processes: a tensor-parallel group reads one batch.
         self.replicas = run.dp.size
