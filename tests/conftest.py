@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import functools
 import json
 import os
 import random
@@ -17,10 +19,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# The job scripts the tests launch (tests/jobs/), what they lean on (tests/support/), and the test modules of every
+# folder, imported by name (from test_checkpoint import final_weights) wherever the importer is.
+TESTS = ROOT / "tests"
+sys.path[:0] = [str(folder) for folder in sorted(TESTS.iterdir()) if folder.is_dir() and folder.name != "fixtures"]
 CONFIGS = ROOT / "accelerate_configs"
 SAME_UPDATES = ROOT / "examples" / "same_updates.py"
-SCENARIOS = ROOT / "tests" / "scenarios.py"
-JOBS = ROOT / "tests" / "jobs.py"  # several runs in one process
+SCENARIOS = ROOT / "tests" / "jobs" / "scenarios.py"
+JOBS = ROOT / "tests" / "jobs" / "run_many.py"  # several runs in one process
 
 # Variables a launcher sets; a test must not inherit them from whatever launched pytest.
 # (ACCELERATE_* variables go too.)
@@ -41,12 +47,57 @@ LAUNCHER_VARS = (
 
 def pytest_configure(config):
     """With pytest-xdist's -n, tests marked ``xdist_group`` (the modules whose tests share a module-scoped launch:
-    tests/test_fsdp.py's, ...) run on one worker, so that launch runs once rather than once per worker; the rest are
-    spread as ``-n`` spreads them."""
+    tests/parallel/test_fsdp.py's, ...) run on one worker, so that launch runs once rather than once per worker; the
+    rest are spread as ``-n`` spreads them."""
     if getattr(config.option, "dist", "no") == "load":  # the controller: the scheduler it will make
         config.option.dist = "loadgroup"
     if hasattr(config, "workerinput"):  # a worker names each item with its group (xdist reads only --dist for it)
         config.option.loadgroup = True
+
+
+# What starts a process: this file's helpers, subprocess's and pexpect's.
+STARTS_PROCESSES = {
+    "run",
+    "run_together",
+    "accelerate_node",
+    "python",
+    "accelerate_launch",
+    "torchrun",
+    "accelerate_config",
+}
+
+
+@functools.cache
+def launching(path: Path) -> frozenset[str]:
+    """The functions (fixtures too) of a test module that start processes, directly or through another of them."""
+    functions = {node.name: node for node in ast.parse(path.read_text()).body if isinstance(node, ast.FunctionDef)}
+
+    def called(function: ast.FunctionDef) -> set[str]:
+        names = set()
+        for node in ast.walk(function):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                names.add(node.func.id)
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                owner = node.func.value
+                if isinstance(owner, ast.Name) and owner.id in ("subprocess", "pexpect"):
+                    names.add("run")
+        return names
+
+    calls = {name: called(function) for name, function in functions.items()}
+    found = {name for name, names in calls.items() if names & STARTS_PROCESSES}
+    while grown := {name for name, names in calls.items() if names & found} - found:
+        found |= grown
+    return frozenset(found)
+
+
+def pytest_collection_modifyitems(items):
+    """``launches`` on every test that starts processes (itself, or a fixture of its module or of one it imports
+    from): ``-m "not launches"`` is the in-process rest, seconds long."""
+    fixtures = set().union(*(launching(Path(item.fspath)) for item in items), launching(Path(__file__)))
+    for item in items:
+        own = launching(Path(item.fspath))
+        if getattr(item, "originalname", item.name) in own or set(item.fixturenames) & fixtures:
+            item.add_marker(pytest.mark.launches)
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -96,10 +147,12 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def pretend_gpus(count: int, **extra: str) -> dict[str, str]:
-    """clean_env() on a pretend host with ``count`` GPUs (tests/fake_gpu): torch.cuda says they exist, and any
+    """clean_env() on a pretend host with ``count`` GPUs (tests/support/fake_gpu): torch.cuda says they exist, and any
     real CUDA work fails, so a job that should stay on the CPU but reaches for the GPU fails loudly."""
     env = clean_env(FAKE_GPUS=str(count), **extra)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "tests" / "fake_gpu"), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(ROOT / "tests" / "support" / "fake_gpu"), env.get("PYTHONPATH")])
+    )
     env.pop("CUDA_VISIBLE_DEVICES")
     return env
 
@@ -237,8 +290,8 @@ def torchrun(script: Path, *args: str, nproc: int = 2, run_args: tuple[str, ...]
 
 
 def split_jobs(output: str) -> list[str]:
-    """The output of each run of a tests/jobs.py process or launch, in order, cut at its ``=== job N ===`` lines
-    (every process of a launch writes them: what follows each process's line N is run N's)."""
+    """The output of each run of a tests/jobs/run_many.py process or launch, in order, cut at its ``=== job N ===``
+    lines (every process of a launch writes them: what follows each process's line N is run N's)."""
     parts = re.split(
         r"^=== job (\d+) ===\n", re.sub(r"^=== job \d+ exit \d+ ===\n", "", output, flags=re.M), flags=re.M
     )
@@ -249,7 +302,8 @@ def split_jobs(output: str) -> list[str]:
 
 
 def job_exits(stderr: str, runs: int) -> list[int]:
-    """Each run's exit status in a tests/jobs.py process or launch (0 unless its ``=== job N exit K ===`` line)."""
+    """Each run's exit status in a tests/jobs/run_many.py process or launch (0 unless its ``=== job N exit K ===``
+    line)."""
     exits = [0] * runs
     for number, status in re.findall(r"^=== job (\d+) exit (\d+) ===$", stderr, flags=re.M):
         exits[int(number)] = max(exits[int(number)], int(status))

@@ -52,7 +52,7 @@ def logged_losses(output: str) -> list[float]:
 
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory) -> tuple[dict[str, str], Path]:
-    """The example's 2-process runs in two launches (tests/jobs.py): a run of 20 steps ("first") and a streamed
+    """The example's 2-process runs in two launches (tests/jobs/run_many.py): a run of 20 steps ("first") and a streamed
     run of 10 ("streamed"); then each started again for more steps ("again", "streamed again"). Their outputs by
     name (stdout, then stderr), and the folder."""
     out = tmp_path_factory.mktemp("gpt2_two")
@@ -118,7 +118,7 @@ def test_streaming_trains_from_a_stream_on_two_processes_and_resumes_mid_stream(
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> tuple[dict[str, str], Path]:
-    """The example's one-process runs, in one process (tests/jobs.py): a plain run ("plain"), a run ("first")
+    """The example's one-process runs, in one process (tests/jobs/run_many.py): a plain run ("plain"), a run ("first")
     whose final/ a run from local files ("local") starts from, and one of documents kept apart ("documents").
     Their outputs by name, and the folder."""
     out = tmp_path_factory.mktemp("gpt2")
@@ -136,7 +136,7 @@ def one_process(tmp_path_factory) -> tuple[dict[str, str], Path]:
     return dict(zip(runs, outputs, strict=True)), out
 
 
-# The other configs run a small job each in tests/test_launch.py.
+# The other configs run a small job each in tests/launch/test_launch.py.
 @pytest.mark.parametrize("launch", ["fsdp.yaml", "torchrun", pytest.param("python", marks=ONE_PROCESS_RUNS)])
 def test_every_launch_path_runs(tmp_path, launch, request):
     args = [*TINY, "--max-steps", "4", "--output-dir", tmp_path]

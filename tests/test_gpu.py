@@ -167,7 +167,7 @@ def test_the_gpt2_example_on_one_gpu_uses_tf32_a_gpu_batch_and_reports_mfu(tmp_p
 def test_fsdp2_shards_over_nccl_and_computes_in_bf16_over_fp32_masters(tmp_path):
     """fsdp.yaml on one GPU (a mesh of one, NCCL): sharded, bf16 compute, fp32 master weights and AdamW state, a
     sharded checkpoint, evaluation in lockstep."""
-    ragged = ROOT / "tests" / "ragged_lm.py"
+    ragged = ROOT / "tests" / "jobs" / "ragged_lm.py"
     result = accelerate_launch(
         ragged,
         "--out",
@@ -197,7 +197,7 @@ def test_fsdp2_on_one_gpu_saves_in_the_background_and_builds_a_meta_model_on_the
     """save_async on one process: DCP's background save needs a CPU (gloo) group beside NCCL even at world size 1,
     under FSDP2 and DDP alike (both checkpoints are DCP's, from the GPU's tensors). A model built on meta: each
     module made on the GPU and initialised there, never whole on the CPU. And per-block compile under FSDP2."""
-    ragged = ROOT / "tests" / "ragged_lm.py"
+    ragged = ROOT / "tests" / "jobs" / "ragged_lm.py"
     variants = {
         "async": ["--save_async", "--save_every", "2", "--max_steps", "4"],
         "ddp async": ["--save_async", "--save_every", "2", "--max_steps", "4", "--ddp"],
@@ -301,7 +301,7 @@ def test_ddp_and_fsdp2_over_nccl_on_two_gpus_agree_save_in_the_background_and_ex
     ]
     variants = {"fsdp": [*common, "--save_async"], "ddp": [*common, "--ddp"]}
     result = accelerate_launch(
-        ROOT / "tests" / "ragged_lm.py",
+        ROOT / "tests" / "jobs" / "ragged_lm.py",
         "--out",
         tmp_path,
         "--variants",
@@ -322,8 +322,8 @@ def test_ddp_and_fsdp2_over_nccl_on_two_gpus_agree_save_in_the_background_and_ex
 
 @pytest.mark.skipif(GPUS < 4, reason="needs 4 GPUs")
 def test_hsdp_and_tensor_parallelism_over_nccl_equal_ddp_on_four_gpus(tmp_path):
-    """tests/test_mesh.py's equalities on 4 GPUs over NCCL: HSDP 2 x 2 = FSDP 4 = DDP 4 (GPT-2), TP 2 x FSDP 2 = DDP 4
-    (Llama), to the float floor (TF32 off: torch's default, which the trainer leaves alone)."""
+    """tests/parallel/test_mesh.py's equalities on 4 GPUs over NCCL: HSDP 2 x 2 = FSDP 4 = DDP 4 (GPT-2), TP 2 x FSDP 2
+    = DDP 4 (Llama), to the float floor (TF32 off: torch's default, which the trainer leaves alone)."""
     from test_mesh import DDP_4, EVALUATED, FOUR, FSDP_4, LLAMA, TP_FSDP, TWO, largest_difference, sizes
 
     variants = {
@@ -334,7 +334,7 @@ def test_hsdp_and_tensor_parallelism_over_nccl_equal_ddp_on_four_gpus(tmp_path):
         "ddp, llama": [*LLAMA, *FOUR, *EVALUATED, *DDP_4, "--ddp"],
     }
     result = accelerate_launch(
-        ROOT / "tests" / "ragged_lm.py",
+        ROOT / "tests" / "jobs" / "ragged_lm.py",
         "--out",
         tmp_path,
         "--variants",

@@ -61,7 +61,7 @@ def decayed(model: torch.nn.Module) -> set[str]:
     weights of normalisation layers (torch's LayerNorm, GroupNorm, BatchNorm..., or a module whose class or name
     says norm, such as LlamaRMSNorm). Shrinking a norm's gain or a bias toward 0 is not the regularisation decay
     is for; nanoGPT and most LM recipes leave them alone too. (transformers' own rule is a method of its Trainer,
-    whose import costs a process about a second; tests/test_optim.py checks that both name the same parameters.)"""
+    whose import costs a process about a second; tests/optim/test_optim.py checks both name the same parameters.)"""
     names = set()
     for module_name, module in model.named_modules():
         is_norm = isinstance(module, NORM_TYPES) or "Norm" in type(module).__name__

@@ -3,7 +3,7 @@ a closed form of the step, written out here with transformers' arithmetic, opera
 
 Why not call transformers: its ``transformers.optimization`` imports its Trainer's utilities, and those import PEFT
 wherever PEFT is installed. Measured on a 2-core host: 3.6 s of every process's start with PEFT installed, 0.5 s
-without, for a few lines of arithmetic. ``tests/test_optim.py`` checks every schedule and setting here against
+without, for a few lines of arithmetic. ``tests/optim/test_optim.py`` checks every schedule and setting here against
 transformers' own ``get_scheduler``, step by step, for equality of the floats.
 
 Each factor is a ``functools.partial`` of a module function, as transformers builds them: a LambdaLR saves no
