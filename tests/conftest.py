@@ -46,13 +46,12 @@ LAUNCHER_VARS = (
 
 
 def pytest_configure(config):
-    """With pytest-xdist's -n, tests marked ``xdist_group`` (the modules whose tests share a module-scoped launch:
-    tests/parallel/test_fsdp.py's, ...) run on one worker, so that launch runs once rather than once per worker; the
-    rest are spread as ``-n`` spreads them."""
+    """With pytest-xdist's -n, each test module runs whole on one worker (``--dist loadscope``), so that a
+    module-scoped launch its tests share (tests/parallel/test_fsdp.py's, ...) runs once rather than once per worker.
+    (``xdist_group`` marks did this until pytest 9.2, whose node ids no longer take the group's suffix that
+    pytest-xdist 3.8 adds: every worker ran each shared launch again.)"""
     if getattr(config.option, "dist", "no") == "load":  # the controller: the scheduler it will make
-        config.option.dist = "loadgroup"
-    if hasattr(config, "workerinput"):  # a worker names each item with its group (xdist reads only --dist for it)
-        config.option.loadgroup = True
+        config.option.dist = "loadscope"
 
 
 # What starts a process: this file's helpers, subprocess's and pexpect's.

@@ -42,10 +42,6 @@ TINY = [
 ]
 
 
-ONE_PROCESS_RUNS = pytest.mark.xdist_group("gpt2_one_process")  # the tests that share those runs: on one worker
-TWO_PROCESS_RUNS = pytest.mark.xdist_group("gpt2_two_processes")
-
-
 def logged_losses(output: str) -> list[float]:
     return [float(x) for x in re.findall(r"^step \d+/\d+ \| loss ([\d.]+)", output, re.M)]
 
@@ -68,7 +64,6 @@ def two_processes(tmp_path_factory) -> tuple[dict[str, str], Path]:
     return outputs, out
 
 
-@TWO_PROCESS_RUNS
 def test_two_processes_train_save_a_loadable_model_and_resume(two_processes):
     outputs, folder = two_processes
     (first, first_err), (again, _) = outputs["first"], outputs["again"]
@@ -97,7 +92,6 @@ def test_two_processes_train_save_a_loadable_model_and_resume(two_processes):
     assert "step 25/30" in again and "step 5/30" not in again
 
 
-@TWO_PROCESS_RUNS
 def test_streaming_trains_from_a_stream_on_two_processes_and_resumes_mid_stream(two_processes):
     outputs, folder = two_processes
     (first, _), (again, _) = outputs["streamed"], outputs["streamed again"]
@@ -137,7 +131,7 @@ def one_process(tmp_path_factory) -> tuple[dict[str, str], Path]:
 
 
 # The other configs run a small job each in tests/launch/test_launch.py.
-@pytest.mark.parametrize("launch", ["fsdp.yaml", "torchrun", pytest.param("python", marks=ONE_PROCESS_RUNS)])
+@pytest.mark.parametrize("launch", ["fsdp.yaml", "torchrun", "python"])
 def test_every_launch_path_runs(tmp_path, launch, request):
     args = [*TINY, "--max-steps", "4", "--output-dir", tmp_path]
     if launch == "torchrun":
@@ -209,7 +203,6 @@ def test_flags_take_hyphens_or_underscores_and_a_yaml_config(tmp_path):
         example.parse_args(["--config", str(tmp_path / "nope.yaml")])
 
 
-@ONE_PROCESS_RUNS
 def test_pack_documents_trains_on_whole_documents_flattened_a_micro_batch_at_a_time(one_process):
     outputs, folder = one_process
     assert re.search(
@@ -221,7 +214,6 @@ def test_pack_documents_trains_on_whole_documents_flattened_a_micro_batch_at_a_t
     assert (folder / "documents" / "final" / "model.safetensors").is_file()
 
 
-@ONE_PROCESS_RUNS
 def test_model_name_and_train_file_take_local_paths(one_process):
     outputs, folder = one_process
     assert re.search(

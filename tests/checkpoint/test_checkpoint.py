@@ -35,8 +35,6 @@ from conftest import (
     torchrun,
 )
 
-pytestmark = pytest.mark.xdist_group("checkpoint")  # its tests share a module-scoped launch: run it once
-
 
 def launch_resume(output_dir, *args, **kw):
     return accelerate_launch(SCENARIOS, "resume", "--output_dir", output_dir, *map(str, args), **kw)

@@ -15,8 +15,6 @@ import pytest
 
 from conftest import CONFIGS, ROOT, accelerate_launch, clean_env, free_port
 
-pytestmark = pytest.mark.xdist_group("resume_cases")  # its tests share a module-scoped launch: run it once
-
 CASES = ROOT / "tests" / "jobs" / "resume_cases.py"
 
 

@@ -15,8 +15,6 @@ from trainer.data.loaders import DataError
 
 from conftest import JOBS, ROOT, accelerate_launch, split_jobs
 
-pytestmark = pytest.mark.xdist_group("datasets")  # the recipe's two runs share one launch: run it once
-
 RECIPE = ROOT / "examples" / "text_classification.py"
 
 

@@ -74,13 +74,11 @@ def users_loaders(tmp_path_factory) -> dict[str, str]:
     return dict(zip(samplers, split_jobs(accelerate_launch(JOBS, json.dumps(jobs)).stdout), strict=True))
 
 
-@pytest.mark.xdist_group("user_loaders")  # one launch for both: run it once
 def test_users_dataloader_with_distributed_sampler_is_not_sharded_twice(users_loaders):
     assert "SEEN rank0 [[0, 2, 4], [6, 8, 10]]" in users_loaders["distributed"]
     assert "SEEN rank1 [[1, 3, 5], [7, 9, 11]]" in users_loaders["distributed"]
 
 
-@pytest.mark.xdist_group("user_loaders")
 def test_users_dataloader_of_a_stream_that_splits_itself_is_read_on_every_process(users_loaders):
     # accelerate alone would dispatch: only process 0's stream read, its batches split between the processes
     assert "SEEN rank0 [[0, 2, 4], [6, 8, 10]]" in users_loaders["own_part"]

@@ -19,8 +19,6 @@ from conftest import CONFIGS, SCENARIOS, clean_env, free_port, python, run
 
 PREEMPTED_EXIT = 75
 
-pytestmark = pytest.mark.xdist_group("preemption")  # its tests share the module-scoped uninterrupted run: run it once
-
 
 def latest(output_dir: Path) -> str:
     return (output_dir / "checkpoints" / "latest").read_text()

@@ -22,8 +22,6 @@ from conftest import CONFIGS, ROOT, accelerate_launch, clean_env, free_port, run
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs ray: pip install -e '.[ray]'"),
-    # One at a time: `ray stop` ends every Ray cluster of this host.
-    pytest.mark.xdist_group("ray"),
 ]
 FLAGS = ["--batch_size", "2", "--accumulation", "2", "--optimizer", "adamw", "--lr", "0.01"]
 FLAGS += ["--save_every", "2", "--epochs", "2", "--keep_last", "6"]

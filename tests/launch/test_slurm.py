@@ -19,7 +19,6 @@ from test_same_updates import COMMON, assert_same_run
 from conftest import ROOT, SAME_UPDATES, SCENARIOS, clean_env, read_summary
 
 pytestmark = [
-    pytest.mark.xdist_group("slurm"),  # its tests share one Slurm cluster (module-scoped): started once
     pytest.mark.skipif(
         bool(slurm_cluster.missing()),
         reason="Slurm is not installed here (missing "

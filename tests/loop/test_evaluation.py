@@ -10,8 +10,6 @@ import torch
 
 from conftest import SCENARIOS, accelerate_launch, python
 
-pytestmark = pytest.mark.xdist_group("evaluation")  # its tests share a module-scoped launch: run it once
-
 
 def reports(output: str) -> dict[str, dict]:
     lines = [line.split(" ", 2) for line in output.splitlines() if line.startswith("PREDICT ")]

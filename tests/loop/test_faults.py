@@ -11,8 +11,6 @@ import pytest
 
 from conftest import JOBS, SCENARIOS, accelerate_launch, job_exits, split_jobs
 
-pytestmark = pytest.mark.xdist_group("faults")  # its runs share one launch: run it once
-
 # name -> the run's extra arguments
 RUNS = {
     "unused": ["--fault", "unused"],

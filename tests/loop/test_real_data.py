@@ -14,8 +14,6 @@ from packaging.version import Version
 
 from conftest import ROOT, accelerate_launch, python
 
-pytestmark = pytest.mark.xdist_group("real_data")  # its tests share a module-scoped launch: run it once
-
 RAGGED = ROOT / "tests" / "jobs" / "ragged_lm.py"
 
 

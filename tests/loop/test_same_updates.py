@@ -12,8 +12,6 @@ import pytest
 
 from conftest import JOBS, SAME_UPDATES, accelerate_launch, python, read_summary, torchrun
 
-pytestmark = pytest.mark.xdist_group("same_updates")  # its tests share two module-scoped launches: run them once
-
 COMMON = ["--no_shuffle", "--epochs", "3", "--num_examples", "40", "--dim", "10"]
 SHARDING = ["--num_examples", "9", "--dim", "1", "--batch_size", "3", "--epochs", "1", "--no_shuffle"]
 RESHUFFLE = ["--num_examples", "12", "--dim", "2", "--epochs", "2", "--opt", "sgd", "--lr", "0.1"]

@@ -16,8 +16,6 @@ from trainer import PREEMPTED_EXIT
 
 from conftest import JOBS, SCENARIOS, accelerate_launch, job_exits, split_jobs
 
-pytestmark = pytest.mark.xdist_group("stopping")  # four of its runs share one launch: run it once
-
 # The runs that need no signal, in one launch of 2 processes (tests/jobs/run_many.py), in this order: name -> arguments.
 RUNS = {
     "one_rank_stops": ["stop", "--stop_at", "5"],

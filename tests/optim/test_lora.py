@@ -14,7 +14,6 @@ import pytest
 from conftest import ROOT, accelerate_launch, python
 
 pytest.importorskip("peft")  # in the test extra; a host without it (the GPU host) skips
-pytestmark = pytest.mark.xdist_group("lora")  # one worker runs the module: its launch runs once
 LORA = ROOT / "tests" / "jobs" / "lora.py"
 
 

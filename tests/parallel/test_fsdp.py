@@ -18,7 +18,6 @@ from trainer.checkpoint.safe_dcp import read_sharded_weights
 
 from conftest import ROOT, accelerate_launch, clean_env, free_port, run
 
-pytestmark = pytest.mark.xdist_group("fsdp")  # one worker runs the module: its launch of every job runs once
 RAGGED = ROOT / "tests" / "jobs" / "ragged_lm.py"
 ADAMW = ["--batch_size", "2", "--accumulation", "2", "--optimizer", "adamw", "--lr", "0.01"]
 RESUMED = [*ADAMW, "--save_every", "2", "--epochs", "2", "--keep_last", "6"]

@@ -21,7 +21,6 @@ from trainer.parallel.tensor_parallel import tensor_parallel
 
 from conftest import ROOT, SCENARIOS, accelerate_launch, clean_env, run
 
-pytestmark = pytest.mark.xdist_group("mesh")
 RAGGED = ROOT / "tests" / "jobs" / "ragged_lm.py"
 ON = ["--env", "ACCELERATE_USE_PARALLELISM_CONFIG=true"]
 

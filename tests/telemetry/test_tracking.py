@@ -25,9 +25,6 @@ def by_name(runs):
     return {run.name: run for run in runs}
 
 
-ONE_RUN = pytest.mark.xdist_group("tracking_one_run")  # the tests that read the same logged run: on one worker
-
-
 @pytest.fixture(scope="module")
 def logged_run(tmp_path_factory):
     """A 2-process run logging to wandb (offline), rank 1 slower: its output_dir."""
@@ -37,7 +34,6 @@ def logged_run(tmp_path_factory):
     return out
 
 
-@ONE_RUN
 def test_two_processes_log_two_runs_in_one_group_with_their_own_shards(logged_run):
     out = logged_run
     runs = offline_runs(out)
@@ -167,7 +163,6 @@ def test_without_wandb_project_neither_wandb_nor_datasets_is_imported(tmp_path):
     assert (tmp_path / "metrics" / "rank0.jsonl").is_file() and not (tmp_path / "wandb").exists()
 
 
-@ONE_RUN
 def test_plot_draws_every_rank_to_a_png(logged_run, tmp_path):
     result = run([sys.executable, "-m", "trainer.plot", str(logged_run), "--out", str(tmp_path / "curves.png")])
     assert "curves.png" in result.stdout
