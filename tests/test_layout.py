@@ -1,7 +1,7 @@
 """The package's shape, checked as code is: every module at most 300 lines and the Trainer class at most 250 of code,
 read in one file; the parts every module takes typed; no formatter markers, FSDP2 named only inside the parallelism
-package, keyword-only arguments past the third, and no import cycle among the package's modules or its folders (read
-with ast, imports inside functions included)."""
+package, a bucket only inside the checkpoints' storage, keyword-only arguments past the third, and no import cycle
+among the package's modules or its folders (read with ast, imports inside functions included)."""
 
 from __future__ import annotations
 
@@ -64,6 +64,22 @@ def test_the_trainer_is_read_in_one_file_without_reaching_into_its_parts_parts()
 
     reaches = {".".join(names) for node in ast.walk(trainer) if len(names := chain(node)) > 3 and names[0] == "self"}
     assert not reaches
+
+
+def test_only_the_storage_knows_a_bucket():
+    """The checkpoint manager (and the Trainer) say what happens to a checkpoint, never where it is kept: object
+    storage is named in code only by the storage (``checkpoint/storage.py``, ``bucket.py``, ``transfers.py``) and
+    by the commands that check or read a bucket themselves (``tools/``)."""
+    allowed = ("trainer.checkpoint.storage", "trainer.checkpoint.bucket", "trainer.checkpoint.transfers")
+    knowing = set()
+    for path in MODULES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = {getattr(node, field, None) for field in ("id", "attr", "arg", "name", "module")}
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names |= {alias.name for alias in node.names}
+            if any(isinstance(name, str) and "bucket" in name.lower() for name in names):
+                knowing.add(name_of(path))
+    assert {name for name in knowing if not name.startswith(("trainer.tools.", *allowed))} == set()
 
 
 def test_only_the_parallelism_package_knows_fsdp2():

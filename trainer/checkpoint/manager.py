@@ -4,8 +4,8 @@
 A part is any object with ``state_dict()`` / ``load_state_dict()`` (torch's ``Stateful`` protocol), by name, as
 torchtitan's ``CheckpointManager`` holds its ``states``: its state, plain data, goes into ``trainer_state.json``. A
 part with ``save(folder, in_background=...)`` / ``load(folder, state)`` writes files of its own into the checkpoint
-folder (``trainer.checkpoint.parts``). Where and how a checkpoint is committed, verified and found is the store's
-(``trainer.checkpoint.store``). Nothing loaded runs code.
+folder (``trainer.checkpoint.parts``). Where a checkpoint is committed and found is the storage's
+(``trainer.checkpoint.storage``: a folder on the disk, or a bucket), never asked which. Nothing loaded runs code.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
-from trainer.checkpoint import bucket, integrity, store, transfers
+from trainer.checkpoint import integrity, store
 from trainer.checkpoint.background import BackgroundSaves
 from trainer.checkpoint.best import KeepBest
 from trainer.checkpoint.failures import agreed_failure, read_part
 from trainer.checkpoint.policy import RunSetup, group_settings, random_states
+from trainer.checkpoint.storage import storage_for
 from trainer.checkpoint.store import checkpoint_root, staging_folder, warn_of_a_slow_save, write_failed
-from trainer.checkpoint.transfers import DOWNLOADS
 from trainer.console import say
 from trainer.errors import CheckpointError, Refusal
 
@@ -53,7 +53,7 @@ class Checkpointer:
         store.check_writable(run.config.output_dir)
         # Where the checkpoints are written (in object storage: staged for the upload, downloaded to resume).
         self.root = checkpoint_root(run.config.output_dir)
-        self.bucket = bucket.Bucket.checked(run.config.checkpoint_storage)
+        self.storage = storage_for(run, self.root)
         # The saves written while training goes on (save_async), or None.
         self.background = BackgroundSaves(run) if run.config.save_async else None
         # The newest checkpoint committed (or resumed from).
@@ -69,20 +69,19 @@ class Checkpointer:
             return self._start()
 
     def _start(self) -> Optional[CheckpointError]:
-        found = self.run.main_decides(self._find)
-        if self.bucket is not None:
-            return transfers.resume_from_bucket(self, found)
-        if found is not None:
-            return self.resume(Path(found), verified=True)
-        if self.run.config.resume == "auto":
-            say(f"resume='auto': no checkpoint in {self.root.resolve()}: starting fresh")
-        return None
+        path = self.storage.fetched(self.run.main_decides(self._find))
+        if path is None:
+            if self.run.config.resume == "auto":
+                say(f"resume='auto': no checkpoint in {self.storage.where}: starting fresh")
+            return None
+        answer = self.resume(path, verified=True)
+        self.last = self.storage.resumed(path)
+        return answer
 
     def _find(self) -> Optional[str]:
         config = self.run.config
         self._lock = store.lock_output_dir(config.output_dir)
-        remote, resume = self.bucket, config.resume
-        found = remote.resume_point(resume, self.root / DOWNLOADS) if remote else store.resume_point(self.root, resume)
+        found = self.storage.resume_point(config.resume)
         return None if found is None else str(found)
 
     def save(self, step: int, *, wait: bool = True, evaluated: Optional[tuple] = None) -> Path | str:
@@ -108,8 +107,7 @@ class Checkpointer:
 
         # Every rank learns whether the folder could be made (a read-only disk), then writes into it.
         run.main_decides(functools.partial(store.make_staging, staging))
-        if self.bucket is not None:
-            transfers.stage_on_every_machine(run, staging)
+        self.storage.stage(staging)
         in_background = self.background is not None and not wait
         for part in self.parts.values():
             if callable(getattr(part, "save", None)):
@@ -118,40 +116,20 @@ class Checkpointer:
                 if failed is not None:
                     rank = failed.rank if failed.alone else None
                     raise write_failed(staging, self.root, failed.error, rank=rank) from None
-        keep_last = run.config.keep_last
         if in_background:
-            future = self.parts["model"].save_async(staging, self.background.group)
-            if self.bucket is not None:
-                self.background.start(future, staging, transfers.committer(self, staging, future, state=state))
-            else:
-                self.background.start(future, staging, lambda: store.commit(staging, state, keep_last), on_main=True)
-            return self._final(step)
-        if self.bucket is not None:
-            self.last = transfers.commit_everywhere(run, self.bucket, staging, state=state, keep_last=keep_last)
-            warn_of_a_slow_save(run.config, time.monotonic() - started)
-            return self.last
-
-        def commit() -> None:
-            try:
-                store.commit(staging, state, keep_last)
-            except OSError as err:
-                raise write_failed(staging, self.root, err) from None
-
-        # Every rank learns whether it was committed.
-        run.main_decides(commit)
+            group = self.background.group
+            future = self.parts["model"].save_async(staging, group)
+            commit, on_main = self.storage.committer(staging, state, write=future, group=group)
+            self.background.start(future, staging, commit, on_main=on_main)
+            return self.storage.final(step)
+        self.last = self.storage.commit(staging, state)
         warn_of_a_slow_save(run.config, time.monotonic() - started)
-        self.last = store.final_folder(self.root, step)
         return self.last
 
     def of_step(self, step: int, save: Callable[[], Path | str]) -> Path | str:
         """A committed checkpoint of step ``step`` (a preemption's): the one saved there, or one ``save`` writes."""
         self.wait()  # a checkpoint written in the background is committed first
-        return self.last if self.last == self._final(step) else save()
-
-    def _final(self, step: int) -> Path | str:
-        """Where step ``step``'s checkpoint is once committed: its folder, or its URL in the bucket."""
-        final = store.final_folder(self.root, step)
-        return self.bucket.url_of(final.name) if self.bucket else final
+        return self.last if self.last == self.storage.final(step) else save()
 
     @contextlib.contextmanager
     def cleaned_up_on_error(self) -> Iterator[None]:
@@ -177,35 +155,16 @@ class Checkpointer:
         integrity.verify(path, contents=self.run.main and not verified)
         return integrity.read_state(path)
 
-    def damage(self, path: Path) -> Optional[str]:
-        """Why checkpoint ``path`` is not whole (checked by the main process, contents included), on every rank;
-        None when it is."""
-
-        def check() -> Optional[str]:
-            try:
-                integrity.verify(path)
-            except CheckpointError as err:
-                return integrity.without_alternatives(err)
-            return None
-
-        return self.run.main_decides(check)
-
     def load_best(self, step: int) -> None:
         """At the end of ``fit()``, with ``load_best_at_end``: the best evaluation's weights (and their average) back
         in the model, said in a line (``KeepBest.load_best``)."""
         record = self.best.best if self.best.loads_at(step) else None
-        if self.bucket is not None:
-            best, damage = transfers.best_on_every_machine(self, record)
-        else:
-            best = store.best_checkpoint(self.root, record)
-            damage = self.damage(best) if best is not None else None
+        best, damage = self.storage.best(record)
         self.best.load_best(best, step, load_weights=self._load_weights, damage=damage)
 
     def best_checkpoint(self) -> Optional[Path | str]:
         """With keep_best: the checkpoint of the best evaluation so far (its URL in object storage), else None."""
-        if self.bucket is not None:
-            return self.bucket.best_url(self.best.best)
-        return store.best_checkpoint(self.root, self.best.best)
+        return self.storage.best_name(self.best.best)
 
     def _load_weights(self, path: Path) -> None:
         state = self.read(path, verified=True)

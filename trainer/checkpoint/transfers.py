@@ -5,7 +5,6 @@ machine (once in all where the machines share a disk). Every function is collect
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -14,7 +13,6 @@ from trainer.checkpoint import integrity
 from trainer.checkpoint.bucket import Bucket
 from trainer.checkpoint.failures import agreed_failure
 from trainer.checkpoint.integrity import without_alternatives
-from trainer.console import say
 from trainer.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -73,10 +71,9 @@ def commit_everywhere(run: Run, bucket: Bucket, staging: Path, *, state: dict[st
     return url
 
 
-def committer(checkpointer: Any, staging: Path, future: Any, *, state: dict[str, Any]) -> Callable[[], str]:
+def committer(run: Run, bucket: Bucket, staging: Path, *, future: Any, state: dict[str, Any]) -> Callable[[], str]:
     """``save_async``'s commit to a bucket, for a thread of every process: the writes agreed on (each process's, or
-    the first failure), then ``commit_everywhere``, its collectives on the background writes' own group."""
-    run = dataclasses.replace(checkpointer.run, host=checkpointer.background.group)
+    the first failure), then ``commit_everywhere`` (``run``'s host group: the background writes' own)."""
 
     def commit() -> str:
         failed = agreed_failure(run, future.result)
@@ -86,29 +83,9 @@ def committer(checkpointer: Any, staging: Path, future: Any, *, state: dict[str,
                 shutil.rmtree(staging, ignore_errors=True)
             said = str(err) if isinstance(err, CheckpointError) else f"{type(err).__name__}: {err}"
             raise CheckpointError(f"checkpoint {staging.name.removeprefix('.tmp-')} could not be written: {said}")
-        return commit_everywhere(run, checkpointer.bucket, staging, state=state, keep_last=run.config.keep_last)
+        return commit_everywhere(run, bucket, staging, state=state, keep_last=run.config.keep_last)
 
     return commit
-
-
-def resume_from_bucket(checkpointer: Any, found: Optional[str]) -> Optional[Any]:
-    """Collective: ``Checkpointer.start`` for a bucket: the checkpoint the main process ``found`` (downloaded) on
-    every machine, resumed from, said by its URL, its download removed once read; or a fresh start."""
-    run, bucket = checkpointer.run, checkpointer.bucket
-    source = bucket.source_of(run.config.resume)
-    path = on_every_machine(run, found, source)
-    if path is None:
-        if run.config.resume == "auto":
-            say(f"resume='auto': no checkpoint in {bucket.url}: starting fresh")
-        return None
-    say(f"downloaded {source.url_of(path.name)} into {path}")
-    answer = checkpointer.resume(path, verified=True)
-    checkpointer.last = source.url_of(path.name)
-    # Every rank has read its part (a failed read leaves the download, replaced by the next).
-    run.barrier()
-    if run.accelerator.is_local_main_process:
-        shutil.rmtree(path, ignore_errors=True)
-    return answer
 
 
 def on_every_machine(run: Run, found: Optional[str], source: Bucket) -> Optional[Path]:
@@ -132,10 +109,11 @@ def on_every_machine(run: Run, found: Optional[str], source: Bucket) -> Optional
     return path
 
 
-def best_on_every_machine(checkpointer: Any, record: Optional[dict[str, Any]]) -> tuple[Optional[Path], Optional[str]]:
-    """Collective: keep_best's checkpoint (``record``'s) downloaded on every machine, or None; and why it is not
-    whole (said by ``KeepBest.load_best``, which then keeps the weights as they are), or None."""
-    run, bucket, local_root = checkpointer.run, checkpointer.bucket, checkpointer.root / DOWNLOADS
+def best_on_every_machine(
+    run: Run, bucket: Bucket, record: Optional[dict[str, Any]], *, local_root: Path
+) -> tuple[Optional[Path], Optional[str]]:
+    """Collective: keep_best's checkpoint (``record``'s) downloaded into ``local_root`` on every machine, or None; and
+    why it is not whole (said by ``KeepBest.load_best``, which then keeps the weights as they are), or None."""
 
     def find() -> tuple[Optional[str], Optional[str]]:
         url = bucket.best_url(record)
