@@ -1,7 +1,8 @@
 """The package's shape, checked as code is: every module at most 300 lines and the Trainer class at most 250 of code,
 read in one file; the parts every module takes typed; no formatter markers, FSDP2 named only inside the parallelism
 package, a bucket only inside the checkpoints' storage, keyword-only arguments past the third, and no import cycle
-among the package's modules or its folders (read with ast, imports inside functions included)."""
+among the package's modules or its folders (read with ast, imports inside functions included); the tests laid out as
+the package is."""
 
 from __future__ import annotations
 
@@ -200,3 +201,16 @@ def test_no_import_cycle_among_the_folders():
     for here in sorted(edges):
         if here not in state:
             visit(here, [here])
+
+
+def test_the_tests_mirror_the_package():
+    """A test module sits in the folder of what it tests (``tests/checkpoint/`` for ``trainer/checkpoint/``); at the
+    top only what spans the package (its shape, docs, examples, a GPU); the job scripts the tests launch, what they
+    lean on and stored data in their own folders."""
+    tests = Path(__file__).resolve().parent
+    folders = {path.name for path in tests.iterdir() if path.is_dir() and not path.name.startswith(("_", "."))}
+    package = {path.name for path in PACKAGE.iterdir() if path.is_dir() and not path.name.startswith("_")}
+    assert folders - {"jobs", "support", "fixtures"} <= package, folders - package
+    top = {path.name for path in tests.glob("test_*.py")}
+    assert top <= {"test_layout.py", "test_docs.py", "test_examples.py", "test_gpt2.py", "test_gpu.py"}, top
+    assert not list((tests / "jobs").glob("test_*.py")) and not list((tests / "support").glob("test_*.py"))
