@@ -240,13 +240,18 @@ def python(script: Path, *args: str, **kw):
 
 
 def launch_command(
-    script: Path, *args: str, config: str = "multi_gpu.yaml", run_args: tuple[str, ...] | list[str] = ()
+    script: Path,
+    *args: str,
+    config: str = "multi_gpu.yaml",
+    run_args: tuple[str, ...] | list[str] = (),
+    launcher: str = "accelerate.commands.launch",
 ) -> list[str]:
-    """``accelerate launch --config_file accelerate_configs/<config> [run_args] script args``, as a command."""
+    """``accelerate launch --config_file accelerate_configs/<config> [run_args] script args``, as a command
+    (``launcher``: another module taking accelerate launch's arguments, ``trainer.launch``)."""
     cmd = [
         sys.executable,
         "-m",
-        "accelerate.commands.launch",
+        launcher,
         "--config_file",
         str(CONFIGS / config),
         "--main_process_port",

@@ -8,12 +8,11 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import CONFIGS, ROOT, accelerate_launch, clean_env, free_port
+from conftest import ROOT, accelerate_launch, clean_env, launch_command
 
 CASES = ROOT / "tests" / "jobs" / "resume_cases.py"
 
@@ -181,22 +180,7 @@ def test_sighup_during_slow_saves_checkpoints_at_the_next_save_not_saves_later(t
     """Saves of 2 s against steps of 0.05 s: the ranks' agreement, paced on the steps, would come some 20 steps
     (five saves) after the signal; a periodic save first asks every rank, so the preemption's checkpoint is that
     save's step. SIGHUP (an ssh session closed) is a preemption signal by default, as SIGQUIT is."""
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(CONFIGS / "multi_gpu.yaml"),
-        "--main_process_port",
-        str(free_port()),
-        str(CASES),
-        "--output_dir",
-        str(tmp_path),
-        "--slow_saves",
-        "2",
-        "--signal",
-        "SIGHUP",
-    ]
+    command = launch_command(CASES, "--output_dir", tmp_path, "--slow_saves", "2", "--signal", "SIGHUP")
     job = subprocess.run(
         command, env=clean_env(), capture_output=True, text=True, timeout=240, start_new_session=True
     )  # the job's own process group: the script signals it

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from test_checkpoint import assert_bit_identical, final_weights, launch_resume, reference  # noqa: F401
 
-from conftest import CONFIGS, SCENARIOS, clean_env, free_port, python, run
+from conftest import SCENARIOS, clean_env, launch_command, python, run
 
 PREEMPTED_EXIT = 75
 
@@ -46,22 +46,9 @@ def start_slow_job(
     """The 2-process `resume` job at 0.3 s a step (started by ``python -m <launcher>``), returned once it is past
     step 6 (and its checkpoint of step 4), or once its output holds ``until``."""
     log = tempfile.TemporaryFile("w+")
-    command = [
-        sys.executable,
-        "-m",
-        launcher,
-        "--config_file",
-        str(CONFIGS / "multi_gpu.yaml"),
-        "--main_process_port",
-        str(free_port()),
-        str(SCENARIOS),
-        "resume",
-        "--output_dir",
-        str(output_dir),
-        "--step_sleep",
-        "0.3",
-        *args,
-    ]
+    command = launch_command(
+        SCENARIOS, "resume", "--output_dir", output_dir, "--step_sleep", "0.3", *args, launcher=launcher
+    )
     launcher = subprocess.Popen(
         command, env=clean_env(), stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
@@ -134,11 +121,8 @@ def test_trainer_launch_ends_a_job_as_its_processes_chose_without_the_launchers_
     traceback and status 1, a preemption's 75 lost to the scheduler. python -m trainer.launch, given the same
     arguments, ends a refusal with its one line and status 1, and a SIGTERM to the launcher alone with the
     processes' preemption checkpoint and 75, no traceback."""
-    refused = run(
-        [sys.executable, "-m", "trainer.launch", "--config_file", CONFIGS / "multi_gpu.yaml", "--main_process_port",
-         str(free_port()), SCENARIOS, "resume", "--output_dir", tmp_path / "refused", "--resume", tmp_path / "nope"],
-        expect_ok=False,
-    )  # fmt: skip
+    args = ("resume", "--output_dir", tmp_path / "refused", "--resume", tmp_path / "nope")
+    refused = run(launch_command(SCENARIOS, *args, launcher="trainer.launch"), expect_ok=False)
     assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
     said = [line for line in refused.stderr.splitlines() if "trainer: " in line]
     assert len(said) == 1 and f"checkpoint {tmp_path / 'nope'} does not exist" in said[0], refused.stderr[-3000:]
