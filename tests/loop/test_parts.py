@@ -1,6 +1,7 @@
 """The loop's parts against a run of one process, in this pytest process: the strategy and the step runner (an
-accumulation window is the mean over its micro-batches, as one batch of them all), the evaluator (every example once,
-its metrics exact), and telemetry (a log row, what fit() returns, the metrics file). Launched jobs prove the same
+accumulation window is the mean over its micro-batches, as one batch of them all; a NaN window skipped under
+nan_policy skip), the evaluator (every example once, its metrics exact), and telemetry (a log row, a user's figures,
+what fit() returns, the metrics file). Launched jobs prove the same
 across processes (tests/loop/test_same_updates.py, tests/loop/test_evaluation.py, tests/telemetry/test_tracking.py)."""
 
 from __future__ import annotations
@@ -120,3 +121,55 @@ def test_telemetry_logs_a_row_says_what_fit_returns_and_closes_its_metrics_file(
         pass
     written = [json.loads(line) for line in (tmp_path / "metrics" / "rank0.jsonl").read_text().splitlines()]
     assert written[0]["step"] == 2 and written[0]["global/train_loss"] == 1.5
+
+
+def test_a_non_finite_window_under_nan_policy_skip_leaves_weights_buffers_and_schedule_as_they_were(run):
+    """nan_policy skip: a window whose loss is NaN takes no update, puts the buffers its forward moved back (a
+    BatchNorm's running mean), leaves the schedule where it was and counts a skipped step; the next window steps.
+    tests/checkpoint/test_checkpoint.py proves the same through 2 processes, resumed."""
+    config = run.config.replace(nan_policy="skip", lr_scheduler="linear", warmup_steps=0)
+    run = Run(config=config, accelerator=run.accelerator, layout=run.layout, mesh=run.mesh, dp=run.dp, host=run.host)
+    strategy = for_run(run)
+    torch.manual_seed(0)
+    model = strategy.apply(
+        torch.nn.Sequential(torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 1)), prebuilt_optimizer=False
+    )
+    built = optim.build(model, config, optimizer=None, lr_scheduler=None, total_steps=4)
+    model = strategy.prepare(model, built.optimizer)
+    steps = StepRunner(run, strategy, model, optimization=built, loss_fn=mse, window=Telemetry(run).window)
+    steps.begin()
+    good = rows(2)
+    bad = [(x, torch.tensor([float("nan")])) for x, _ in good]
+    before = {name: tensor.clone() for name, tensor in strategy.unwrap(model).state_dict().items()}
+    (window,) = list(steps.windows(torch.utils.data.DataLoader(bad, batch_size=2)))
+    steps.run(window, 1, measure_norm=True)
+    after = strategy.unwrap(model).state_dict()
+    assert all(torch.equal(before[name], after[name]) for name in before if "num_batches" not in name)
+    assert steps.nonfinite.skipped_steps == 1 and built.scheduler.last_epoch == 0
+    (window,) = list(steps.windows(torch.utils.data.DataLoader(good, batch_size=2)))
+    steps.run(window, 2, measure_norm=True)
+    moved = strategy.unwrap(model).state_dict()
+    assert not torch.equal(moved["1.weight"], before["1.weight"]) and built.scheduler.last_epoch == 1
+    assert not torch.equal(moved["0.running_mean"], before["0.running_mean"])
+
+
+def test_the_figures_a_user_logs_are_each_names_mean_since_the_last_log_in_the_row_and_the_history(run):
+    """trainer.log's figures (Telemetry.add): a tensor read only at the log, each name's mean over its calls since
+    the last log, in the step's metrics beside the trainer's own; the next log starts afresh."""
+    telemetry = Telemetry(run)
+    telemetry.open("unit", step=0)
+    state = TrainState(4, 1, run_id="unit")
+    bar = SimpleNamespace(set_postfix=lambda **figures: None)
+    seen = []
+    for step, values in ((1, (1.0, 3.0)), (2, (5.0,))):
+        for value in values:
+            telemetry.add({"aux": torch.tensor(value)})
+        telemetry.window.add(torch.tensor(0.5), step, (torch.zeros(2, 3),), examples=2)
+        telemetry.window.stepped()
+        state.stepped(1)
+        rows = telemetry.gather(stop=False, lr=0.1)
+        telemetry.log(rows, state=state, total_steps=4, on_log=lambda metrics: seen.append(metrics), progress=bar)
+    assert [metrics["aux"] for metrics in seen] == [2.0, 5.0]
+    assert all(metrics["train_loss"] == 0.5 for metrics in seen) and telemetry.log_history == seen
+    with telemetry.closing():
+        pass
