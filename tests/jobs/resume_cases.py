@@ -27,19 +27,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from scenarios import DropoutClassifier, Examples, TinyClassifier, say  # noqa: E402
+from scenarios import ADAMW_COSINE, DropoutClassifier, Examples, TinyClassifier, say  # noqa: E402
 
 from trainer import EarlyStopping, TrainConfig, Trainer  # noqa: E402
 from trainer.errors import Refusal  # noqa: E402
 
 BASE = dict(
-    epochs=3,
-    batch_size=4,
-    optimizer="adamw",
-    lr=1e-2,
-    weight_decay=0.01,
-    lr_scheduler="cosine",
-    warmup_steps=2,
+    **ADAMW_COSINE,
     save_every=3,
     keep_last=4,
     log_every=5,

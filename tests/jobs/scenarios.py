@@ -144,17 +144,17 @@ class CrashAfter:
             os._exit(1)
 
 
+# The `resume` job's optimization, which tests/jobs/resume_cases.py's runs share.
+ADAMW_COSINE = dict(
+    epochs=3, batch_size=4, optimizer="adamw", lr=1e-2, weight_decay=0.01, lr_scheduler="cosine", warmup_steps=2
+)
+
+
 def resume(args) -> None:
     torch.manual_seed(0)
     config = TrainConfig(
         output_dir=args.output_dir,
-        epochs=3,
-        batch_size=4,
-        optimizer="adamw",
-        lr=1e-2,
-        weight_decay=0.01,
-        lr_scheduler="cosine",
-        warmup_steps=2,
+        **ADAMW_COSINE,
         save_every=4,
         keep_last=2,
         resume=args.resume,
