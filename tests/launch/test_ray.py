@@ -41,7 +41,8 @@ def test_ray_train_restarts_a_dead_worker_and_the_job_ends_bit_identical_to_an_a
     ]
     command += ["--max-failures", "1", "--storage-path", tmp_path / "records", "--"]
     command += ["--out", tmp_path / "ray", *FLAGS, "--crash_at", "5", "--crash_once"]
-    ray = run([str(c) for c in command], env=clean_env(RAY_DEDUP_LOGS="0"))
+    # RAY_ADDRESS=local: a cluster of its own, never one an earlier job left running on this host.
+    ray = run([str(c) for c in command], env=clean_env(RAY_DEDUP_LOGS="0", RAY_ADDRESS="local"))
     output = ray.stdout + ray.stderr
     assert "CRASH after step 5" in output, output[-3000:]
     assert "device cpu (FSDP2)" in output
