@@ -1,8 +1,8 @@
 """The package's shape, checked as code is: every module at most 300 lines and the Trainer class at most 250 of code,
 read in one file; the parts every module takes typed; no formatter markers, FSDP2 named only inside the parallelism
-package, a bucket only inside the checkpoints' storage, keyword-only arguments past the third, and no import cycle
-among the package's modules or its folders (read with ast, imports inside functions included); the tests laid out as
-the package is."""
+package, a bucket only inside the checkpoints' storage, the old checkpoint format only in its own module,
+keyword-only arguments past the third, and no import cycle among the package's modules or its folders (read with
+ast, imports inside functions included); the tests laid out as the package is."""
 
 from __future__ import annotations
 
@@ -81,6 +81,21 @@ def test_only_the_storage_knows_a_bucket():
             if any(isinstance(name, str) and "bucket" in name.lower() for name in names):
                 knowing.add(name_of(path))
     assert {name for name in knowing if not name.startswith(("trainer.tools.", *allowed))} == set()
+
+
+def test_only_the_legacy_module_reads_the_checkpoint_format_before_dcp():
+    """A checkpoint is read through DCP's ``shards/`` and ``trainer_state.json`` everywhere; the layout written before
+    (``model.safetensors`` read by safetensors, ``optimizer.bin``, a flat state) is read by ``checkpoint/legacy.py``
+    alone, which the others call."""
+    knowing = set()
+    for path in MODULES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = {getattr(node, field, None) for field in ("id", "attr", "name")}
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names |= {alias.name for alias in node.names}
+            if names & {"load_file", "safe_open", "OPTIMIZER_FILE"}:
+                knowing.add(name_of(path))
+    assert knowing == {"trainer.checkpoint.legacy"}, knowing
 
 
 def test_only_the_parallelism_package_knows_fsdp2():

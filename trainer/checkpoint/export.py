@@ -15,15 +15,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 import torch
 from safetensors import SafetensorError
 
-from trainer.checkpoint import integrity
+from trainer.checkpoint import integrity, legacy
 from trainer.checkpoint.hf_files import (
     ADAPTER_CONFIG,
     MODEL_CONFIG,
-    MODEL_FILE,
-    TIED_WEIGHTS,
     once_each,
     replacing,
-    write_model,
     write_streamed,
 )
 from trainer.checkpoint.peft import holds_adapter, saved_by_peft, write_adapter, write_merged
@@ -160,7 +157,6 @@ def export(folder: Path, directory: Path, *, replace: bool = False, merged: bool
 
 
 def _write(folder: Path, directory: Path, merged: bool) -> Path:
-    written = directory / MODEL_FILE
     if holds_adapter(folder):
         names, fetch = _tensors(folder)
         return write_adapter(folder, directory, names=names, fetch=fetch, merged=merged)
@@ -168,17 +164,8 @@ def _write(folder: Path, directory: Path, merged: bool) -> Path:
     if (folder / SHARDS).is_dir():
         entries, fetch = sharded_weights(folder)
         written = write_streamed(entries, fetch, directory)
-    # Written before every strategy wrote DCP: a plain module's tied weights, each under every name it has.
-    elif (folder / TIED_WEIGHTS).is_file():
-        from safetensors.torch import load_file
-
-        weights = load_file(folder / MODEL_FILE)
-        for names in json.loads((folder / TIED_WEIGHTS).read_text()):
-            kept = next(weights[name] for name in names if name in weights)
-            weights.update({name: weights.get(name, kept) for name in names})
-        written = write_model(weights, directory)
     else:
-        shutil.copyfile(folder / MODEL_FILE, directory / MODEL_FILE)
+        written = legacy.export_before_dcp(folder, directory)
     if (folder / MODEL_CONFIG).is_file():
         shutil.copyfile(folder / MODEL_CONFIG, directory / MODEL_CONFIG)
     return written
@@ -189,13 +176,4 @@ def _tensors(folder: Path) -> tuple[list[str], Callable[[list[str]], dict[str, t
     if (folder / SHARDS).is_dir():
         entries, fetch = sharded_weights(folder)
         return [name for name, _ in entries], fetch
-    from safetensors import safe_open
-
-    with safe_open(str(folder / MODEL_FILE), "pt") as weights:
-        names = list(weights.keys())
-
-    def fetch(wanted: list[str]) -> dict[str, torch.Tensor]:
-        with safe_open(str(folder / MODEL_FILE), "pt") as weights:
-            return {name: weights.get_tensor(name) for name in wanted}
-
-    return names, fetch
+    return legacy.tensors_before_dcp(folder)

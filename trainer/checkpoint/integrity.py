@@ -11,6 +11,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from trainer.checkpoint import legacy
 from trainer.errors import CheckpointError
 
 STATE_FILE = "trainer_state.json"
@@ -83,7 +84,7 @@ def read_state(path: Path) -> dict[str, Any]:
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"checkpoint {path}: cannot read {STATE_FILE}: {err}{others(path)}") from None
     if isinstance(state, dict) and "train" not in state and "global_step" in state:
-        state = _from_before_the_registry(state)
+        state = legacy.state_before_the_registry(state)
     position = state.get("train") if isinstance(state, dict) else None
     wrong = [] if isinstance(state, dict) and isinstance(state.get("files"), dict) else ["files"]
     wrong += [
@@ -95,23 +96,6 @@ def read_state(path: Path) -> dict[str, Any]:
         raise CheckpointError(
             f"checkpoint {path}: {STATE_FILE} is not a trainer state (no valid {', '.join(wrong)}){others(path)}"
         )
-    return state
-
-
-def _from_before_the_registry(flat: dict[str, Any]) -> dict[str, Any]:
-    """A state written before its parts were kept by name (every key at the top), in today's layout."""
-    keys = {
-        "train": ("global_step", "epoch", "batches_into_epoch", "run_id"),
-        "run": ("world_size", "batch_size", "gradient_accumulation_steps", "optimizer_class", "config"),
-    }
-    state = {part: {key: flat[key] for key in names if key in flat} for part, names in keys.items()}
-    state.update(
-        data={"streams": flat.get("streams")},
-        best=flat.get("best"),
-        sharding=flat.get("sharding", "DDP"),
-        files=flat.get("files"),
-        crc32=flat.get("crc32", {}),
-    )
     return state
 
 

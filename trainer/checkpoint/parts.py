@@ -5,7 +5,7 @@ state) and the callbacks' states. Every method is collective: call it on every r
 One format: DCP writes each tensor once (a replicated one by one rank, a sharded one by its holders) and reads it
 back into any strategy and process count, so a DDP checkpoint resumes under FSDP2 and back through one path, and
 ``save_async`` writes either in the background. A checkpoint written before (DDP's ``model.safetensors`` and
-``optimizer.bin``) is read once more through ``read_before_dcp``.
+``optimizer.bin``) is read by ``trainer.checkpoint.legacy``, which alone knows that format.
 """
 
 from __future__ import annotations
@@ -17,15 +17,13 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from trainer.checkpoint.hf_files import MODEL_FILE, save_model_config
+from trainer.checkpoint import legacy
+from trainer.checkpoint.hf_files import save_model_config
 from trainer.checkpoint.safe_dcp import SHARDS, read_shards, refused_pickle
 from trainer.console import warn
 
 if TYPE_CHECKING:
     from trainer.launch.run import Run
-
-# DDP's optimizer file in a checkpoint written before every strategy wrote DCP (with MODEL_FILE).
-OPTIMIZER_FILE = "optimizer.bin"
 
 
 class ModelPart:
@@ -80,7 +78,7 @@ class ModelPart:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         if not (folder / SHARDS).is_dir():
-            return read_before_dcp(self.model, self.optimizer, folder)
+            return legacy.read_before_dcp(self.model, self.optimizer, folder)
         loaded = self._dcp_state()
         read_shards(loaded, folder)
         set_state_dict(
@@ -92,7 +90,7 @@ class ModelPart:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
         if not (folder / SHARDS).is_dir():
-            return read_before_dcp(self.model, None, folder)
+            return legacy.read_before_dcp(self.model, None, folder)
         loaded = {"model": get_model_state_dict(self.model)}
         read_shards(loaded, folder)
         set_model_state_dict(self.model, loaded["model"])
@@ -104,47 +102,6 @@ class ModelPart:
             (folder / SHARDS).mkdir(parents=True, exist_ok=True)
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         return {"model": model_state, "optimizer": optimizer_state}
-
-
-def read_before_dcp(model: torch.nn.Module, optimizer: Any, folder: Path) -> None:
-    """A checkpoint of a DDP run written before every strategy wrote DCP: the whole model in ``model.safetensors``
-    (read by safetensors) and the optimizer's state by parameter index in ``optimizer.bin`` (``torch.load`` with
-    ``weights_only=True``), given to this run by parameter name: this run's optimizer lists its parameters in the
-    same order (the same config built both; a change is refused first). Each process keeps its part."""
-    from safetensors.torch import load_file
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_state_dict,
-    )
-
-    options = StateDictOptions(full_state_dict=True)
-    weights = load_file(folder / MODEL_FILE)
-    # set_model_state_dict of a whole state keeps a tensor the file lacks as it is: every name is checked here.
-    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
-    expected = set(get_model_state_dict(model)) - aliases
-    if expected != set(weights) - aliases:
-        missing, extra = sorted(expected - set(weights)), sorted(set(weights) - expected - aliases)
-        raise ValueError(
-            f"{MODEL_FILE} lacks {', '.join(missing) or 'nothing'} and holds {', '.join(extra) or 'nothing'} "
-            "beyond this model's tensors"
-        )
-    if optimizer is None:
-        return set_model_state_dict(model, weights, options=options)
-    saved = torch.load(folder / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
-    groups = get_optimizer_state_dict(model, optimizer)["param_groups"]
-    names = [name for group in groups for name in group["params"]]
-    indices = [index for group in saved["param_groups"] for index in group["params"]]
-    if len(names) != len(indices):
-        raise ValueError(f"the checkpoint's optimizer has {len(indices)} parameters, this run's {len(names)}")
-    name_of = dict(zip(indices, names, strict=True))
-    by_name = {
-        "state": {name_of[index]: value for index, value in saved["state"].items()},
-        "param_groups": [{**group, "params": [name_of[i] for i in group["params"]]} for group in saved["param_groups"]],
-    }
-    set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=by_name, options=options)
 
 
 class AccelerateState:
