@@ -22,7 +22,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # The job scripts the tests launch (tests/jobs/), what they lean on (tests/support/), and the test modules of every
 # folder, imported by name (from test_checkpoint import final_weights) wherever the importer is.
 TESTS = ROOT / "tests"
-sys.path[:0] = [str(folder) for folder in sorted(TESTS.iterdir()) if folder.is_dir() and folder.name != "fixtures"]
+sys.path[:0] = [
+    str(path) for path in sorted(TESTS.iterdir()) if path.is_dir() and path.name not in ("fixtures", "__pycache__")
+]
 CONFIGS = ROOT / "accelerate_configs"
 SAME_UPDATES = ROOT / "examples" / "same_updates.py"
 SCENARIOS = ROOT / "tests" / "jobs" / "scenarios.py"
@@ -91,7 +93,7 @@ def launching(path: Path) -> frozenset[str]:
 
 def pytest_collection_modifyitems(items):
     """``launches`` on every test that starts processes (itself, or a fixture of its module or of one it imports
-    from): ``-m "not launches"`` is the in-process rest, seconds long."""
+    from): ``-m "not launches"`` is the in-process rest, a minute or two."""
     fixtures = set().union(*(launching(Path(item.fspath)) for item in items), launching(Path(__file__)))
     for item in items:
         own = launching(Path(item.fspath))
