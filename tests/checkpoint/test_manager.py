@@ -92,7 +92,7 @@ def test_a_checkpoint_is_dcp_shards_and_accelerates_files_and_a_resume_puts_ever
     assert rebuilt.optimizer.param_groups[0]["lr"] == lr and stopping_again.waited == 2
 
 
-def test_a_ddp_checkpoint_written_before_dcp_still_loads_whole_on_one_process(tmp_path):
+def test_a_ddp_checkpoint_written_before_dcp_still_loads_whole_on_one_process(tmp_path, capsys):
     """tests/fixtures/ddp-checkpoint-v1: step 2 of tests/jobs/legacy_job.py on 2 processes, as the trainer wrote DDP
     checkpoints before (``model.safetensors``, ``optimizer.bin`` by parameter index): a run of one process at the same
     global batch takes its weights and optimizer state as they are (tests/checkpoint/test_checkpoint.py resumes it on 2
@@ -108,6 +108,7 @@ def test_a_ddp_checkpoint_written_before_dcp_still_loads_whole_on_one_process(tm
     model, rows = model_and_data()
     trainer = Trainer(model, config_of(str(tmp_path), str(checkpoint), batch_size=4), train_data=rows)
     assert trainer.cannot_train_on is None and trainer.global_step == 2
+    assert "step-00000002 is in the layout before DCP" in capsys.readouterr().out
     weights = load_file(checkpoint / "model.safetensors")
     assert weights and all(torch.equal(trainer.unwrapped_model.state_dict()[name], t) for name, t in weights.items())
     saved = torch.load(checkpoint / "optimizer.bin", weights_only=True)

@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 
 from trainer.checkpoint.hf_files import MODEL_FILE, TIED_WEIGHTS, write_model
+from trainer.console import say
 
 # DDP's optimizer file, beside MODEL_FILE.
 OPTIMIZER_FILE = "optimizer.bin"
@@ -46,6 +47,11 @@ def read_before_dcp(model: torch.nn.Module, optimizer: Any, folder: Path) -> Non
     if optimizer is None:
         return set_model_state_dict(model, weights, options=options)
     saved = torch.load(folder / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+    # Said because the conversion is this resume: the old files are read here once, never written again.
+    say(
+        f"{folder.name} is in the layout before DCP ({MODEL_FILE}, {OPTIMIZER_FILE}): read once, converted by this "
+        "resume; its checkpoints from here on are today's (shards/)"
+    )
     groups = get_optimizer_state_dict(model, optimizer)["param_groups"]
     names = [name for group in groups for name in group["params"]]
     indices = [index for group in saved["param_groups"] for index in group["params"]]
