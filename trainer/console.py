@@ -153,7 +153,8 @@ def banner(
             f"an epoch has {share} examples per process in {state.batches_per_epoch} batch(es), fewer than "
             f"batch x accumulation: each step takes them all, {global_batch} global"
         )
-    weighs = "; the loss weighs every counted token alike" if weighs else ""
+    chunks = f", computed {config.loss_chunk_tokens} tokens at a time (chunked_loss)" if config.chunked_loss else ""
+    weighs = f"; the loss weighs every counted token alike{chunks}" if weighs else ""
     until = f"max_steps={config.max_steps}" if config.max_steps else f"{config.epochs} epochs"
     readers = "processes" if reader == "process" else f"{reader.split(' of ')[0]}s"
     lines = (

@@ -92,6 +92,10 @@ class TrainConfig:
     # instead of one per step. Off: the gradients are reduced once, at the window's end, as DDP does (and in DDP's
     # float order: at 2 processes the same weights bit for bit). No effect under DDP.
     reduce_every_micro_batch: bool = False
+    # A causal LM's default loss from its last hidden states, loss_chunk_tokens at a time, recomputed in backward: the
+    # whole batch's logits never held (trainer/loop/chunked.py); the same loss to float order.
+    chunked_loss: bool = False
+    loss_chunk_tokens: int = 256
     # DDP: parameters that get no gradient in some step (a branch not taken, a frozen head used only sometimes) must
     # be looked for after each forward, at some cost; without it such a model fails at its second step.
     find_unused_parameters: bool = False
@@ -232,6 +236,7 @@ class TrainConfig:
             "ema_start_step": 0,
             "flops_per_token": 1.0,
             "peak_flops": 1.0,
+            "loss_chunk_tokens": 1,
         }
         for key, low in at_least.items():
             value = getattr(self, key)

@@ -9,6 +9,7 @@ named here instead, at the first batch.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Mapping
@@ -17,6 +18,7 @@ from typing import Any, Callable
 import torch
 
 from trainer.errors import LossFnError
+from trainer.loop import chunked as chunks
 from trainer.parallel.compiling import LOSS_ONLY, answers_loss_only
 
 # -> a scalar tensor, or (loss_sum, count)
@@ -37,7 +39,9 @@ def model_loss(model: torch.nn.Module, batch: Any, **loss_kwargs: Any) -> torch.
     if answers_loss_only(model):
         # Compiled whole: no gradient of zeros for outputs the loss does not read (the logits).
         loss_kwargs = {LOSS_ONLY: True, **loss_kwargs}
-    output = model(**batch, **loss_kwargs)
+    chunked = chunks.of(model)
+    with chunked.deferring() if chunked is not None else contextlib.nullcontext():
+        output = model(**batch, **loss_kwargs)
     loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
     if loss is None:
         raise LossFnError(

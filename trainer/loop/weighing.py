@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.hf import LossFunctionProbe, accepts_loss_kwargs, causal_lm, is_transformers_model
+from trainer.loop import chunked
 from trainer.loop.losses import LossFn, checked, model_loss
 from trainer.parallel.gradients import scale_
 
@@ -82,6 +83,8 @@ class Weighing:
         self.loss_fn = loss_fn
         # fp16's loss scaler, if any.
         self.scaler = run.accelerator.scaler
+        # Before the probe, which then wraps it.
+        self.chunked = chunked.install(run, model, default_loss=loss_fn is model_loss)
         self.counts_tokens = loss_fn is model_loss and is_transformers_model(model)
         self.shifted = self.counts_tokens and causal_lm(model)
         self.passes_count = self.counts_tokens and accepts_loss_kwargs(model) and hasattr(model, "loss_function")

@@ -54,11 +54,12 @@ class Compilation:
 
 
 def compile_in_place(
-    model: torch.nn.Module, compilation: Compilation, *, per_block: bool, copy_views: bool = False
+    model: torch.nn.Module, compilation: Compilation, *, per_block: bool, copy_views: bool = False, loss: bool = True
 ) -> str:
     """Compile ``model`` (lazily: the first forward traces it); the banner's words for what was compiled.
     ``per_block``: its blocks and loss (the rest runs eagerly), or the whole model where it has none. ``copy_views``:
-    a block's inputs that are views copied first (``_own_inputs``: tensor parallelism)."""
+    a block's inputs that are views copied first (``_own_inputs``: tensor parallelism). ``loss``: False leaves the
+    loss eager (``chunked_loss`` replaces it)."""
     backend = compilation.kwargs["backend"]
     blocks = compiled_blocks(model) if per_block else []
     if not blocks:
@@ -74,7 +75,7 @@ def compile_in_place(
         compiled = torch.compile(block.forward, **compilation.kwargs)
         block.forward = _own_inputs(compiled) if copy_views else compiled
     names = sorted({_block_name(block) for block in blocks})
-    loss = " and the loss" if _compile_the_loss(model, compilation) else ""
+    loss = " and the loss" if loss and _compile_the_loss(model, compilation) else ""
     return f"compiled per block: {len(blocks)} x {'/'.join(names)}{loss} ({backend})"
 
 

@@ -71,7 +71,8 @@ class Strategy:
             per_block = self.compiles_per_block or self.compilation.per_block
             # Under tensor parallelism a block's input may be a view of a DTensor's local tensor.
             views = self.run.layout.tp > 1
-            self.compiled = compile_in_place(model, self.compilation, per_block=per_block, copy_views=views)
+            loss = not self.run.config.chunked_loss
+            self.compiled = compile_in_place(model, self.compilation, per_block=per_block, copy_views=views, loss=loss)
 
     def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
         """The model as it trains (wrapped, or as it is), ``optimizer`` kept for ``step`` and ``zero_grad``."""
