@@ -245,7 +245,7 @@ def test_a_mesh_the_trainer_cannot_build_is_refused_by_name(monkeypatch):
             requested_layout(world, sharded)
         return str(caught.value)
 
-    assert "cp_size 2 asks for context parallelism" in refused(4, True, cp_size="2", dp_shard_size="2")
+    assert "sp_size 2 asks for DeepSpeed's sequence parallelism" in refused(4, True, sp_size="2", dp_shard_size="2")
     assert "dp_replicate_size 2 x dp_shard_size 2 x tp_size 1 = 4 processes, but the launch has 8" in refused(
         8, True, dp_replicate_size="2", dp_shard_size="2"
     )
@@ -286,16 +286,16 @@ def test_tensor_parallelism_without_a_plan_or_with_heads_it_cannot_split_is_refu
     }
 
 
-def test_a_launch_with_context_parallelism_stops_with_one_line(tmp_path):
+def test_a_launch_with_deepspeeds_sequence_parallelism_stops_with_one_line(tmp_path):
     script = f"import torch, trainer as t; t.Trainer(torch.nn.Linear(1, 1), t.TrainConfig('{tmp_path}'), [[1.0]])"
     result = run(
         [sys.executable, "-c", script],
         expect_ok=False,
-        env=clean_env(ACCELERATE_USE_PARALLELISM_CONFIG="true", PARALLELISM_CONFIG_CP_SIZE="2"),
+        env=clean_env(ACCELERATE_USE_PARALLELISM_CONFIG="true", PARALLELISM_CONFIG_SP_SIZE="2"),
     )
     assert result.stderr.strip().splitlines() == [
-        "trainer: parallelism_config: cp_size 2 asks for context parallelism, which this trainer does not do: set "
-        "cp_size to 1"
+        "trainer: parallelism_config: sp_size 2 asks for DeepSpeed's sequence parallelism, which this trainer does "
+        "not do: set cp_size instead (context parallelism over FSDP2), and sp_size to 1"
     ]
 
 

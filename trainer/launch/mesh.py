@@ -1,6 +1,7 @@
 """The device mesh of a launch, as accelerate's ``parallelism_config`` asks (replicas, shards of one replica,
-tensor-parallel groups); processes are laid out row-major, tensor-parallel groups innermost, then shards, then
-replicas, so a shard group of one node's size stays on one node (docs/internals.md#the-device-mesh).
+context-parallel groups, tensor-parallel groups); processes are laid out row-major, tensor-parallel groups innermost,
+then context-parallel groups, then shards, then replicas, so a shard group of one node's size stays on one node
+(docs/internals.md#the-device-mesh).
 """
 
 from __future__ import annotations
@@ -12,17 +13,21 @@ from typing import Any, Optional
 from trainer.errors import ShardingError
 
 # Accelerate's (and torchtitan's) names for the dimensions.
-REPLICATE, SHARD, TP = "dp_replicate", "dp_shard", "tp"
+REPLICATE, SHARD, CP, TP = "dp_replicate", "dp_shard", "cp", "tp"
+# What FSDP shards over under context parallelism: the shards and the context-parallel groups, flattened.
+SHARD_CP = "dp_shard_cp"
 
 
 @dataclass(frozen=True)
 class Layout:
-    """The sizes of the mesh's dimensions; ``sharded``: the launch's config asks for FSDP."""
+    """The sizes of the mesh's dimensions; ``sharded``: the launch's config asks for FSDP; ``cp``: processes that
+    split each row's sequence (context parallelism, trainer.parallel.context)."""
 
     replicate: int = 1
     shard: int = 1
     tp: int = 1
     sharded: bool = False
+    cp: int = 1
 
     @property
     def data_parallel(self) -> int:
@@ -34,7 +39,11 @@ class Layout:
         return self.sharded and self.replicate > 1
 
     def describe(self) -> str:
-        """The banner's name for it: 'FSDP2 over 4 processes', 'HSDP 2 x 2 (replicate x shard)', 'TP 2 x FSDP 2'."""
+        """The banner's name for it: 'FSDP2 over 4 processes', 'HSDP 2 x 2 (replicate x shard)', 'TP 2 x FSDP 2',
+        'CP 2 x FSDP2 over 4 processes' (FSDP shards over the shards and the context-parallel groups)."""
+        if self.cp > 1:
+            hybrid = f"HSDP {self.replicate} x {self.shard * self.cp} (replicate x shard)"
+            return f"CP {self.cp} x " + (hybrid if self.hybrid else f"FSDP2 over {self.shard * self.cp} processes")
         if self.hybrid:
             data = f"HSDP {self.replicate} x {self.shard} (replicate x shard)"
         elif self.sharded and self.tp == 1:
@@ -49,15 +58,16 @@ class Layout:
     def kind(self) -> str:
         """A word or two for the launch line: FSDP2, HSDP, TP, TP x FSDP2, TP x HSDP."""
         data = "HSDP" if self.hybrid else "FSDP2" if self.shard > 1 or self.tp == 1 else ""
+        if self.cp > 1:
+            return f"CP x {data}"
         return data if self.tp == 1 else "TP" + (f" x {data}" if data else "")
 
     def build(self, device_type: str) -> Any:
-        """The device mesh, its dimensions named REPLICATE, SHARD, TP (those of size 1 left out)."""
+        """The device mesh, its dimensions named REPLICATE, SHARD, CP, TP (those of size 1 left out)."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        dims = [
-            (name, size) for name, size in ((REPLICATE, self.replicate), (SHARD, self.shard), (TP, self.tp)) if size > 1
-        ] or [(SHARD, 1)]
+        sizes = ((REPLICATE, self.replicate), (SHARD, self.shard), (CP, self.cp), (TP, self.tp))
+        dims = [(name, size) for name, size in sizes if size > 1] or [(SHARD, 1)]
         names, sizes = zip(*dims, strict=True)
         return init_device_mesh(device_type, tuple(sizes), mesh_dim_names=tuple(names))
 
@@ -75,31 +85,37 @@ def requested_layout(world: int, sharded: bool, sizes: Optional[dict[str, int]] 
         asked = ParallelismConfig(**(sizes or {}))
     except (TypeError, ValueError) as err:
         raise ShardingError(f"parallelism_config: {err}") from None
-    for name, what in (("cp", "context parallelism"), ("sp", "sequence parallelism")):
-        if getattr(asked, f"{name}_size") > 1:
-            raise ShardingError(
-                f"parallelism_config: {name}_size {getattr(asked, f'{name}_size')} asks for {what}, "
-                f"which this trainer does not do: set {name}_size to 1"
-            )
-    layout = Layout(asked.dp_replicate_size, asked.dp_shard_size, asked.tp_size, sharded)
-    product = layout.data_parallel * layout.tp
+    if asked.sp_size > 1:
+        raise ShardingError(
+            f"parallelism_config: sp_size {asked.sp_size} asks for DeepSpeed's sequence parallelism, which this "
+            "trainer does not do: set cp_size instead (context parallelism over FSDP2), and sp_size to 1"
+        )
+    layout = Layout(asked.dp_replicate_size, asked.dp_shard_size, asked.tp_size, sharded, cp=asked.cp_size)
+    product = layout.data_parallel * layout.tp * layout.cp
     # Every size left at 1: the launch's own mesh.
     if product == 1:
         return default
     if product != world:
         raise ShardingError(
             f"parallelism_config: dp_replicate_size {layout.replicate} x dp_shard_size {layout.shard} "
-            f"x tp_size {layout.tp} = {product} processes, but the launch has {world}: make the "
+            f"x {f'cp_size {layout.cp} x ' if layout.cp > 1 else ''}tp_size {layout.tp} = {product} processes, but the "
+            f"launch has {world}: make the "
             "product the number of processes"
         )
-    if not sharded and (layout.shard > 1 or layout.tp > 1):
+    if not sharded and (layout.shard > 1 or layout.tp > 1 or layout.cp > 1):
         asks = f"dp_shard_size {layout.shard} shards" if layout.shard > 1 else f"tp_size {layout.tp} splits"
+        asks = f"cp_size {layout.cp} shards" if layout.cp > 1 else asks
         raise ShardingError(
             f"parallelism_config: {asks} the model, which needs an FSDP config (distributed_type: "
             "FSDP, fsdp_version: 2; accelerate_configs/hsdp.yaml): launch with one, or set only "
             "dp_replicate_size for DDP"
         )
-    if sharded and layout.shard == 1 and layout.tp == 1:
+    if layout.cp > 1 and layout.tp > 1:
+        raise ShardingError(
+            f"parallelism_config: cp_size {layout.cp} with tp_size {layout.tp} is not supported yet: split the "
+            "sequence (cp_size) or the layers (tp_size)"
+        )
+    if sharded and layout.shard == 1 and layout.tp == 1 and layout.cp == 1:
         raise ShardingError(
             f"parallelism_config: dp_shard_size 1 leaves FSDP nothing to shard over "
             f"(dp_replicate_size {layout.replicate} alone is DDP): set dp_shard_size, or launch with "
@@ -116,8 +132,14 @@ def _named_at_launch() -> bool:
 
 
 def data_mesh(layout: Layout, mesh: Any) -> Any:
-    """The part of ``mesh`` FSDP shards over: (replicate, shard) for HSDP, shard for FSDP; None when tensor
-    parallelism takes every process (nothing for FSDP to shard over)."""
+    """The part of ``mesh`` FSDP shards over: (replicate, shard) for HSDP, shard for FSDP (the shards and the
+    context-parallel groups flattened, under context parallelism); None when tensor parallelism takes every process
+    (nothing for FSDP to shard over)."""
+    if layout.cp > 1:
+        sharded = mesh[(SHARD, CP)]._flatten(SHARD_CP) if layout.shard > 1 else mesh[CP]
+        if not layout.hybrid:
+            return sharded
+        return mesh[(REPLICATE, SHARD_CP if layout.shard > 1 else CP)]
     if layout.hybrid:
         return mesh[(REPLICATE, SHARD)]
     if layout.tp > 1 and layout.shard == 1:
@@ -126,9 +148,9 @@ def data_mesh(layout: Layout, mesh: Any) -> Any:
 
 
 def data_parallel_group(layout: Layout, mesh: Any) -> Any:
-    """The process group of the processes that read different data: None when that is every process (no tensor
-    parallelism) or only this one."""
-    if layout.tp == 1 or layout.data_parallel == 1:
+    """The process group of the processes that read different data: None when that is every process (no tensor or
+    context parallelism) or only this one."""
+    if layout.tp == 1 and layout.cp == 1 or layout.data_parallel == 1:
         return None
     if layout.replicate > 1 and layout.shard > 1:
         return mesh[(REPLICATE, SHARD)]._flatten("dp").get_group()

@@ -85,7 +85,9 @@ class Run:
         layout = requested_layout(world, sharded)
         mesh = layout.build(accelerator.device.type) if layout.sharded else None
         group = data_parallel_group(layout, mesh) if mesh is not None else None
-        dp = DataParallel(accelerator.process_index // layout.tp, world // layout.tp, group)
+        # A tensor- or context-parallel group reads one batch.
+        split = layout.tp * layout.cp
+        dp = DataParallel(accelerator.process_index // split, world // split, group)
         group = host_group(world, config.collective_timeout_s)
         return cls(config=config, accelerator=accelerator, layout=layout, mesh=mesh, dp=dp, host=group)
 

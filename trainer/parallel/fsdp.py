@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from trainer.console import say
 from trainer.errors import ShardingError
-from trainer.launch.mesh import TP, data_mesh
+from trainer.launch.mesh import CP, TP, data_mesh
+from trainer.parallel.context import ContextParallel
 from trainer.parallel.gradients import clip_, total_norm
 from trainer.parallel.sharding import ShardedModel, shard
 from trainer.parallel.strategy import Strategy, trainable
@@ -76,6 +77,14 @@ class FSDP2(Strategy):
             name=layout.describe(),
             tp=tp,
         )
+        if layout.cp > 1:
+            if self.compilation is not None:
+                raise ShardingError(
+                    f"compile with cp_size {layout.cp} is not supported yet (the attention's all-to-all inside a "
+                    "compiled block): launch without one of the two"
+                )
+            cp = run.mesh[CP]
+            ContextParallel(cp.get_group(), layout.cp, cp.get_local_rank()).apply(model)
         self.compile(model)
         return model
 

@@ -1,0 +1,99 @@
+"""Context parallelism (``cp_size`` in the parallelism_config): a tiny Llama (4 heads, 2 KV heads) trains on padded
+rows and on packed documents under CP 2 on 2 processes and FSDP 2 x CP 2 on 4 to the losses, weights, evaluation and
+predictions of one process (float order); a CP checkpoint resumes under CP bit for bit and on one process; what cannot
+be split is refused by name (tests/jobs/context.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, accelerate_launch, clean_env, run
+
+JOB = ROOT / "tests" / "jobs" / "context.py"
+
+
+def launched(out, *args, cp: int = 1, shard: int = 1, processes: int = 1):
+    """The job's results: on one process (plain python), or launched with that parallelism_config."""
+    if processes == 1:
+        run([sys.executable, str(JOB), "--out", str(out), *map(str, args)])
+    else:
+        sizes = {"PARALLELISM_CONFIG_CP_SIZE": str(cp), "PARALLELISM_CONFIG_DP_SHARD_SIZE": str(shard)}
+        env = {**clean_env(), "ACCELERATE_USE_PARALLELISM_CONFIG": "true", **sizes}
+        accelerate_launch(JOB, "--out", out, *args, config="fsdp.yaml", num_processes=processes, env=env)
+    found = json.loads((out / "context.json").read_text())
+    found["weights"] = load_file(out / "final" / "model.safetensors")
+    return found
+
+
+def same(found: dict, reference: dict, *, atol: float = 1e-6) -> None:
+    np.testing.assert_allclose(found["losses"], reference["losses"], rtol=1e-6)
+    assert found["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-6)
+    np.testing.assert_allclose(found["logits"], reference["logits"], rtol=0, atol=1e-5)
+    for name, tensor in reference["weights"].items():
+        torch.testing.assert_close(found["weights"][name], tensor, rtol=0, atol=atol, msg=name)
+
+
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory):
+    root = tmp_path_factory.mktemp("alone")
+    return {kind: launched(root / kind, *flags) for kind, flags in (("padded", []), ("packed", ["--packed"]))}
+
+
+@pytest.mark.parametrize("kind", ["padded", "packed"])
+def test_cp_2_on_2_processes_trains_as_one_process(tmp_path, alone, kind):
+    found = launched(tmp_path, *(["--packed"] if kind == "packed" else []), cp=2, processes=2)
+    same(found, alone[kind])
+    assert "CP 2 x FSDP2 over 2 processes" in found["banner"]
+    assert "batch 4 per process x 1 processes" in found["banner"]
+
+
+def test_fsdp_2_x_cp_2_on_4_processes_trains_as_one_process(tmp_path, alone):
+    found = launched(tmp_path, "--batch-size", 2, cp=2, shard=2, processes=4)
+    same(found, alone["padded"])
+    assert "CP 2 x FSDP2 over 4 processes" in found["banner"]
+
+
+def test_a_cp_checkpoint_resumes_under_cp_bit_for_bit_and_on_one_process(tmp_path):
+    whole = launched(tmp_path / "whole", "--save-every", 1, cp=2, processes=2)
+    step = tmp_path / "whole" / "checkpoints" / "step-00000002"
+    again = launched(tmp_path / "again", "--resume", step, cp=2, processes=2)
+    for name, tensor in whole["weights"].items():
+        assert torch.equal(again["weights"][name], tensor), name
+    assert again["losses"] == whole["losses"][2:]
+    alone = launched(tmp_path / "alone", "--resume", step)
+    for name, tensor in whole["weights"].items():
+        torch.testing.assert_close(alone["weights"][name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
+def test_what_context_parallelism_cannot_split_is_refused_by_name():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trainer.errors import ShardingError
+    from trainer.launch.mesh import Layout, requested_layout
+    from trainer.parallel.context import ContextParallel
+
+    assert requested_layout(4, True, {"cp_size": 2, "dp_shard_size": 2}) == Layout(shard=2, sharded=True, cp=2)
+    refusals = {
+        "cp_size 2 shards the model, which needs an FSDP config": (2, False, {"cp_size": 2}),
+        "cp_size 2 with tp_size 2 is not supported yet": (4, True, {"cp_size": 2, "tp_size": 2}),
+        "set cp_size instead": (2, True, {"sp_size": 2}),
+        "dp_shard_size 1 x cp_size 2 x tp_size 1 = 2 processes, but the launch has 4": (4, True, {"cp_size": 2}),
+    }
+    for words, (world, sharded, sizes) in refusals.items():
+        with pytest.raises(ShardingError, match=words):
+            requested_layout(world, sharded, sizes)
+    config = dict(vocab_size=16, hidden_size=24, intermediate_size=32, num_hidden_layers=1, max_position_embeddings=8)
+    for heads, kv, words in ((3, 3, "num_attention_heads 3, not divisible by 2"), (4, 1, "num_key_value_heads 1")):
+        model = LlamaForCausalLM(LlamaConfig(**config, num_attention_heads=heads, num_key_value_heads=kv))
+        with pytest.raises(ShardingError, match=words):
+            ContextParallel(None, 2, 0).apply(model)
+    model = LlamaForCausalLM(LlamaConfig(**config, num_attention_heads=4, num_key_value_heads=2))
+    model.config._attn_implementation = "flex_attention"
+    with pytest.raises(ShardingError, match="attention implementation 'flex_attention'"):
+        ContextParallel(None, 2, 0).apply(model)
