@@ -1,7 +1,7 @@
 """A tiny Llama (4 heads, 2 KV heads) trained 3 SGD steps on every process of the launch, on padded rows or packed
-documents (``--packed``: transformers' ``DataCollatorWithFlattening``); the launch's parallelism_config decides the
-layout (``cp_size`` for context parallelism). Rank 0 writes the losses, an evaluation and a prediction to
-``<out>/context.json``, and fit() the weights to ``<out>/final``.
+documents (``--packed``: transformers' ``DataCollatorWithFlattening``), with ``--chunked`` in chunks (chunked_loss);
+the launch's parallelism_config decides the layout (``cp_size`` for context parallelism). Rank 0 writes the losses,
+an evaluation and a prediction to ``<out>/context.json``, and fit() the weights to ``<out>/final``.
 
     accelerate launch --config_file accelerate_configs/fsdp.yaml --num_processes 2 --parallelism_config_cp_size 2 \\
         tests/jobs/context.py --out runs/cp
@@ -67,6 +67,7 @@ def main() -> None:
     parser.add_argument("--resume", default=None)
     parser.add_argument("--save-every", type=int, default=None)
     parser.add_argument("--optimizer", default="sgd")
+    parser.add_argument("--chunked", action="store_true", help="chunked_loss, 5 tokens a chunk")
     args = parser.parse_args()
     config = TrainConfig(
         output_dir=args.out,
@@ -78,6 +79,8 @@ def main() -> None:
         shuffle=False,
         save_every=args.save_every,
         resume=args.resume,
+        chunked_loss=args.chunked,
+        loss_chunk_tokens=5,
     )
     collate = DataCollatorWithFlattening() if args.packed else padded
     data = documents()

@@ -1,7 +1,7 @@
 """Context parallelism (``cp_size`` in the parallelism_config): a tiny Llama (4 heads, 2 KV heads) trains on padded
-rows and on packed documents under CP 2 on 2 processes and FSDP 2 x CP 2 on 4 to the losses, weights, evaluation and
-predictions of one process (float order); a CP checkpoint resumes under CP bit for bit and on one process; what cannot
-be split is refused by name (tests/jobs/context.py)."""
+rows and on packed documents under CP 2 on 2 processes (with chunked_loss too) and FSDP 2 x CP 2 on 4 to the losses,
+weights, evaluation and predictions of one process (float order); a CP checkpoint resumes under CP bit for bit and on
+one process; what cannot be split is refused by name (tests/jobs/context.py)."""
 
 from __future__ import annotations
 
@@ -45,10 +45,11 @@ def alone(tmp_path_factory):
     return {kind: launched(root / kind, *flags) for kind, flags in (("padded", []), ("packed", ["--packed"]))}
 
 
-@pytest.mark.parametrize("kind", ["padded", "packed"])
+@pytest.mark.parametrize("kind", ["padded", "packed", "padded, chunked_loss"])
 def test_cp_2_on_2_processes_trains_as_one_process(tmp_path, alone, kind):
-    found = launched(tmp_path, *(["--packed"] if kind == "packed" else []), cp=2, processes=2)
-    same(found, alone[kind])
+    flags = {"padded": [], "packed": ["--packed"], "padded, chunked_loss": ["--chunked"]}[kind]
+    found = launched(tmp_path, *flags, cp=2, processes=2)
+    same(found, alone[kind.split(",")[0]])
     assert "CP 2 x FSDP2 over 2 processes" in found["banner"]
     assert "batch 4 per process x 1 processes" in found["banner"]
 
