@@ -11,6 +11,7 @@ a GPU.
     python benchmarks/memory.py --layers 12 --width 768 --vocab 50257 --processes 1 2 4 8   # GPT-2 124M
     python benchmarks/memory.py --model llama --processes 4 --kinds DDP "FSDP2, meta" "HSDP 2 x K/2, meta" \
         "TP 2 x FSDP K/2, meta"                        # the meshes of a launch's parallelism_config
+    python benchmarks/memory.py --chunked-loss ...     # every run with chunked_loss: true
 
 FSDP2 holds about 1/K of DDP's 16 bytes a parameter (4 of weights, 4 of gradients, 8 of AdamW state) on each of
 K processes; what it cannot shard (nothing here) and the unsharded weights of the block being computed come on top.
@@ -134,7 +135,12 @@ def worker(args) -> None:
     measure = Measure()
     measure.built = built
     config = TrainConfig(
-        output_dir=args.out, max_steps=2, batch_size=args.batch_size, log_every=2, preemption_signals=""
+        output_dir=args.out,
+        max_steps=2,
+        batch_size=args.batch_size,
+        log_every=2,
+        preemption_signals="",
+        chunked_loss=args.chunked_loss,
     )
     trainer = Trainer(model, config, train_data=data, callbacks=[measure])
     trainer.fit()
@@ -210,6 +216,7 @@ def run(kind: str, processes: int, args) -> dict | None:
         str(Path(args.out) / "pretrained"),
         "--model",
         args.model,
+        *(["--chunked-loss"] if args.chunked_loss else []),
     ]
     return launch_measured(__file__, processes, flags, settings, f"{kind} x {processes}")
 
@@ -230,6 +237,7 @@ def main() -> None:
         default="gpt2",
         help="llama: the same shape with a tensor-parallel plan (the TP kind runs only with it)",
     )
+    parser.add_argument("--chunked-loss", action="store_true", help="chunked_loss: true in every run")
     parser.add_argument("--out", default="runs/benchmark-memory")
     parser.add_argument("--start-from", default="cpu", help=argparse.SUPPRESS)
     parser.add_argument("--pretrained", default=None, help=argparse.SUPPRESS)
