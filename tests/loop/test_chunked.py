@@ -72,6 +72,13 @@ def test_the_chunked_loss_holds_no_logits_of_the_whole_batch(tmp_path):
         found[chunked] = Largest.vocab_wide
     # 4 rows of 20 tokens: 80 rows of logits at once without, 8 (a chunk) with.
     assert found == {False: 80, True: 8}
+    # The model of a Trainer with it, given to one without: its own loss again.
+    model = trainer.unwrapped_model
+    again = Trainer(model, TrainConfig(output_dir=str(tmp_path / "again"), batch_size=4, max_steps=1), job.rows())
+    Largest.vocab_wide = 0
+    with Largest():
+        again.fit()
+    assert Largest.vocab_wide == 80
 
 
 def test_what_the_chunked_loss_cannot_do_is_refused_by_name(tmp_path):

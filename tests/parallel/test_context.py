@@ -98,3 +98,19 @@ def test_what_context_parallelism_cannot_split_is_refused_by_name():
     model.config._attn_implementation = "flex_attention"
     with pytest.raises(ShardingError, match="attention implementation 'flex_attention'"):
         ContextParallel(None, 2, 0).apply(model)
+
+
+def test_a_model_split_again_by_a_second_trainer_is_split_once():
+    """A second Trainer of the same model in one process (a resume in the same job) replaces the first's hooks: its
+    rows are sliced once, through the kernel the model had."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trainer.parallel.context import ContextParallel
+
+    config = dict(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1, max_position_embeddings=8)
+    model = LlamaForCausalLM(LlamaConfig(**config, num_attention_heads=4, num_key_value_heads=2))
+    first, second = ContextParallel(None, 2, 0), ContextParallel(None, 2, 0)
+    first.apply(model)
+    second.apply(model)
+    assert len(model._forward_pre_hooks) == 1 and len(model._forward_hooks) == 1
+    assert second.kind == "sdpa" and model.config._attn_implementation.endswith(str(id(second)))

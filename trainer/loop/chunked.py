@@ -36,8 +36,9 @@ class ChunkedLoss:
         self.head, self.tokens = head, tokens
         # The model's own, for a forward the default loss did not ask for (predict() with labels, a user's call).
         self.head_forward, self.loss_function = head.forward, loss_function
-        # True while the default loss runs the forward: the head hands its input on.
-        self.active = False
+        # True while the default loss runs the forward: the head hands its input on. on: the latest Trainer of this
+        # model asked for it (one without chunked_loss turns it off).
+        self.active, self.on = False, True
 
     def forward_head(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden if self.active else self.head_forward(hidden)
@@ -96,6 +97,8 @@ def install(run: Run, model: torch.nn.Module, *, default_loss: bool) -> Optional
     refused by name where it cannot. None without it."""
     config = run.config
     if not config.chunked_loss:
+        if (before := of(model)) is not None:
+            before.on = False
         return None
     if not default_loss:
         raise ConfigError(
@@ -122,7 +125,7 @@ def install(run: Run, model: torch.nn.Module, *, default_loss: bool) -> Optional
         head.forward = chunked.forward_head
         owner.loss_function = chunked
         owner.__dict__[ATTRIBUTE] = chunked
-    chunked.tokens = config.loss_chunk_tokens
+    chunked.tokens, chunked.on = config.loss_chunk_tokens, True
     return chunked
 
 

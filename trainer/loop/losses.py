@@ -40,7 +40,7 @@ def model_loss(model: torch.nn.Module, batch: Any, **loss_kwargs: Any) -> torch.
         # Compiled whole: no gradient of zeros for outputs the loss does not read (the logits).
         loss_kwargs = {LOSS_ONLY: True, **loss_kwargs}
     chunked = chunks.of(model)
-    with chunked.deferring() if chunked is not None else contextlib.nullcontext():
+    with chunked.deferring() if chunked is not None and chunked.on else contextlib.nullcontext():
         output = model(**batch, **loss_kwargs)
     loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
     if loss is None:

@@ -26,6 +26,8 @@ from trainer.errors import ShardingError
 
 # The names registered with transformers' attention and mask interfaces: the inner kernel's name after this prefix.
 PREFIX = "trainer_cp_"
+# Where a model keeps the ContextParallel that split it.
+APPLIED = "_trainer_context_parallel"
 IGNORE_INDEX = -100
 
 
@@ -47,6 +49,12 @@ class ContextParallel:
 
         config = getattr(model, "config", None)
         kind = getattr(config, "_attn_implementation", None)
+        # A model a Trainer split before (another Trainer in the same process): its hooks replaced, its kernel kept.
+        before = model.__dict__.get(APPLIED)
+        if before is not None:
+            kind = before.kind
+            for handle in before.handles:
+                handle.remove()
         if config is None or kind not in ("sdpa", "eager"):
             what = f"attention implementation {kind!r}" if config is not None else "no transformers config"
             raise ShardingError(
@@ -65,13 +73,18 @@ class ContextParallel:
                 f"cp_size {self.size}: {type(model).__name__} has a sliding window ({config.sliding_window}), "
                 "which context parallelism does not mask yet: launch without cp_size"
             )
-        self.inner, self.additive = _kernel(model, kind), kind == "eager"
-        AttentionInterface.register(PREFIX + kind, self.attention)
+        self.kind, self.inner, self.additive = kind, _kernel(model, kind), kind == "eager"
+        # A name of this model's own: another model split in the same process keeps its state.
+        name = f"{PREFIX}{kind}_{id(self)}"
+        AttentionInterface.register(name, self.attention)
         # transformers' own mask is of the slice: never built (the whole row's is, here).
-        AttentionMaskInterface.register(PREFIX + kind, lambda *args, **kwargs: None)
-        config._attn_implementation = PREFIX + kind
-        model.register_forward_pre_hook(self.split, with_kwargs=True)
-        model.register_forward_hook(self.join)
+        AttentionMaskInterface.register(name, lambda *args, **kwargs: None)
+        config._attn_implementation = name
+        self.handles = [
+            model.register_forward_pre_hook(self.split, with_kwargs=True),
+            model.register_forward_hook(self.join),
+        ]
+        model.__dict__[APPLIED] = self
 
     def split(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """The forward's inputs made this process's slice of every row (padded to a multiple of the group)."""
