@@ -1,4 +1,4 @@
-"""A tiny Llama (97 tokens of vocabulary, rows padded to 20 with labels -100) trained 4 AdamW steps with its own loss
+"""A tiny Llama (97 tokens of vocabulary, rows padded to 20 with labels -100) trained 4 SGD steps with its own loss
 and with ``chunked_loss`` (7 tokens a chunk: uneven, and chunks wholly of padding), on every process of the launch:
 rank 0 writes each run's losses and evaluation losses to ``<out>/chunked.json``, and fit() its weights to
 ``<out>/<full|chunked>/final``.
@@ -67,7 +67,8 @@ def runs(out: str, **settings) -> dict:
             output_dir=f"{out}/{name}",
             batch_size=4,
             max_steps=4,
-            lr=1e-2,
+            optimizer="sgd",
+            lr=0.5,
             log_every=1,
             eval_every=2,
             shuffle=False,

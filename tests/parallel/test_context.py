@@ -1,7 +1,7 @@
 """Context parallelism (``cp_size`` in the parallelism_config): a tiny Llama (4 heads, 2 KV heads) trains on padded
 rows and on packed documents under CP 2 on 2 processes (with chunked_loss too) and FSDP 2 x CP 2 on 4 to the losses,
 weights, evaluation and predictions of one process (float order); a CP checkpoint resumes under CP bit for bit and on
-one process; what cannot be split is refused by name (tests/jobs/context.py)."""
+one process, and one process's under CP; what cannot be split is refused by name (tests/jobs/context.py)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def test_fsdp_2_x_cp_2_on_4_processes_trains_as_one_process(tmp_path, alone):
     assert "CP 2 x FSDP2 over 4 processes" in found["banner"]
 
 
-def test_a_cp_checkpoint_resumes_under_cp_bit_for_bit_and_on_one_process(tmp_path):
+def test_a_cp_checkpoint_resumes_under_cp_bit_for_bit_and_on_one_process_and_the_other_way(tmp_path):
     whole = launched(tmp_path / "whole", "--save-every", 1, cp=2, processes=2)
     step = tmp_path / "whole" / "checkpoints" / "step-00000002"
     again = launched(tmp_path / "again", "--resume", step, cp=2, processes=2)
@@ -70,6 +70,13 @@ def test_a_cp_checkpoint_resumes_under_cp_bit_for_bit_and_on_one_process(tmp_pat
     alone = launched(tmp_path / "alone", "--resume", step)
     for name, tensor in whole["weights"].items():
         torch.testing.assert_close(alone["weights"][name], tensor, rtol=0, atol=1e-6, msg=name)
+    # And the other way: a checkpoint of one process resumed under CP 2.
+    solo = launched(tmp_path / "solo", "--save-every", 1)
+    onto = launched(
+        tmp_path / "onto", "--resume", tmp_path / "solo" / "checkpoints" / "step-00000002", cp=2, processes=2
+    )
+    for name, tensor in solo["weights"].items():
+        torch.testing.assert_close(onto["weights"][name], tensor, rtol=0, atol=1e-6, msg=name)
 
 
 def test_what_context_parallelism_cannot_split_is_refused_by_name():
