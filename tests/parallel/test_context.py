@@ -85,8 +85,13 @@ def test_what_context_parallelism_cannot_split_is_refused_by_name():
     from trainer.errors import ShardingError
     from trainer.launch.mesh import Layout, requested_layout
     from trainer.parallel.context import ContextParallel
+    from trainer.tools.preflight import mesh_lines
 
     assert requested_layout(4, True, {"cp_size": 2, "dp_shard_size": 2}) == Layout(shard=2, sharded=True, cp=2)
+    assert mesh_lines(Layout(shard=2, sharded=True, cp=2), 4, 4) == [
+        "  model: CP 2 x FSDP2 over 4 processes: each process holds 1/4 of the weights, gradients and optimizer state",
+        "  machine 0: ranks 0-3: replica(s) 0, context-parallel groups of 2",
+    ]
     refusals = {
         "cp_size 2 shards the model, which needs an FSDP config": (2, False, {"cp_size": 2}),
         "cp_size 2 with tp_size 2 is not supported yet": (4, True, {"cp_size": 2, "tp_size": 2}),

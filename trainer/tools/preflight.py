@@ -166,22 +166,22 @@ def mesh_lines(layout: Layout, per_machine: int, processes: int) -> list[str]:
             f"  model: sharded over the processes (FSDP2): each holds 1/{processes} of the weights, gradients "
             "and optimizer state"
         ]
-    lines = [
-        f"  model: {layout.describe()}: each process holds 1/{layout.shard * layout.tp} of the weights, "
-        "gradients and optimizer state"
-    ]
     # Consecutive processes: one replica, sharded (and split) among them.
-    replica = layout.shard * layout.tp
+    replica = layout.shard * layout.cp * layout.tp
+    lines = [
+        f"  model: {layout.describe()}: each process holds 1/{replica} of the weights, gradients and optimizer state"
+    ]
     for machine in range(min(processes // max(per_machine, 1), 4)):
         first, last = machine * per_machine, (machine + 1) * per_machine - 1
         replicas = sorted({rank // replica for rank in range(first, last + 1)})
         groups = f", tensor-parallel groups of {layout.tp}" if layout.tp > 1 else ""
+        groups += f", context-parallel groups of {layout.cp}" if layout.cp > 1 else ""
         lines.append(f"  machine {machine}: ranks {first}-{last}: replica(s) {', '.join(map(str, replicas))}{groups}")
     if replica > per_machine:
         lines.append(
             f"  note: one replica's {replica} processes span {-(-replica // per_machine)} machines: its "
             "all-gathers and reduce-scatters cross the link between them (HSDP keeps a replica on one "
-            "machine: dp_shard_size x tp_size = processes per machine)"
+            "machine: dp_shard_size x cp_size x tp_size = processes per machine)"
         )
     return lines
 
