@@ -107,6 +107,8 @@ def test_what_context_parallelism_cannot_split_is_refused_by_name():
         with pytest.raises(ShardingError, match=words):
             ContextParallel(None, 2, 0).apply(model)
     model = LlamaForCausalLM(LlamaConfig(**config, num_attention_heads=4, num_key_value_heads=2))
+    with pytest.raises(ShardingError, match="LlamaModel does not compute its loss through transformers' loss_f"):
+        ContextParallel(None, 2, 0).apply(model.model)
     model.config._attn_implementation = "flex_attention"
     with pytest.raises(ShardingError, match="attention implementation 'flex_attention'"):
         ContextParallel(None, 2, 0).apply(model)

@@ -14,6 +14,7 @@ reaches each slice once from every process. Without gradients (evaluation, ``pre
 
 from __future__ import annotations
 
+import inspect
 import sys
 from typing import Any, Callable, Optional
 
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 
 from trainer.console import say
 from trainer.errors import ShardingError
+from trainer.hf import loss_owner
 
 # The names registered with transformers' attention and mask interfaces: the inner kernel's name after this prefix.
 PREFIX = "trainer_cp_"
@@ -68,6 +70,13 @@ class ContextParallel:
                     f"cp_size {self.size}: {type(model).__name__} has {name} {heads}, not divisible by {self.size}: "
                     "each process of a context-parallel group takes an equal share of the heads"
                 )
+        owner = loss_owner(model)
+        if owner is None or "self.loss_function(" not in _source(type(owner).forward):
+            raise ShardingError(
+                f"cp_size {self.size}: {type(model).__name__} does not compute its loss through transformers' "
+                "loss_function, which sums each slice over the row's token count: the slices' losses would not add "
+                "up to the row's; launch without cp_size"
+            )
         if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
             raise ShardingError(
                 f"cp_size {self.size}: {type(model).__name__} has a sliding window ({config.sliding_window}), "
@@ -122,10 +131,15 @@ class ContextParallel:
 
     def join(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
         """The loss summed over the group (the whole rows'), and without gradients the logits gathered whole."""
-        loss = output.get("loss") if hasattr(output, "get") else None
+        if not hasattr(output, "get"):
+            raise ShardingError(
+                f"cp_size {self.size}: the model returned a {type(output).__name__}, not a ModelOutput "
+                "(return_dict=False?): its loss cannot be summed over the context-parallel group"
+            )
+        loss = output.get("loss")
         if loss is not None:
             output["loss"] = _Summed.apply(loss, self.group)
-        logits = output.get("logits") if hasattr(output, "get") else None
+        logits = output.get("logits")
         if logits is not None and not torch.is_grad_enabled():
             pieces = [torch.empty_like(logits) for _ in range(self.size)]
             dist.all_gather(pieces, logits.contiguous(), group=self.group)
@@ -183,6 +197,13 @@ class ContextParallel:
             )
         built[dtype] = allowed
         return allowed
+
+
+def _source(function: Callable) -> str:
+    try:
+        return inspect.getsource(function)
+    except (OSError, TypeError):
+        return ""
 
 
 def _kernel(model: torch.nn.Module, kind: str) -> Callable:
