@@ -17,26 +17,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+# The tiny Llama of the chunked loss's job (sdpa attention, transformers' default).
+from chunked import VOCAB, build  # noqa: E402
+
 from trainer import TrainConfig, Trainer  # noqa: E402
-
-VOCAB = 97
-
-
-def build() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attn_implementation="sdpa",
-    )
-    return LlamaForCausalLM(config)
 
 
 def documents() -> list[dict]:
