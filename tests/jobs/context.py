@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 # The tiny Llama of the chunked loss's job (sdpa attention, transformers' default).
 from chunked import VOCAB, build  # noqa: E402
+from packing import padded as padded_to  # noqa: E402
 
 from trainer import TrainConfig, Trainer  # noqa: E402
 
@@ -31,13 +32,7 @@ def documents() -> list[dict]:
 
 def padded(rows: list[dict]) -> dict:
     """Each document in its own row, padded to 19 tokens (odd: the trainer pads to a multiple of cp_size)."""
-    ids = torch.zeros(len(rows), 19, dtype=torch.long)
-    mask, labels = torch.zeros_like(ids), torch.full_like(ids, -100)
-    for i, row in enumerate(rows):
-        n = len(row["input_ids"])
-        ids[i, :n], mask[i, :n] = torch.tensor(row["input_ids"]), 1
-        labels[i, :n] = ids[i, :n]
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    return padded_to(rows, length=19)
 
 
 def main() -> None:

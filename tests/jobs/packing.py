@@ -71,9 +71,10 @@ def build(arch: str) -> torch.nn.Module:
     )
 
 
-def padded(rows: list[dict]) -> dict:
-    """The same documents, each in its own row, padded to the longest: attention_mask 0 and labels -100 there."""
-    length = max(len(row["input_ids"]) for row in rows)
+def padded(rows: list[dict], length: int | None = None) -> dict:
+    """The same documents, each in its own row, padded to the longest (or ``length``): attention_mask 0 and labels
+    -100 there."""
+    length = length or max(len(row["input_ids"]) for row in rows)
     ids = torch.zeros(len(rows), length, dtype=torch.long)
     mask, labels = torch.zeros_like(ids), torch.full_like(ids, -100)
     for i, row in enumerate(rows):

@@ -106,3 +106,17 @@ def test_what_the_chunked_loss_cannot_do_is_refused_by_name(tmp_path):
         Trainer(gemma, config, train_data=data)
     with pytest.raises(ConfigError, match="loss_chunk_tokens must be >= 1"):
         TrainConfig(chunked_loss=True, loss_chunk_tokens=0)
+
+
+def test_compiled_per_block_the_loss_the_chunks_replace_stays_eager():
+    """compile per block compiles a model's loss function beside its blocks, unless chunked_loss replaces it (the
+    banner then does not say "and the loss"); torch.compile is lazy, so nothing is traced here."""
+    from trainer.parallel.compiling import Compilation, compile_in_place
+
+    compilation = Compilation(kwargs={"backend": "inductor"}, per_block=True)
+    for loss in (True, False):
+        model = job.build()
+        own = model.loss_function
+        said = compile_in_place(model, compilation, per_block=True, loss=loss)
+        assert ("and the loss" in said) is loss
+        assert (model.loss_function is own) is not loss

@@ -119,6 +119,7 @@ def test_a_model_split_again_by_a_second_trainer_is_split_once():
     rows are sliced once, through the kernel the model had."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from trainer.errors import ShardingError
     from trainer.parallel.context import ContextParallel
 
     config = dict(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1, max_position_embeddings=8)
@@ -128,3 +129,6 @@ def test_a_model_split_again_by_a_second_trainer_is_split_once():
     second.apply(model)
     assert len(model._forward_pre_hooks) == 1 and len(model._forward_hooks) == 1
     assert second.kind == "sdpa" and model.config._attn_implementation.endswith(str(id(second)))
+    # A loss in a tuple could not be summed over the group: refused by name.
+    with pytest.raises(ShardingError, match="returned a tuple, not a ModelOutput"):
+        second.join(model, (), (torch.ones(()),))

@@ -33,7 +33,7 @@ class ChunkedLoss:
     """Stands in for the model's ``loss_function`` (called as transformers calls it) and its head's ``forward``."""
 
     def __init__(self, head: torch.nn.Module, loss_function: Any, tokens: int):
-        self.head, self.tokens = head, tokens
+        self.tokens = tokens
         # The model's own, for a forward the default loss did not ask for (predict() with labels, a user's call).
         self.head_forward, self.loss_function = head.forward, loss_function
         # True while the default loss runs the forward: the head hands its input on. on: the latest Trainer of this
