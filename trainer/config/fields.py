@@ -96,6 +96,9 @@ class TrainConfig:
     # whole batch's logits never held (trainer/loop/chunked.py); the same loss to float order.
     chunked_loss: bool = False
     loss_chunk_tokens: int = 256
+    # Expert parallelism under an FSDP config: each MoE layer's experts split over ep_size processes, tokens sent to
+    # them all-to-all (trainer/parallel/experts.py). Accelerate's parallelism_config has no key for it yet.
+    ep_size: int = 1
     # DDP: parameters that get no gradient in some step (a branch not taken, a frozen head used only sometimes) must
     # be looked for after each forward, at some cost; without it such a model fails at its second step.
     find_unused_parameters: bool = False
@@ -135,31 +138,28 @@ class TrainConfig:
     resume: Optional[str] = None
     # Non-finite loss: "raise" (stop, naming step and rank) | "skip" (drop that step).
     nan_policy: str = "raise"
-    # A collective still waiting after this long ends the job.
+    # A collective waiting this long ends the job; no progress for stall_warning_s: the rank(s) waited for are named.
     collective_timeout_s: float = 1800.0
-    # No progress this long: name the rank(s) the others wait for.
     stall_warning_s: Optional[float] = 60.0
-    # Set it (or WANDB_PROJECT) to log to wandb from every process: run <experiment_name>-rank<k> in group
-    # <experiment_name>.
+    # Set it (or WANDB_PROJECT) to log to wandb from every process: run <experiment_name>-rank<k>, group the name.
     wandb_project: Optional[str] = None
     # Every process writes TensorBoard events to <output_dir>/tensorboard/rank<k>.
     tensorboard: bool = False
     # "10-12": a torch.profiler trace of those optimizer steps on every rank, <output_dir>/profile/rank<k>/trace.json
     profile_steps: Optional[str] = None
-    # MFU on the step line (trainer/telemetry/mfu.py): a model's forward + backward FLOPs per token (a transformers
-    # model's are computed), and a device's peak FLOP/s (a GPU in the table: its bf16 peak)
+    # MFU on the step line (trainer/telemetry/mfu.py): forward + backward FLOPs per token (a transformers model's are
+    # computed), a device's peak FLOP/s (a GPU in the table: its bf16 peak)
     flops_per_token: Optional[float] = None
     peak_flops: Optional[float] = None
     # fp32 matmuls on a GPU's tensor cores (TF32, a 10-bit mantissa; trainer/launch/precision.py). Off, as in torch.
     tf32: bool = False
-    # Bitwise-repeatable GPU runs: torch's deterministic algorithms (an op without one raises, naming itself) and
-    # cuBLAS's fixed workspace (CUBLAS_WORKSPACE_CONFIG=:4096:8, set before the first matmul); some speed is the price.
+    # Bitwise-repeatable GPU runs: torch's deterministic algorithms (an op without one raises, naming itself), cuBLAS's
+    # fixed workspace (CUBLAS_WORKSPACE_CONFIG=:4096:8, set before the first matmul); some speed is the price.
     deterministic: bool = False
     # Preemption (trainer/launch/preemption.py): on any of these signals, every rank stops after the same step, commits
-    # a checkpoint there and exits with status 75; "" leaves the signals alone. A second signal, or
-    # preemption_grace_s after the first, exits at once. slurm_requeue: then `scontrol requeue` the job.
-    # SIGHUP (the terminal or ssh session went away) and SIGQUIT (torchrun's agent treats it as SIGTERM) are ends of
-    # a job as much as SIGTERM is.
+    # a checkpoint there and exits with status 75 ("": signals left alone). A second signal, or preemption_grace_s
+    # after the first, exits at once. slurm_requeue: then `scontrol requeue` the job. SIGHUP (the ssh session went
+    # away) and SIGQUIT (torchrun's agent treats it as SIGTERM) end a job as much as SIGTERM does.
     preemption_signals: str = "SIGTERM,SIGINT,SIGUSR1,SIGHUP,SIGQUIT"
     preemption_grace_s: float = 180.0
     slurm_requeue: bool = False
@@ -237,6 +237,7 @@ class TrainConfig:
             "flops_per_token": 1.0,
             "peak_flops": 1.0,
             "loss_chunk_tokens": 1,
+            "ep_size": 1,
         }
         for key, low in at_least.items():
             value = getattr(self, key)

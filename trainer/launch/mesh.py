@@ -6,6 +6,7 @@ then context-parallel groups, then shards, then replicas, so a shard group of on
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -28,6 +29,9 @@ class Layout:
     tp: int = 1
     sharded: bool = False
     cp: int = 1
+    # Processes each MoE layer's experts are split over (expert parallelism; trainer.parallel.experts): the shards
+    # are (shard / ep) x ep for the experts, each expert sharded over shard / ep of them.
+    ep: int = 1
 
     @property
     def data_parallel(self) -> int:
@@ -41,6 +45,8 @@ class Layout:
     def describe(self) -> str:
         """The banner's name for it: 'FSDP2 over 4 processes', 'HSDP 2 x 2 (replicate x shard)', 'TP 2 x FSDP 2',
         'CP 2 x FSDP2 over 4 processes' (FSDP shards over the shards and the context-parallel groups)."""
+        if self.ep > 1:
+            return f"EP {self.ep} x FSDP2 over {self.shard} processes (each expert over {self.shard // self.ep})"
         if self.cp > 1:
             hybrid = f"HSDP {self.replicate} x {self.shard * self.cp} (replicate x shard)"
             return f"CP {self.cp} x " + (hybrid if self.hybrid else f"FSDP2 over {self.shard * self.cp} processes")
@@ -58,6 +64,8 @@ class Layout:
     def kind(self) -> str:
         """A word or two for the launch line: FSDP2, HSDP, TP, TP x FSDP2, TP x HSDP."""
         data = "HSDP" if self.hybrid else "FSDP2" if self.shard > 1 or self.tp == 1 else ""
+        if self.ep > 1:
+            return f"EP x {data}"
         if self.cp > 1:
             return f"CP x {data}"
         return data if self.tp == 1 else "TP" + (f" x {data}" if data else "")
@@ -122,6 +130,31 @@ def requested_layout(world: int, sharded: bool, sizes: Optional[dict[str, int]] 
             "a DDP config"
         )
     return layout
+
+
+def with_experts(layout: Layout, ep: int) -> Layout:
+    """``layout`` with TrainConfig's ``ep_size`` (accelerate's parallelism_config has no key for it yet), checked."""
+    if ep == 1:
+        return layout
+    if not layout.sharded:
+        raise ShardingError(
+            f"ep_size {ep} splits the experts over processes under FSDP2, which needs an FSDP config "
+            "(distributed_type: FSDP, fsdp_version: 2; accelerate_configs/fsdp.yaml): launch with one, or set ep_size 1"
+        )
+    others = [f"{name} {size}" for name, size in (("tp_size", layout.tp), ("cp_size", layout.cp)) if size > 1]
+    others += [f"dp_replicate_size {layout.replicate}"] if layout.replicate > 1 else []
+    if others:
+        raise ShardingError(
+            f"ep_size {ep} with {', '.join(others)} is not supported yet: expert parallelism runs over FSDP2's "
+            "shards alone (drop the parallelism_config's other sizes)"
+        )
+    if layout.shard % ep:
+        fits = ", ".join(str(d) for d in range(2, layout.shard + 1) if layout.shard % d == 0) or "none"
+        raise ShardingError(
+            f"ep_size {ep} does not divide the {layout.shard} processes FSDP2 shards over: each expert group is a "
+            f"whole number of processes (ep_size one of: {fits})"
+        )
+    return dataclasses.replace(layout, ep=ep)
 
 
 def _named_at_launch() -> bool:

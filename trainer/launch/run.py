@@ -30,7 +30,7 @@ from trainer.launch.accelerate_config import (
     refusal_of_the_launch,
     sharding_requested,
 )
-from trainer.launch.mesh import Layout, data_parallel_group, requested_layout
+from trainer.launch.mesh import Layout, data_parallel_group, requested_layout, with_experts
 
 T = TypeVar("T")
 ELASTIC_RECIPE = (
@@ -82,7 +82,7 @@ class Run:
         # Dropout etc.: reproducible, and different on each rank.
         set_seed(config.seed, device_specific=True, deterministic=config.deterministic)
         world = accelerator.num_processes
-        layout = requested_layout(world, sharded)
+        layout = with_experts(requested_layout(world, sharded), config.ep_size)
         mesh = layout.build(accelerator.device.type) if layout.sharded else None
         group = data_parallel_group(layout, mesh) if mesh is not None else None
         # A tensor- or context-parallel group reads one batch.

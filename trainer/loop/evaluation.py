@@ -8,6 +8,7 @@ the launch's autocast; the sums are reduced once at the end. A sharded model's f
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Optional
@@ -55,6 +56,9 @@ class Evaluator:
         data: Any,
     ):
         self.run, self.model, self.loss_fn, self.metrics_fn = run, model, loss_fn, metrics_fn
+        # A mixture of experts' eval_loss is its language model's: the load-balancing loss, a figure of the rows
+        # each process holds (trainer.loop.routing), left out.
+        self.measured = functools.partial(model_loss, output_router_logits=False) if weighing.routing else loss_fn
         self.tokens, self.data = weighing.count, data
         self.autocast, self.lockstep = strategy.autocast(model), strategy.lockstep
 
@@ -97,7 +101,7 @@ class Evaluator:
                 self.model,
                 loader,
                 run=self.run,
-                loss_fn=self.loss_fn,
+                loss_fn=self.measured,
                 metrics_fn=self.metrics_fn,
                 autocast=self.autocast,
                 tokens=self.tokens,

@@ -135,6 +135,9 @@ class StepRunner:
                 if self.average is not None and taken:
                     self.average.update(step)
         strategy.zero_grad()
+        if self.weighing.routing is not None and self.window.figures is not None:
+            # The most tokens an expert got over the mean (1: balanced), every layer and process together.
+            self.window.figures.add({"expert_load": self.weighing.routing.imbalance()})
         self.window.stepped()
         phases(step, "data")
 

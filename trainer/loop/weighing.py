@@ -15,6 +15,7 @@ import torch.distributed as dist
 from trainer.hf import LossFunctionProbe, accepts_loss_kwargs, causal_lm, is_transformers_model
 from trainer.loop import chunked
 from trainer.loop.losses import LossFn, checked, model_loss
+from trainer.loop.routing import RouterLoss
 from trainer.parallel.gradients import scale_
 
 if TYPE_CHECKING:
@@ -89,6 +90,8 @@ class Weighing:
         self.shifted = self.counts_tokens and causal_lm(model)
         self.passes_count = self.counts_tokens and accepts_loss_kwargs(model) and hasattr(model, "loss_function")
         self.probe = LossFunctionProbe.install(model) if self.passes_count else None
+        # A mixture of experts' load-balancing loss, over the global batch (trainer.loop.routing).
+        self.routing = RouterLoss.install(run, model) if self.counts_tokens else None
 
     def count(self, batch: Any) -> Optional[torch.Tensor]:
         """The tokens of ``batch`` the default loss averages over (a device tensor), or None when it does not
@@ -162,18 +165,23 @@ class Weighing:
         self, window: StepBatches, model: torch.nn.Module, batch: Any, *, piece: bool = False
     ) -> tuple[torch.Tensor, ...]:
         tokens, here = window.total_tokens(), self.count(batch) if piece else next(window.counts)
+        routed = self.routing.recording() if self.routing is not None else {}
         if self.passes_count:
             self.probe.passed = False
-            loss = model_loss(model, batch, num_items_in_batch=tokens)
+            loss = model_loss(model, batch, num_items_in_batch=tokens, **routed)
             honoured = self.probe.passed
         else:
-            loss, honoured = model_loss(model, batch), False
+            loss, honoured = model_loss(model, batch, **routed), False
         # Sum / tokens: this micro-batch's share of the window's mean already.
         if honoured:
             share, logged = loss, loss.detach() * tokens
         # A mean over its own tokens, weighed by its share of the window's.
         else:
             share, logged = loss * (here / tokens), loss.detach() * here
+        if self.routing is not None:
+            # Each micro-batch's load-balancing loss (of all processes' rows together) weighs 1 / micro-batches.
+            balance = self.routing.loss(batch) / window.divisor
+            share, logged = share + balance, logged + balance.detach() * tokens
         objective = share * self.world if self.world > 1 else share
         return objective, logged, here
 

@@ -15,6 +15,7 @@ from trainer.console import say
 from trainer.errors import ShardingError
 from trainer.launch.mesh import CP, TP, data_mesh
 from trainer.parallel.context import ContextParallel
+from trainer.parallel.experts import Experts
 from trainer.parallel.gradients import clip_, total_norm
 from trainer.parallel.sharding import ShardedModel, shard
 from trainer.parallel.strategy import Strategy, trainable
@@ -66,6 +67,12 @@ class FSDP2(Strategy):
             )
         self.in_fp8(model, sharded=True)
         tp = tensor_parallel(model, run.mesh[TP], parallelize_fn) if layout.tp > 1 else None
+        if layout.ep > 1 and self.compilation is not None:
+            raise ShardingError(
+                f"compile with ep_size {layout.ep} is not supported yet (the experts' all-to-all reads its split "
+                "sizes on the host inside a compiled block): launch without one of the two"
+            )
+        experts = Experts(model, layout, run.device.type) if layout.ep > 1 else None
         self.sharded = shard(
             model,
             self.plugin,
@@ -76,6 +83,7 @@ class FSDP2(Strategy):
             seed=run.config.seed,
             name=layout.describe(),
             tp=tp,
+            experts=experts,
         )
         if layout.cp > 1:
             if self.compilation is not None:
@@ -124,12 +132,12 @@ class FSDP2(Strategy):
         every all-gather and reduce-scatter FSDP2 issues asks first (``set_custom_all_gather`` /
         ``set_custom_reduce_scatter``; its buffers are allocated by then, so a rank fails before it or not at all)."""
         layout = self.run.layout
-        if layout.tp > 1 or layout.hybrid:
+        if layout.tp > 1 or layout.hybrid or layout.ep > 1:
             raise ShardingError(
                 f"auto_microbatch is not supported with {layout.describe()} yet (its collectives "
                 "run where one rank's out-of-memory would leave the others waiting): set "
                 "auto_microbatch: false and choose batch_size, or shard without tp_size or "
-                "dp_replicate_size"
+                "dp_replicate_size (or ep_size)"
             )
         from torch.distributed.fsdp import FSDPModule
 

@@ -17,6 +17,7 @@ import torch
 
 from trainer.errors import ShardingError
 from trainer.parallel.blocks import checkpoint_activations, outermost, wrap_groups
+from trainer.parallel.experts import Experts
 from trainer.parallel.placement import Placement, region, upcast_words
 from trainer.parallel.tensor_parallel import TensorParallel
 
@@ -58,11 +59,13 @@ def shard(
     seed: int = 0,
     name: str = "",
     tp: Optional[TensorParallel] = None,
+    experts: Optional[Experts] = None,
 ) -> ShardedModel:
     """Shard ``model`` in place over ``mesh`` (1-D: FSDP; replicate x shard: HSDP; None: tensor parallelism alone),
     one FSDP group at a time (its blocks, then the root): each group made whole on ``device`` (``Placement``), split
     over the tensor-parallel mesh (``tp``), then sharded, so no process holds more than its shards and one group
-    whole (a user's ``parallelize_fn`` gets the model whole). ``recompute``: blocks checkpoint their activations."""
+    whole (a user's ``parallelize_fn`` gets the model whole). ``recompute``: blocks checkpoint their activations.
+    ``experts``: each MoE layer's experts split (expert parallelism) and sharded as a group of their own first."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     placement = Placement(model, device=device, seed=seed)
@@ -83,15 +86,19 @@ def shard(
     if mixed_precision == "bf16":
         precision["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     done: set[int] = set()
-    # Children before parents; the root last, holding the rest (tied embeddings).
-    for group in [*groups, model]:
+    experts_modules = [module for module, _ in experts.modules.values()] if experts is not None else []
+    # Children before parents (experts before their blocks); the root last, holding the rest (tied embeddings).
+    for group in [*experts_modules, *groups, model]:
         modules = region(group, done)
         if not placed:
             placement.place(modules)
             if tp is not None:
                 tp.split(modules)
-        if mesh is not None:
-            after = {} if group is model else {"reshard_after_forward": bool(plugin.reshard_after_forward)}
+        after = {} if group is model else {"reshard_after_forward": bool(plugin.reshard_after_forward)}
+        if experts is not None and group in experts:
+            experts.split(group)
+            experts.shard(group, **after, **precision)
+        elif mesh is not None:
             fully_shard(group, mesh=mesh, **after, **precision)
         done.add(id(group))
     if mesh is not None:

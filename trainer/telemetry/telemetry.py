@@ -31,9 +31,9 @@ class Telemetry:
         self.replicas = run.dp.size
         # MFU, where the model's FLOPs and the device's peak are known (trainer.telemetry.mfu).
         self.utilisation = utilisation
-        self.window = LogWindow(run.device)
         # trainer.log's, until the next log.
         self.figures = LoggedFigures(reserved=(*STEP_FIGURES, "grad_norm"))
+        self.window = LogWindow(run.device, figures=self.figures)
         self.sinks: list[Any] = []
         self.log_history: list[dict[str, Any]] = []
 

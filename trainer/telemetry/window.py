@@ -51,8 +51,10 @@ FOLD_EVERY = 1024
 class LogWindow:
     """What this process did since the last log (see the module docstring)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, figures: Optional[LoggedFigures] = None):
         self._device = device
+        # The figures logged with this window (``trainer.log``'s, the experts' load).
+        self.figures = figures
         self.restart()
 
     def add(

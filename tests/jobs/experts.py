@@ -1,0 +1,104 @@
+"""A tiny mixture of experts (Qwen3-MoE, or ``--family mixtral`` / ``olmoe``: 4 experts, top 2, its router's
+load-balancing loss on at 0.1) trained 3 SGD steps on padded rows on every process of the launch, ``--ep`` its
+ep_size, gradients clipped to 0.5 (it binds at every step). Rank 0 writes the losses, the experts' load, an
+evaluation, a prediction, the mesh of the experts' weights and the banner to ``<out>/experts.json``, and fit() the
+weights to ``<out>/final``.
+
+    accelerate launch --config_file accelerate_configs/fsdp.yaml --num_processes 4 tests/jobs/experts.py \\
+        --out runs/ep --ep 2 --batch-size 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from chunked import VOCAB  # noqa: E402
+
+from trainer import TrainConfig, Trainer  # noqa: E402
+
+SIZES = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+MOE = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1, max_position_embeddings=64)
+
+
+def build(family: str = "qwen3_moe") -> torch.nn.Module:
+    """The family's tiny MoE, the same weights on every process (seed 0)."""
+    import transformers
+
+    torch.manual_seed(0)
+    if family == "mixtral":
+        config = transformers.MixtralConfig(**SIZES, **MOE, intermediate_size=16, num_local_experts=4)
+        return transformers.MixtralForCausalLM(config)
+    if family == "olmoe":
+        config = transformers.OlmoeConfig(**SIZES, **MOE, intermediate_size=16, num_experts=4)
+        return transformers.OlmoeForCausalLM(config)
+    config = transformers.Qwen3MoeConfig(
+        **SIZES, **MOE, head_dim=8, intermediate_size=64, moe_intermediate_size=16, num_experts=4, norm_topk_prob=True
+    )
+    return transformers.Qwen3MoeForCausalLM(config)
+
+
+def rows() -> list[dict]:
+    """24 documents of 4 to 15 tokens, each in its own row of 16 (attention_mask 0 and labels -100 past it)."""
+    generator = torch.Generator().manual_seed(1)
+    made = []
+    for _ in range(24):
+        n = int(torch.randint(4, 16, (1,), generator=generator))
+        ids = torch.randint(0, VOCAB, (16,), generator=generator)
+        labels, mask = ids.clone(), torch.ones(16, dtype=torch.long)
+        labels[n:], mask[n:] = -100, 0
+        made.append({"input_ids": ids, "labels": labels, "attention_mask": mask})
+    return made
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--family", default="qwen3_moe", choices=["qwen3_moe", "mixtral", "olmoe"])
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--resume", default=None)
+    parser.add_argument("--save-every", type=int, default=None)
+    args = parser.parse_args()
+    config = TrainConfig(
+        output_dir=args.out,
+        batch_size=args.batch_size,
+        max_steps=args.steps,
+        lr=0.5,
+        optimizer="sgd",
+        log_every=1,
+        shuffle=False,
+        save_every=args.save_every,
+        resume=args.resume,
+        ep_size=args.ep,
+        # Binds at every step: the gradients' norm over both meshes (the experts' and the rest's) is exact too.
+        max_grad_norm=0.5,
+    )
+    data = rows()
+    trainer = Trainer(build(args.family), config, train_data=data, eval_data=data[:8])
+    trainer.fit()
+    evaluation = trainer.evaluate()
+    logits = trainer.predict(data[:6], predict_fn=lambda model, batch: model(**batch).logits[:, :, :4])
+    experts = next(m for name, m in trainer.model.named_modules() if name.endswith("mlp.experts"))
+    if trainer.accelerator.is_main_process:
+        found = {
+            "logits": logits.tolist(),
+            "expert_mesh": list(getattr(experts.gate_up_proj, "device_mesh", None).mesh_dim_names)
+            if hasattr(experts.gate_up_proj, "device_mesh")
+            else None,
+            "losses": [row["train_loss"] for row in trainer.log_history if "train_loss" in row],
+            "load": [row.get("expert_load") for row in trainer.log_history if "train_loss" in row],
+            "eval_loss": evaluation["eval_loss"],
+            "banner": trainer.describe(),
+        }
+        Path(args.out, "experts.json").write_text(json.dumps(found))
+
+
+if __name__ == "__main__":
+    main()

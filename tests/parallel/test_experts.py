@@ -1,0 +1,126 @@
+"""Expert parallelism (``ep_size``) and a mixture of experts' load-balancing loss over the global batch: a tiny
+Qwen3-MoE (4 experts, top 2, load-balancing loss at 0.1, gradients clipped) trains under EP 2 on 2 processes, EP 2 x
+FSDP 2 on 4 and DDP on 2 to the losses, weights, evaluation and predictions of one process (float order), its experts'
+weights on the (efsdp, ep) mesh; an EP 2 x FSDP 2 checkpoint resumes on one process and under EP 2 on 2; a Mixtral
+likewise once; what cannot be split is refused by name (tests/jobs/experts.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, accelerate_launch, run
+
+JOB = ROOT / "tests" / "jobs" / "experts.py"
+sys.path.insert(0, str(ROOT / "tests" / "jobs"))
+
+
+def launched(out, *args, processes: int = 1, config: str = "fsdp.yaml"):
+    """The job's results: on one process (plain python), or launched on ``processes``."""
+    if processes == 1:
+        run([sys.executable, str(JOB), "--out", str(out), *map(str, args)])
+    else:
+        accelerate_launch(JOB, "--out", out, *map(str, args), config=config, num_processes=processes, timeout=600)
+    found = json.loads((out / "experts.json").read_text())
+    found["weights"] = load_file(out / "final" / "model.safetensors")
+    return found
+
+
+def same(found: dict, reference: dict, *, atol: float = 1e-6) -> None:
+    np.testing.assert_allclose(found["losses"], reference["losses"], rtol=1e-6)
+    np.testing.assert_allclose(found["load"], reference["load"], rtol=1e-6)
+    assert found["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-6)
+    np.testing.assert_allclose(found["logits"], reference["logits"], rtol=0, atol=1e-5)
+    for name, tensor in reference["weights"].items():
+        torch.testing.assert_close(found["weights"][name], tensor, rtol=0, atol=atol, msg=name)
+
+
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory):
+    return launched(tmp_path_factory.mktemp("alone"))
+
+
+@pytest.fixture(scope="module")
+def ep_2_x_fsdp_2(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ep2x2")
+    return out, launched(out, "--ep", 2, "--batch-size", 1, "--save-every", 1, processes=4)
+
+
+def test_ep_2_x_fsdp_2_on_4_processes_trains_as_one_process(alone, ep_2_x_fsdp_2):
+    _, found = ep_2_x_fsdp_2
+    same(found, alone)
+    assert found["expert_mesh"] == ["efsdp", "ep"]
+    assert "EP 2 x FSDP2 over 4 processes (each expert over 2)" in found["banner"]
+    # The load is logged, and not that of a balanced router: it measures something.
+    assert all(load > 1.0 for load in found["load"])
+
+
+@pytest.mark.parametrize("kind", ["EP 2 on 2", "DDP on 2"])
+def test_on_2_processes_trains_as_one_process(tmp_path, alone, kind):
+    """DDP too: each process adding its own rows' load-balancing loss counted it twice, of other statistics."""
+    if kind == "DDP on 2":
+        found = launched(tmp_path, "--batch-size", 2, processes=2, config="multi_gpu.yaml")
+    else:
+        found = launched(tmp_path, "--ep", 2, "--batch-size", 2, processes=2)
+        assert found["expert_mesh"] == ["efsdp", "ep"]
+    same(found, alone)
+
+
+def test_an_ep_checkpoint_resumes_on_one_process_and_under_ep_2(tmp_path, ep_2_x_fsdp_2):
+    out, whole = ep_2_x_fsdp_2
+    step = out / "checkpoints" / "step-00000002"
+    for name, flags, processes in (("one", ["--batch-size", 4], 1), ("ep2", ["--ep", 2, "--batch-size", 2], 2)):
+        again = launched(tmp_path / name, "--resume", step, *flags, processes=processes)
+        assert again["losses"] == pytest.approx(whole["losses"][2:], rel=1e-6)
+        for key, tensor in whole["weights"].items():
+            torch.testing.assert_close(again["weights"][key], tensor, rtol=0, atol=1e-6, msg=f"{name}: {key}")
+
+
+def test_a_mixtral_trains_under_ep_2_as_on_one_process(tmp_path):
+    reference = launched(tmp_path / "alone", "--family", "mixtral")
+    same(launched(tmp_path / "ep2", "--family", "mixtral", "--ep", 2, "--batch-size", 2, processes=2), reference)
+
+
+def test_the_load_balancing_loss_is_the_models_own_on_one_process():
+    """The trainer's (its counts over every process) equals transformers' on one process, padding masked."""
+    from experts import build, rows
+
+    from trainer import TrainConfig
+    from trainer.launch.run import Run
+    from trainer.loop.routing import RouterLoss
+
+    model, batch = build(), {k: torch.stack([row[k] for row in rows()[:4]]) for k in rows()[0]}
+    routing = RouterLoss.install(Run.join(TrainConfig()), model)
+    own = model(**batch).loss
+    mine = model(**batch, **routing.recording()).loss + routing.loss(batch)
+    assert mine.item() == pytest.approx(own.item(), rel=1e-6)
+    assert routing.imbalance() > 1.0
+
+
+def test_what_cannot_be_split_is_refused_by_name():
+    from experts import build
+
+    from trainer.errors import ShardingError
+    from trainer.launch.mesh import Layout, with_experts
+    from trainer.parallel.experts import experts_of
+
+    with pytest.raises(ShardingError, match="ep_size 3 does not divide the 4 experts of model.layers.0.mlp.experts"):
+        experts_of(build(), 3)
+    from chunked import build as llama
+
+    with pytest.raises(ShardingError, match="LlamaForCausalLM has no MoE layer the trainer can find"):
+        experts_of(llama(), 2)
+    with pytest.raises(ShardingError, match="ep_size 2 splits the experts .* needs an FSDP config"):
+        with_experts(Layout(replicate=2), 2)
+    with pytest.raises(ShardingError, match="ep_size 4 does not divide the 6 processes FSDP2 shards over"):
+        with_experts(Layout(shard=6, sharded=True), 4)
+    with pytest.raises(ShardingError, match="ep_size 2 with tp_size 2 is not supported yet"):
+        with_experts(Layout(shard=2, tp=2, sharded=True), 2)
+    assert with_experts(Layout(shard=4, sharded=True), 2).describe() == (
+        "EP 2 x FSDP2 over 4 processes (each expert over 2)"
+    )
