@@ -47,9 +47,14 @@ class Experts:
     def split(self, module: torch.nn.Module) -> None:
         """Keep this process's experts of ``module`` (whole on every process until now) and route its tokens to the
         processes of its expert group all-to-all."""
+        # Importing expert_parallel registers its styles.
+        from transformers.distributed import expert_parallel  # noqa: F401
         from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
 
         _, weights = self.modules[id(module)]
+        if not hasattr(module, "num_experts"):
+            # transformers' exchange reads it (its split divides it by ep_size).
+            module.num_experts = getattr(module, weights[0]).shape[0]
         for name in weights:
             ALL_PARALLEL_STYLES[SPLIT].shard_param(module, name, self.mesh[EP])
         ALL_PARALLEL_STYLES[DISPATCH].install_forward(module, ep_mesh=self.mesh[EP], tp_mesh=self.mesh[ETP])
