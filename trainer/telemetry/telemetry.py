@@ -15,6 +15,7 @@ import torch
 from trainer.console import STEP_FIGURES, say, step_line
 from trainer.errors import Preempted
 from trainer.state import TrainState
+from trainer.telemetry.kubeflow import KubeflowProgress
 from trainer.telemetry.sinks import close_all, open_sinks
 from trainer.telemetry.window import NOT_MEASURED, WINDOW_FIELDS, LoggedFigures, LogWindow, memory_gb, summarize
 
@@ -35,12 +36,15 @@ class Telemetry:
         self.figures = LoggedFigures(reserved=(*STEP_FIGURES, "grad_norm"))
         self.window = LogWindow(run.device, figures=self.figures)
         self.sinks: list[Any] = []
+        # The TrainJob's progress, where Kubeflow Trainer asks for it (trainer.telemetry.kubeflow).
+        self.progress: Optional[KubeflowProgress] = None
         self.log_history: list[dict[str, Any]] = []
 
     def open(self, run_id: str, *, step: int = 0) -> None:
         """This rank's sinks; ``run_id`` names its wandb run (a resume passes the checkpoint's: the run goes on from
         ``step``)."""
         self.sinks = open_sinks(self.run, run_id=run_id, resumed_at=step)
+        self.progress = KubeflowProgress.from_env(main=self.accelerator.is_main_process, step=step)
 
     def add(self, values: dict[str, Any]) -> None:
         """Figures for this rank's next log (``Trainer.log``)."""
@@ -111,6 +115,8 @@ class Telemetry:
         shown = global_view if acc.is_main_process else {}
         # Yours stored as the trainer's are.
         self.write({**own, **shown, **added}, state.step)
+        if self.progress is not None:
+            self.progress.update(state.step, total_steps, metrics)
         say(step_line(metrics, total_steps))
         return global_view
 
@@ -158,4 +164,7 @@ class Telemetry:
 
     def close(self, status: str, detail: Any = None) -> None:
         """End every sink: ``finished``, ``failed`` (``detail``: the exception) or ``preempted`` (why)."""
+        if self.progress is not None:
+            self.progress.finish(status)
+            self.progress = None
         close_all(self.sinks, status, detail)
