@@ -119,7 +119,7 @@ def worker(args) -> None:
                 num_attention_heads=args.width // 64,
                 vocab_size=args.vocab,
                 max_position_embeddings=args.seq_len,
-                tie_word_embeddings=True,
+                tie_word_embeddings=not args.untied,
             ),
             LlamaForCausalLM,
         )
@@ -221,6 +221,7 @@ def run(kind: str, processes: int, args) -> dict | None:
         args.model,
         *(["--chunked-loss"] if args.chunked_loss else []),
         *(["--activation-checkpointing"] if args.activation_checkpointing else []),
+        *(["--untied"] if args.untied else []),
     ]
     return launch_measured(__file__, processes, flags, settings, f"{kind} x {processes}")
 
@@ -243,6 +244,7 @@ def main() -> None:
     )
     parser.add_argument("--chunked-loss", action="store_true", help="chunked_loss: true in every run")
     parser.add_argument("--activation-checkpointing", action="store_true", help="recomputed blocks in every run")
+    parser.add_argument("--untied", action="store_true", help="llama: its own embeddings and head, not tied")
     parser.add_argument("--out", default="runs/benchmark-memory")
     parser.add_argument("--start-from", default="cpu", help=argparse.SUPPRESS)
     parser.add_argument("--pretrained", default=None, help=argparse.SUPPRESS)

@@ -105,6 +105,25 @@ def wrap_groups(model: torch.nn.Module, plugin: Any) -> list[torch.nn.Module]:
     return [module for module in candidates if not _tied_outside(module, holders)]
 
 
+def vocabulary_ends(model: torch.nn.Module, groups: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """A transformers model's input embeddings and output head, each an FSDP group of its own when they share no
+    weight and no group holds them (torchtitan's layout): in the root they stay gathered the whole step and their
+    gradients the whole backward, two vocabulary-sized matrices each; apart, the embeddings are let go after their
+    forward and the head's gradient is reduced as soon as its backward is done. Tied, they stay in the root."""
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    if not groups or get_in is None or get_out is None:
+        return []
+    ends = [end for end in (get_in(), get_out()) if isinstance(end, torch.nn.Module)]
+    inside = {id(sub) for end in ends for sub in end.modules()}
+    grouped = {id(sub) for group in groups for sub in group.modules()}
+    first, second = ({id(p) for p in end.parameters()} for end in ends) if len(ends) == 2 else (set(), set())
+    # A weight also held outside them (tied to another module): the root keeps it.
+    outside = {id(p) for m in model.modules() if id(m) not in inside for p in m._parameters.values() if p is not None}
+    if len(ends) != 2 or inside & grouped or first & second or (first | second) & outside:
+        return []
+    return ends
+
+
 def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """For a model that names no block class: the children of its largest ModuleList (nanoGPT's ``transformer.h``,
     torchtitan's ``layers``), said in a line; none (one group) when it has no ModuleList, also said."""

@@ -2,8 +2,9 @@
 
 The trainer calls ``fully_shard`` itself rather than letting accelerate's FSDP plugin prepare the model: accelerate
 drops the plugin without a word on a host without a GPU, and the model would train as DDP; this path is the same on
-NCCL and gloo, so what the CPU tests exercise is what a GPU runs. Each block is one FSDP group and the root holds the
-rest (tied embeddings together); master weights are fp32; bf16 computes in bf16 and reduces gradients in fp32.
+NCCL and gloo, so what the CPU tests exercise is what a GPU runs. Each block is one FSDP group, untied input embeddings
+and output head one each, each MoE layer's experts one (expert parallelism), and the root holds the rest (tied
+embeddings together); master weights are fp32; bf16 computes in bf16 and reduces gradients in fp32.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from trainer.errors import ShardingError
-from trainer.parallel.blocks import checkpoint_activations, outermost, wrap_groups
+from trainer.parallel.blocks import checkpoint_activations, outermost, vocabulary_ends, wrap_groups
 from trainer.parallel.experts import Experts
 from trainer.parallel.placement import Placement, region, upcast_words
 from trainer.parallel.tensor_parallel import TensorParallel
@@ -36,12 +37,15 @@ class ShardedModel:
     upcast: list[str]
     activation_checkpointing: bool
     built_on_meta: bool = False
+    # Groups besides the blocks: the untied embeddings and head, each MoE layer's experts.
+    apart: str = ""
 
     def describe(self) -> str:
         upcast = f"; {upcast_words(self.upcast)}" if self.upcast else ""
         upcast += "; built on meta, each process initialised its shards" if self.built_on_meta else ""
         checkpointed = ", activation checkpointing" if self.activation_checkpointing else ""
-        groups = "tensor-parallel modules split" if self.groups is None else f"{self.groups} sharded blocks + root"
+        groups = f"{self.groups} sharded blocks{self.apart} + root"
+        groups = "tensor-parallel modules split" if self.groups is None else groups
         return (
             f"{self.mesh}: {self.parameters:,} parameters, {self.held:,} "
             f"held by this process ({groups}{checkpointed}){upcast}"
@@ -87,14 +91,19 @@ def shard(
         precision["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     done: set[int] = set()
     experts_modules = [module for module, _ in experts.modules.values()] if experts is not None else []
+    # Untied input embeddings and output head: groups of their own (None: in the root).
+    ends = vocabulary_ends(model, groups) if mesh is not None else []
     # Children before parents (experts before their blocks); the root last, holding the rest (tied embeddings).
-    for group in [*experts_modules, *groups, model]:
+    for group in [*experts_modules, *groups, *ends, model]:
         modules = region(group, done)
         if not placed:
             placement.place(modules)
             if tp is not None:
                 tp.split(modules)
         after = {} if group is model else {"reshard_after_forward": bool(plugin.reshard_after_forward)}
+        if ends and group is ends[-1]:
+            # Its backward comes right after its forward: gathered once for both.
+            after = {"reshard_after_forward": False}
         if experts is not None and group in experts:
             experts.split(group)
             experts.shard(group, **after, **precision)
@@ -111,6 +120,8 @@ def shard(
         upcast=list(placement.upcast.values()),
         activation_checkpointing=recompute,
         built_on_meta=placement.built_on_meta,
+        apart=(" + embeddings + head" if ends else "")
+        + (f" + {len(experts_modules)} experts" if experts_modules else ""),
     )
 
 

@@ -1,0 +1,57 @@
+"""FSDP2's groups of an untied model: its input embeddings and output head are groups of their own (torchtitan's
+layout), so that the embeddings are let go after their forward and the head's gradient is reduced as soon as its
+backward is done, instead of both staying gathered in the root group the whole step; a tied model keeps them in the
+root. Read from the weights FSDP2 leaves on the modules while a 2-process job runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import accelerate_launch
+
+JOB = """
+import json, sys
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from trainer import TrainConfig, Trainer
+
+tied = sys.argv[2] == "tied"
+config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, tie_word_embeddings=tied)
+torch.manual_seed(0)
+model = LlamaForCausalLM(config)
+seen = {}
+
+def sharded(weight):
+    return type(weight).__name__ == "DTensor"
+
+def in_forward(module, args):
+    seen.setdefault("embeddings gathered in the blocks' forward", not sharded(model.model.embed_tokens.weight))
+
+def in_backward(module, grad):
+    grad_of_head = model.lm_head.weight.grad
+    reduced = grad_of_head is not None and sharded(grad_of_head)
+    seen.setdefault("head's gradient reduced before the blocks' backward", reduced)
+
+model.model.layers[0].register_forward_pre_hook(in_forward)
+model.model.layers[0].register_full_backward_pre_hook(in_backward)
+rows = [{"input_ids": torch.arange(8) + i, "labels": torch.arange(8) + i} for i in range(8)]
+trainer = Trainer(model, TrainConfig(output_dir=sys.argv[1], max_steps=1, batch_size=2), train_data=rows)
+trainer.fit()
+if trainer.accelerator.is_main_process:
+    print("SEEN " + json.dumps({**seen, "banner": trainer.describe()}))
+"""
+
+
+@pytest.mark.parametrize("tie", ["untied", "tied"])
+def test_untied_embeddings_and_head_are_groups_of_their_own(tmp_path, tie):
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    done = accelerate_launch(script, str(tmp_path / "out"), tie, config="fsdp.yaml", num_processes=2)
+    seen = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("SEEN "))[5:])
+    apart = tie == "untied"
+    assert seen["embeddings gathered in the blocks' forward"] is not apart
+    assert seen["head's gradient reduced before the blocks' backward"] is apart
+    assert ("2 sharded blocks + embeddings + head + root" in seen["banner"]) is apart
