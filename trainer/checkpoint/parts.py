@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from trainer.checkpoint import legacy
+from trainer.checkpoint.compiled import CompiledGraphs
 from trainer.checkpoint.hf_files import save_model_config
 from trainer.checkpoint.safe_dcp import SHARDS, read_shards, refused_pickle
 from trainer.console import warn
@@ -32,6 +33,8 @@ class ModelPart:
 
     def __init__(self, run: Run, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
         self.model, self.optimizer, self.main = model, optimizer, run.main
+        # A compiled model's graphs, kept beside its weights (trainer.checkpoint.compiled).
+        self.graphs = CompiledGraphs.for_run(run)
         # Where loaded tensors go (not "cpu:0").
         self.device = "cpu" if run.device.type == "cpu" else str(run.device)
         # On a GPU, save_async's pinned copies, made at the first save, kept for the next (kept_stager).
@@ -46,6 +49,8 @@ class ModelPart:
             dcp.save(self._dcp_state(folder), checkpoint_id=str(folder / SHARDS))
         if self.main:
             save_model_config(self.model, folder)
+        if self.graphs is not None:
+            self.graphs.save(folder)
 
     def save_async(self, folder: Path, process_group: Any) -> Future:
         """``save``, returning once the state is copied to CPU memory: the shards are written in the background
@@ -77,6 +82,8 @@ class ModelPart:
         strategy and processes that wrote it."""
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
+        if self.graphs is not None:
+            self.graphs.load(folder)
         if not (folder / SHARDS).is_dir():
             return legacy.read_before_dcp(self.model, self.optimizer, folder)
         loaded = self._dcp_state()
