@@ -1,6 +1,7 @@
 """Kubernetes: examples/kubernetes/ (a Kubeflow Trainer TrainJob and its ClusterTrainingRuntime, and a plain JobSet).
 No cluster here: each manifest is checked offline against the fields its CRD defines (tests/fixtures/crds: the
-openAPIV3Schema of TrainJob and ClusterTrainingRuntime v1alpha1, kubeflow/trainer 8c0f5059b, and of JobSet
+openAPIV3Schema of TrainJob and ClusterTrainingRuntime v1alpha1, kubeflow/trainer 8c0f5059b, field for field those of
+the v2.3.0 release, whose API v2.2 is not compatible with (re-read 2026-11-28; v2.2.0's differ), and of JobSet
 v1alpha2, kubernetes-sigs/jobset 08dfbdfd, descriptions dropped), and its command runs as Kubernetes runs it: one
 torchrun per pod (two agents on loopback) with the PET_* variables the runtime sets, evicted by SIGTERM then SIGKILL
 after the grace period, restarted, and ending bit-identical to a run never evicted."""
