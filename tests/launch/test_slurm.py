@@ -140,3 +140,22 @@ def test_a_preempted_job_checkpoints_requeues_itself_and_finishes_bit_identical(
     assert f"resumed from {out}/checkpoints/step-{step:08d}" in text
     print(f"preempted at step {step}; requeued, resumed and finished {time.monotonic() - signalled:.1f} s later")
     assert_bit_identical(final_weights(reference), final_weights(out))
+
+
+@pytest.mark.parametrize("given", ["", "the user's own"])
+def test_the_jobs_comment_tells_its_progress_unless_the_user_gave_one(cluster, tmp_path, given):
+    """Progress to the scheduler (trainer/telemetry/progress.py): the comment says 100% once the job is done; a
+    comment given at submission is left alone."""
+    job = sbatch(
+        cluster,
+        "single_node.sbatch",
+        *COMMON,
+        *SGD_MEAN,
+        "--output_dir",
+        tmp_path / "out",
+        env={"SCRIPT": str(SAME_UPDATES), "PROCESSES_PER_NODE": "1"},
+        sbatch_args=["--gpus=0", "-o", str(tmp_path / "job.out"), *([f"--comment={given}"] if given else [])],
+    )
+    shown = cluster.run("scontrol", "show", "job", job).stdout
+    comment = next(line.split("Comment=", 1)[1].strip() for line in shown.splitlines() if "Comment=" in line)
+    assert comment == (given or "trainer: 100% (step 12 of 12), done"), shown

@@ -15,7 +15,7 @@ import torch
 from trainer.console import STEP_FIGURES, say, step_line
 from trainer.errors import Preempted
 from trainer.state import TrainState
-from trainer.telemetry.kubeflow import KubeflowProgress
+from trainer.telemetry.progress import Progress
 from trainer.telemetry.sinks import close_all, open_sinks
 from trainer.telemetry.window import NOT_MEASURED, WINDOW_FIELDS, LoggedFigures, LogWindow, memory_gb, summarize
 
@@ -36,15 +36,15 @@ class Telemetry:
         self.figures = LoggedFigures(reserved=(*STEP_FIGURES, "grad_norm"))
         self.window = LogWindow(run.device, figures=self.figures)
         self.sinks: list[Any] = []
-        # The TrainJob's progress, where Kubeflow Trainer asks for it (trainer.telemetry.kubeflow).
-        self.progress: Optional[KubeflowProgress] = None
+        # Progress to the job's scheduler, where one listens (trainer.telemetry.progress).
+        self.progress: Optional[Progress] = None
         self.log_history: list[dict[str, Any]] = []
 
     def open(self, run_id: str, *, step: int = 0) -> None:
         """This rank's sinks; ``run_id`` names its wandb run (a resume passes the checkpoint's: the run goes on from
         ``step``)."""
         self.sinks = open_sinks(self.run, run_id=run_id, resumed_at=step)
-        self.progress = KubeflowProgress.from_env(main=self.accelerator.is_main_process, step=step)
+        self.progress = Progress.from_env(main=self.accelerator.is_main_process, step=step)
 
     def add(self, values: dict[str, Any]) -> None:
         """Figures for this rank's next log (``Trainer.log``)."""
