@@ -1,7 +1,7 @@
-"""Progress to the scheduler, Kubeflow Trainer's (tests/launch/test_slurm.py: Slurm's): a loopback HTTPS server with a self-signed CA stands in for the controller (its
-URL, CA and token file given as the controller injects them); a job on 2 processes posts the TrainJob's status from
-its main process alone, with the bearer token, in transformers' ``KubeflowCallback`` payload, 100 at the end; a
-server that is not there costs a line, not the run."""
+"""Progress to the scheduler, Kubeflow Trainer's (tests/launch/test_slurm.py: Slurm's): a loopback HTTPS server with
+a self-signed CA stands in for the controller (its URL, CA and token file given as the controller injects them); a job
+on 2 processes posts the TrainJob's status from its main process alone, with the bearer token, in transformers'
+``KubeflowCallback`` payload, 100 at the end; a server that is not there costs a line, not the run."""
 
 from __future__ import annotations
 
