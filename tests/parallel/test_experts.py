@@ -1,9 +1,9 @@
 """Expert parallelism (``ep_size``) and a mixture of experts' load-balancing loss over the global batch: a tiny
 Qwen3-MoE (4 experts, top 2, load-balancing loss at 0.1, gradients clipped) trains under EP 2 on 2 processes, EP 2 x
-FSDP 2 on 4 and DDP on 2 to the losses, weights, evaluation and predictions of one process (float order), its experts'
-weights on the (efsdp, ep) mesh; an EP 2 x FSDP 2 checkpoint resumes on one process and under EP 2 on 2; a Mixtral
-and a model of one's own (an ``ep_plan``) likewise once; what cannot be split is refused by name
-(tests/jobs/experts.py)."""
+FSDP 2 on 4, EP 2 under HSDP 2 x 2 and DDP on 2 to the losses, weights, evaluation and predictions of one process
+(float order), its experts' weights on the (efsdp, ep) mesh; an EP 2 x FSDP 2 checkpoint resumes on one process and
+under EP 2 on 2; a Mixtral and a model of one's own (an ``ep_plan``) likewise once; what cannot be split is refused by
+name (tests/jobs/experts.py)."""
 
 from __future__ import annotations
 
@@ -15,18 +15,21 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, accelerate_launch, run
+from conftest import ROOT, accelerate_launch, clean_env, run
 
 JOB = ROOT / "tests" / "jobs" / "experts.py"
 sys.path.insert(0, str(ROOT / "tests" / "jobs"))
 
 
-def launched(out, *args, processes: int = 1, config: str = "fsdp.yaml"):
-    """The job's results: on one process (plain python), or launched on ``processes``."""
+def launched(out, *args, processes: int = 1, config: str = "fsdp.yaml", replicas: int = 1):
+    """The job's results: on one process (plain python), or launched on ``processes`` (``replicas``: HSDP's)."""
     if processes == 1:
         run([sys.executable, str(JOB), "--out", str(out), *map(str, args)])
     else:
-        accelerate_launch(JOB, "--out", out, *map(str, args), config=config, num_processes=processes, timeout=600)
+        sizes = {"PARALLELISM_CONFIG_DP_REPLICATE_SIZE": str(replicas), "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2"}
+        env = {**clean_env(), "ACCELERATE_USE_PARALLELISM_CONFIG": "true", **sizes} if replicas > 1 else None
+        launch = dict(config=config, num_processes=processes, timeout=600, env=env)
+        accelerate_launch(JOB, "--out", out, *map(str, args), **launch)
     found = json.loads((out / "experts.json").read_text())
     found["weights"] = load_file(out / "final" / "model.safetensors")
     return found
@@ -69,14 +72,18 @@ def test_ep_2_x_fsdp_2_on_4_processes_trains_as_one_process(alone, ep_2_x_fsdp_2
     assert model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 4
 
 
-@pytest.mark.parametrize("kind", ["EP 2 on 2", "DDP on 2"])
-def test_on_2_processes_trains_as_one_process(tmp_path, alone, kind):
+@pytest.mark.parametrize("kind", ["EP 2 on 2", "DDP on 2", "EP 2 x HSDP 2 x 2 on 4"])
+def test_ep_2_ddp_and_ep_2_under_hsdp_train_as_one_process(tmp_path, alone, kind):
     """DDP too: each process adding its own rows' load-balancing loss counted it twice, of other statistics."""
     if kind == "DDP on 2":
         found = launched(tmp_path, "--batch-size", 2, processes=2, config="multi_gpu.yaml")
-    else:
+    elif kind == "EP 2 on 2":
         found = launched(tmp_path, "--ep", 2, "--batch-size", 2, processes=2)
         assert found["expert_mesh"] == ["efsdp", "ep"]
+    else:
+        found = launched(tmp_path, "--ep", 2, "--batch-size", 1, processes=4, replicas=2)
+        assert found["expert_mesh"] == ["dp_replicate", "efsdp", "ep"]
+        assert "EP 2 x HSDP 2 x 2 (each expert over 1)" in found["banner"]
     same(found, alone)
 
 

@@ -46,7 +46,8 @@ class Layout:
         """The banner's name for it: 'FSDP2 over 4 processes', 'HSDP 2 x 2 (replicate x shard)', 'TP 2 x FSDP 2',
         'CP 2 x FSDP2 over 4 processes' (FSDP shards over the shards and the context-parallel groups)."""
         if self.ep > 1:
-            return f"EP {self.ep} x FSDP2 over {self.shard} processes (each expert over {self.shard // self.ep})"
+            data = f"HSDP {self.replicate} x {self.shard}" if self.hybrid else f"FSDP2 over {self.shard} processes"
+            return f"EP {self.ep} x {data} (each expert over {self.shard // self.ep})"
         if self.cp > 1:
             hybrid = f"HSDP {self.replicate} x {self.shard * self.cp} (replicate x shard)"
             return f"CP {self.cp} x " + (hybrid if self.hybrid else f"FSDP2 over {self.shard * self.cp} processes")
@@ -142,11 +143,10 @@ def with_experts(layout: Layout, ep: int) -> Layout:
             "(distributed_type: FSDP, fsdp_version: 2; accelerate_configs/fsdp.yaml): launch with one, or set ep_size 1"
         )
     others = [f"{name} {size}" for name, size in (("tp_size", layout.tp), ("cp_size", layout.cp)) if size > 1]
-    others += [f"dp_replicate_size {layout.replicate}"] if layout.replicate > 1 else []
     if others:
         raise ShardingError(
             f"ep_size {ep} with {', '.join(others)} is not supported yet: expert parallelism runs over FSDP2's "
-            "shards alone (drop the parallelism_config's other sizes)"
+            "or HSDP's shards (drop the parallelism_config's other sizes)"
         )
     if layout.shard % ep:
         fits = ", ".join(str(d) for d in range(2, layout.shard + 1) if layout.shard % d == 0) or "none"

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 # The experts' mesh dimensions: the FSDP2 shards of each expert, the expert-parallel group, and a tensor-parallel
 # dimension of 1 (transformers' exchange asks for the processes that hold the same batch: each process alone).
-EFSDP, EP, ETP = "efsdp", "ep", "etp"
+REPLICATE, EFSDP, EP, ETP = "dp_replicate", "efsdp", "ep", "etp"
 DISPATCH, SPLIT = "ep_dispatch_experts", "grouped_gemm"
 
 
@@ -35,11 +35,15 @@ class Experts:
     def __init__(self, model: torch.nn.Module, layout: Layout, device_type: str):
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.ep, self.processes = layout.ep, layout.shard
+        self.ep, self.shards, self.processes = layout.ep, layout.shard, layout.replicate * layout.shard
         self.modules = experts_of(model, self.ep)
+        # Under HSDP the experts are replicated as the rest is: their FSDP2 mesh is (replicate, efsdp).
+        sizes = ((REPLICATE, layout.replicate), (EFSDP, layout.shard // layout.ep), (EP, layout.ep), (ETP, 1))
+        kept = [(name, size) for name, size in sizes if name != REPLICATE or size > 1]
         self.mesh = init_device_mesh(
-            device_type, (layout.shard // layout.ep, layout.ep, 1), mesh_dim_names=(EFSDP, EP, ETP)
+            device_type, tuple(size for _, size in kept), mesh_dim_names=tuple(name for name, _ in kept)
         )
+        self.data = self.mesh[(REPLICATE, EFSDP)] if layout.replicate > 1 else self.mesh[EFSDP]
 
     def __contains__(self, module: torch.nn.Module) -> bool:
         return id(module) in self.modules
@@ -60,16 +64,17 @@ class Experts:
         ALL_PARALLEL_STYLES[DISPATCH].install_forward(module, ep_mesh=self.mesh[EP], tp_mesh=self.mesh[ETP])
 
     def shard(self, module: torch.nn.Module, **fsdp: Any) -> None:
-        """FSDP2 over the processes that hold the same experts. Each expert's gradient is the sum over every batch
-        sent to it, by every process of its expert group, then over its efsdp copies: divided by all the shards, it
-        is the data-parallel average that the rest of the model's gradients are (torchtitan, transformers)."""
+        """FSDP2 (HSDP under replicas) over the processes that hold the same experts. Each expert's gradient is the sum
+        over every batch sent to it, by every process of its expert group, then over its copies: divided by all the
+        data-parallel processes, it is the average the rest of the model's gradients are (torchtitan, transformers)."""
         from torch.distributed.fsdp import fully_shard
 
-        fully_shard(module, mesh=self.mesh[EFSDP], **fsdp)
+        fully_shard(module, mesh=self.data, **fsdp)
         module.set_gradient_divide_factor(float(self.processes))
-        if self.processes // self.ep > 1:
-            # A factor other than the group's size is a PREMUL_SUM, which gloo refuses (and NCCL zeroes in bf16 up to
-            # torch 2.13, pytorch/pytorch#190747): summed, then divided locally.
+        if self.shards // self.ep > 1:
+            # A factor other than the reduce-scatter group's size is a PREMUL_SUM, which gloo refuses (and NCCL zeroes
+            # in bf16 up to torch 2.13, pytorch/pytorch#190747): summed, then divided locally. Not with one shard of
+            # each expert: FSDP2 then divides as it copies the gradient, and HSDP's all-reduce sums.
             module.set_force_sum_reduction_for_comms(True)
 
 
