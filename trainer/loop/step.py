@@ -135,9 +135,10 @@ class StepRunner:
                 if self.average is not None and taken:
                     self.average.update(step)
         strategy.zero_grad()
-        if self.weighing.routing is not None and self.window.figures is not None:
+        load = self.weighing.routing.imbalance() if self.weighing.routing is not None else None
+        if load is not None and self.window.figures is not None:
             # The most tokens an expert got over the mean (1: balanced), every layer and process together.
-            self.window.figures.add({"expert_load": self.weighing.routing.imbalance()})
+            self.window.figures.add({"expert_load": load})
         self.window.stepped()
         phases(step, "data")
 

@@ -1,10 +1,10 @@
 """Expert parallelism: each MoE layer's experts split over ``ep_size`` processes (whole experts on each), the tokens
 routed to them sent there all-to-all and back, composed with FSDP2 as torchtitan lays it out (docs/parallelism.md).
 
-The mesh of the experts is (efsdp, ep): the FSDP2 shards of the launch cut into ``shard / ep`` groups of ``ep``
-neighbouring processes; in each group every process holds ``num_experts / ep`` experts, and each expert is sharded
-by FSDP2 over the ``shard / ep`` processes that hold it (its own FSDP group, on the efsdp dimension). The rest of the
-model is sharded over every process as without experts. The split and the exchange are transformers' own (the
+The mesh of the experts is (efsdp, ep), (replicate, efsdp, ep) under HSDP: the FSDP2 shards of the launch cut into
+``shard / ep`` groups of ``ep`` neighbouring processes; in each group every process holds ``num_experts / ep``
+experts, and each expert is sharded by FSDP2 over the ``shard / ep`` processes that hold it (its own FSDP group, on the
+efsdp dimension; HSDP's replicas each hold the same). The rest of the model is sharded as without experts. The split and the exchange are transformers' own (the
 ``grouped_gemm`` and ``ep_dispatch_experts`` styles of ``transformers.distributed.expert_parallel``), read from the
 model's ``ep_plan``, which transformers' MoE families define (Qwen3-MoE, Mixtral, OLMoE, ...); a model of one's own
 gives an ``ep_plan`` attribute in the same words (experts modules called as ``experts(hidden_states, top_k_index,
@@ -23,8 +23,8 @@ from trainer.errors import ShardingError
 if TYPE_CHECKING:
     from trainer.launch.mesh import Layout
 
-# The experts' mesh dimensions: the FSDP2 shards of each expert, the expert-parallel group, and a tensor-parallel
-# dimension of 1 (transformers' exchange asks for the processes that hold the same batch: each process alone).
+# The experts' mesh dimensions: HSDP's replicas, the FSDP2 shards of each expert, the expert-parallel group, and a
+# tensor-parallel dimension of 1 (transformers' exchange asks for the processes that hold the same batch: each alone).
 REPLICATE, EFSDP, EP, ETP = "dp_replicate", "efsdp", "ep", "etp"
 DISPATCH, SPLIT = "ep_dispatch_experts", "grouped_gemm"
 
