@@ -4,11 +4,11 @@ routed to them sent there all-to-all and back, composed with FSDP2 as torchtitan
 The mesh of the experts is (efsdp, ep), (replicate, efsdp, ep) under HSDP: the FSDP2 shards of the launch cut into
 ``shard / ep`` groups of ``ep`` neighbouring processes; in each group every process holds ``num_experts / ep``
 experts, and each expert is sharded by FSDP2 over the ``shard / ep`` processes that hold it (its own FSDP group, on the
-efsdp dimension; HSDP's replicas each hold the same). The rest of the model is sharded as without experts. The split and the exchange are transformers' own (the
-``grouped_gemm`` and ``ep_dispatch_experts`` styles of ``transformers.distributed.expert_parallel``), read from the
-model's ``ep_plan``, which transformers' MoE families define (Qwen3-MoE, Mixtral, OLMoE, ...); a model of one's own
-gives an ``ep_plan`` attribute in the same words (experts modules called as ``experts(hidden_states, top_k_index,
-top_k_weights)``, their weights' first dimension the experts).
+efsdp dimension; HSDP's replicas each hold the same). The rest of the model is sharded as without experts. The split
+and the exchange are transformers' own (the ``grouped_gemm`` and ``ep_dispatch_experts`` styles of
+``transformers.distributed.expert_parallel``), read from the model's ``ep_plan``, which transformers' MoE families
+define (Qwen3-MoE, Mixtral, OLMoE, ...); a model of one's own gives an ``ep_plan`` attribute in the same words (experts
+modules called as ``experts(hidden_states, top_k_index, top_k_weights)``, their weights' first dimension the experts).
 """
 
 from __future__ import annotations
