@@ -14,11 +14,7 @@ On a CPU glibc is given a fixed mmap threshold, as benchmarks/chunked_loss.py sa
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -26,7 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from chunked_loss import held_bytes, peak_bytes  # noqa: E402
+from context import launched, measured_fit, print_rows  # noqa: E402
 
 
 def child(args: argparse.Namespace) -> None:
@@ -54,19 +50,7 @@ def child(args: argparse.Namespace) -> None:
     train = TrainConfig(
         output_dir=args.out, batch_size=1, max_steps=args.steps, log_every=1, shuffle=False, ep_size=args.ep
     )
-    trainer = Trainer(Qwen3MoeForCausalLM(config), train, train_data=rows)
-    before, ends = held_bytes(), []
-
-    class Clock:
-        def on_step_end(self, trainer: Trainer) -> None:
-            ends.append(time.perf_counter())
-
-    trainer.callbacks.append(Clock())
-    trainer.fit()
-    tokens_s = trainer.run.dp.size * args.tokens * (len(ends) - 1) / (ends[-1] - ends[0])
-    found = trainer.run.gather({"peak": peak_bytes(), "before": before, "tokens_s": tokens_s})
-    if trainer.run.main:
-        print("RESULT " + json.dumps(found))
+    measured_fit(Trainer(Qwen3MoeForCausalLM(config), train, train_data=rows), tokens_a_row=args.tokens)
 
 
 def main() -> None:
@@ -81,32 +65,12 @@ def main() -> None:
     if args.child:
         return child(args)
     rows = {}
-    names = {f"FSDP2 over {args.processes}": 1, f"EP 2 x FSDP2 over {args.processes}": 2}
-    for name, ep in names.items():
-        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024), "OMP_NUM_THREADS": "1"}
+    for name, ep in ((f"FSDP2 over {args.processes}", 1), (f"EP 2 x FSDP2 over {args.processes}", 2)):
         command = ["accelerate", "launch", "--config_file", str(ROOT / "accelerate_configs" / "fsdp.yaml")]
         command += ["--num_processes", str(args.processes), __file__, "--child", "--tokens", str(args.tokens)]
         command += ["--steps", str(args.steps), "--processes", str(args.processes), "--ep", str(ep)]
-        command += ["--out", f"{args.out}/{len(rows)}"]
-        done = subprocess.run(command, capture_output=True, text=True, env=env)
-        result = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-        if not result:
-            sys.exit(f"{name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-        found = json.loads(result[-1][len("RESULT ") :])
-        rows[name] = {
-            "peak": max(p["peak"] for p in found),
-            "training": max(p["peak"] - p["before"] for p in found),
-            "tokens_s": found[0]["tokens_s"],
-        }
-    base = next(iter(rows.values()))
-    print(f"rows of {args.tokens} tokens, {args.processes} processes, {'CUDA' if torch.cuda.is_available() else 'CPU'}")
-    print(f"{'layout':>22} {'peak MiB':>9} {'x':>5} {'training MiB':>13} {'x':>5} {'tokens/s':>9} {'x':>5}")
-    for name, row in rows.items():
-        ratios = [row[key] / base[key] for key in ("peak", "training", "tokens_s")]
-        print(
-            f"{name:>22} {row['peak'] / 2**20:9.0f} {ratios[0]:5.2f} {row['training'] / 2**20:13.0f} "
-            f"{ratios[1]:5.2f} {row['tokens_s']:9.0f} {ratios[2]:5.2f}"
-        )
+        rows[name] = launched(name, command + ["--out", f"{args.out}/{len(rows)}"], {})
+    print_rows(rows, f"rows of {args.tokens} tokens, {args.processes} processes")
 
 
 if __name__ == "__main__":

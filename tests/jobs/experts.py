@@ -1,8 +1,8 @@
 """A tiny mixture of experts (Qwen3-MoE, or ``--family mixtral`` / ``olmoe``: 4 experts, top 2, its router's
-load-balancing loss on at 0.1; ``own``: a model of one's own with an ``ep_plan``) trained 3 SGD steps on padded rows
-on every process of the launch, ``--ep`` its ep_size, gradients clipped to 0.5 (it binds at every step). Rank 0
-writes the losses, the experts' load, an evaluation, a prediction, the mesh of the experts' weights and the banner to
-``<out>/experts.json``, and fit() the weights to ``<out>/final``.
+load-balancing loss on at 0.1; ``own``: a model of one's own with an ``ep_plan``) trained 3 SGD steps on the padded
+rows of tests/jobs/chunked.py on every process of the launch, ``--ep`` its ep_size, gradients clipped to 0.5 (it binds
+at every step). Rank 0 writes the losses, the experts' load, an evaluation, a prediction, the mesh of the experts'
+weights and the banner to ``<out>/experts.json``, and fit() the weights to ``<out>/final``.
 
     accelerate launch --config_file accelerate_configs/fsdp.yaml --num_processes 4 tests/jobs/experts.py \\
         --out runs/ep --ep 2 --batch-size 1
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from chunked import VOCAB  # noqa: E402
+from chunked import VOCAB, rows  # noqa: E402
 
 from trainer import TrainConfig, Trainer  # noqa: E402
 
@@ -84,19 +84,6 @@ def build(family: str = "qwen3_moe") -> torch.nn.Module:
         **SIZES, **MOE, head_dim=8, intermediate_size=64, moe_intermediate_size=16, num_experts=4, norm_topk_prob=True
     )
     return transformers.Qwen3MoeForCausalLM(config)
-
-
-def rows() -> list[dict]:
-    """24 documents of 4 to 15 tokens, each in its own row of 16 (attention_mask 0 and labels -100 past it)."""
-    generator = torch.Generator().manual_seed(1)
-    made = []
-    for _ in range(24):
-        n = int(torch.randint(4, 16, (1,), generator=generator))
-        ids = torch.randint(0, VOCAB, (16,), generator=generator)
-        labels, mask = ids.clone(), torch.ones(16, dtype=torch.long)
-        labels[n:], mask[n:] = -100, 0
-        made.append({"input_ids": ids, "labels": labels, "attention_mask": mask})
-    return made
 
 
 def main() -> None:
