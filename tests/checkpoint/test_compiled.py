@@ -51,7 +51,7 @@ def part(tmp_path, resume="auto"):
     from trainer.checkpoint.compiled import CompiledGraphs
     from trainer.parallel.compiling import Compilation
 
-    config = types.SimpleNamespace(resume=resume, compile=True)
+    config = types.SimpleNamespace(resume=resume, compile=True, output_dir=str(tmp_path))
     return CompiledGraphs(
         types.SimpleNamespace(rank=0, config=config, device=torch.device("cpu")), Compilation.of(True)
     )
@@ -59,7 +59,7 @@ def part(tmp_path, resume="auto"):
 
 def test_a_key_that_differs_or_a_checkpoint_named_by_hand_compiles_cold(first_half, tmp_path, capsys):
     root, _ = first_half
-    folder = tmp_path / "step"
+    folder = tmp_path / "checkpoints" / "step"
     shutil.copytree(root / "run" / "checkpoints" / "step-00000002", folder)
     key = json.loads((folder / "compiled.json").read_text())
     (folder / "compiled.json").write_text(json.dumps({**key, "torch": "2.0.0"}))
@@ -73,3 +73,7 @@ def test_a_key_that_differs_or_a_checkpoint_named_by_hand_compiles_cold(first_ha
     by_hand.load(folder)
     assert by_hand.loaded is None
     assert "taken from the run's own checkpoints only (resume: auto)" in capsys.readouterr().out
+    # resume: auto, but a checkpoint outside the run's output_dir (trainer.load_checkpoint by hand): cold too.
+    elsewhere = part(tmp_path / "another-run")
+    elsewhere.load(folder)
+    assert elsewhere.loaded is None

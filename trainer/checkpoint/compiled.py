@@ -33,7 +33,9 @@ class CompiledGraphs:
     """What ``ModelPart`` saves and loads of a compiled model's graphs; ``for_run`` gives None for an eager run."""
 
     def __init__(self, run: Run, compilation: Any):
-        self.rank, self.trusted = run.rank, run.config.resume == "auto"
+        # The run's own checkpoints (a bucket's are downloaded there too): the only ones whose graphs are loaded.
+        self.rank, self.auto = run.rank, run.config.resume == "auto"
+        self.own = Path(run.config.output_dir, "checkpoints").resolve()
         device = torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else run.device.type
         self.key = json.loads(
             json.dumps(
@@ -67,19 +69,28 @@ class CompiledGraphs:
         file = file if file.is_file() else folder / artefacts(0)
         if not file.is_file() or not (folder / KEY).is_file():
             return
-        if not self.trusted:
+        if not (self.auto and folder.resolve().is_relative_to(self.own)):
             say(
                 "compiled cold: compiled graphs are taken from the run's own checkpoints only (resume: auto)", once=True
             )
             return
-        theirs = json.loads((folder / KEY).read_text())
+        try:
+            theirs = json.loads((folder / KEY).read_text())
+        except ValueError:
+            theirs = {}
+        theirs = theirs if isinstance(theirs, dict) else {}
         if theirs != self.key:
             differs = ", ".join(
                 f"{name} {theirs.get(name)} -> {mine}" for name, mine in self.key.items() if theirs.get(name) != mine
             )
             say(f"compiled cold: the checkpoint's graphs were compiled otherwise ({differs})", once=True)
             return
-        info = torch.compiler.load_cache_artifacts(file.read_bytes())
+        try:
+            info = torch.compiler.load_cache_artifacts(file.read_bytes())
+        # Artefacts torch cannot read back cost the warm start, not the resume.
+        except Exception as err:
+            say(f"compiled cold: the checkpoint's graphs could not be loaded ({type(err).__name__}: {err})", once=True)
+            return
         self.loaded = len(getattr(info, "inductor_artifacts", ()) or ()) if info is not None else 0
         say(f"compiled graphs: {self.loaded} taken from the checkpoint into torch's cache (the first step uses them)")
 
