@@ -52,13 +52,13 @@ def test_each_users_page_is_short_and_the_figures_live_on_the_performance_and_de
     21,300 from 2026-11-28: python -m trainer.launch and the fault sweep's new refusals, each a row; 22,000 from
     2026-11-28: the chunked loss and context parallelism, a section each and their refusals; 23,000 from 2026-11-28:
     expert parallelism, its section, figures and refusals; 23,300 from 2026-11-28: compiled graphs in checkpoints,
-    progress to Kubeflow)."""
+    progress to Kubeflow; 23,700 from 2026-11-28: the resume proof and loss-spike rollback, a section and rows each)."""
     reference = {"troubleshooting.md", "api.md", "development.md", "internals.md", "performance.md"}
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     words = {page.name: len(page.read_text().split()) for page in pages}
     long = {name: count for name, count in words.items() if name not in reference and count > 1700}
     assert not long, f"pages a user reads, over 1,700 words: {long}"
-    assert sum(words.values()) < 23300, f"the docs are {sum(words.values())} words"
+    assert sum(words.values()) < 23700, f"the docs are {sum(words.values())} words"
 
 
 def test_no_inline_code_is_broken_across_source_lines():

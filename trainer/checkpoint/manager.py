@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import signal
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
@@ -28,6 +30,10 @@ from trainer.errors import CheckpointError, Refusal
 
 if TYPE_CHECKING:
     from trainer.launch.run import Run
+
+# The resume proof's (trainer.tools.resume_proof): every process ends as in a crash once this step's checkpoint is
+# committed; a resume leaves out the data position (its control, which must come out different).
+CRASH_AFTER, WITHHOLD = "TRAINER_CRASH_AFTER_CHECKPOINT", "TRAINER_RESUME_WITHHOLD"
 
 
 class Checkpointer:
@@ -123,6 +129,8 @@ class Checkpointer:
             self.background.start(future, staging, commit, on_main=on_main)
             return self.storage.final(step)
         self.last = self.storage.commit(staging, state)
+        if os.environ.get(CRASH_AFTER) == str(step):
+            os.kill(os.getpid(), signal.SIGKILL)
         warn_of_a_slow_save(run.config, time.monotonic() - started)
         return self.last
 
@@ -188,9 +196,12 @@ class Checkpointer:
         # This run's; the checkpoint's replace them.
         own_settings = group_settings(self.setup.optimizer)
         # data: another split's position.
-        self.load(path, state, skip=("data",) if cannot else (), refused=judged.refused)
+        withheld = os.environ.get(WITHHOLD) == "data"
+        self.load(path, state, skip=("data",) if cannot or withheld else (), refused=judged.refused)
         position = self.parts["train"]
-        position.continue_at(judged.batches)
+        position.continue_at(0 if withheld else judged.batches)
+        if withheld:
+            say(f"{WITHHOLD}=data: the data position is left out of this resume (the epoch is read from its start)")
         self.last = path
         saved_processes, processes = state["run"]["world_size"], self.run.world
         # fit() says why when it is called; evaluate() and predict() go on with the weights.

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from trainer.config.reading import built_from_yaml, check_choice, check_keys, coerce, steps_of
+from trainer.config.reading import built_from_yaml, check_choice, check_keys, coerce, env_overrides, steps_of
 from trainer.errors import ConfigError
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "muon")
@@ -170,9 +170,9 @@ class TrainConfig:
         return super().__new__(cls)
 
     def __post_init__(self) -> None:
-        hints = typing.get_type_hints(type(self))
+        hints, overrides = typing.get_type_hints(type(self)), env_overrides(type(self))
         for f in dataclasses.fields(self):
-            setattr(self, f.name, coerce(f.name, getattr(self, f.name), hints[f.name]))
+            setattr(self, f.name, coerce(f.name, overrides.get(f.name, getattr(self, f.name)), hints[f.name]))
         self._validate()
 
     # ---------------------------------------------------------------- loading

@@ -129,6 +129,26 @@ def built_from_yaml(cls: type, path: Path, overrides: list[str] | tuple[str, ...
         raise ConfigError(f"{f'override {blamed[-1]!r}' if blamed else path}: {err}") from None
 
 
+# What a tool that runs a script gives every TrainConfig the script builds, over the script's own values (the resume
+# proof's output_dir, max_steps, save_every): a YAML mapping, TRAINER_OVERRIDES='{max_steps: 6, save_every: 2}'.
+ENV_OVERRIDES = "TRAINER_OVERRIDES"
+
+
+def env_overrides(cls: type) -> dict[str, Any]:
+    """``TRAINER_OVERRIDES``'s keys and values, checked against ``cls``'s fields; {} when it is not set."""
+    text = os.environ.get(ENV_OVERRIDES, "").strip()
+    try:
+        values = yaml.load(text, Loader=_StrictLoader) if text else {}
+    except (ConfigError, yaml.YAMLError) as err:
+        raise ConfigError(
+            f"{ENV_OVERRIDES} is not a YAML mapping of TrainConfig keys: {' '.join(str(err).split())}"
+        ) from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"{ENV_OVERRIDES} must be a mapping of TrainConfig keys, got {text!r}")
+    check_keys(cls, values, ENV_OVERRIDES)
+    return values
+
+
 def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
     """``["lr=1e-3", "betas=[0.9, 0.95]"]`` -> ``{"lr": "1e-3", "betas": [0.9, 0.95]}`` (values parsed as YAML)."""
     parsed = {}
