@@ -61,6 +61,10 @@ class NonFiniteLoss(Refusal, FloatingPointError):
     """A training loss was NaN or infinite under nan_policy='raise', or an evaluation's loss was."""
 
 
+class LossSpike(Refusal, FloatingPointError):
+    """Under spike_policy='rollback', a loss spike with no checkpoint to go back to, or spikes that keep coming."""
+
+
 class LossFnError(Refusal, TypeError):
     """``loss_fn`` returned something other than a scalar tensor."""
 

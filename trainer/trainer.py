@@ -96,8 +96,8 @@ class Trainer:
         )
         # The trainer's own figures first, so that a user's on_log sees them.
         self.callbacks = [*MixtureShares.for_loader(data.train, run.dp.size), *callbacks, *StepProfiler.for_run(run)]
-        self.should_stop, self.stop_reason, self.stopped = False, None, None
         # preemption: the signals fit() watches while it runs; last_eval: eval_data's latest (step, metrics).
+        self.should_stop, self.stop_reason, self.stopped = False, None, None
         self.preemption, self.last_eval = None, None
         self.keep_best = KeepBest(config)
         # What a checkpoint holds, by name (trainer.checkpoint.manager).
@@ -110,6 +110,7 @@ class Trainer:
             "data": stream and StreamPositions(run, stream, self.state),
             "ema": self.ema,
             "microbatch": self.steps.split,
+            "spikes": self.steps.spikes,
         }
         setup, watch = RunSetup(run, built, data=data), self.reporter.watching
         self.checkpoints = Checkpointer(run, parts=parts, setup=setup, best=self.keep_best, watch=watch)
@@ -149,10 +150,6 @@ class Trainer:
         self.nonfinite.check(self.telemetry.first_bad_step(), self.last_checkpoint)
         return self.checkpoints.save(self.state.step, wait=wait, evaluated=self.last_eval)
 
-    def _checkpoint_of(self, step: int) -> Path | str:
-        """Step ``step``'s checkpoint (a preemption's): the one saved there, else one saved now."""
-        return self.checkpoints.of_step(step, save=self.save_checkpoint)
-
     def wait_for_checkpoint(self) -> None:
         """Until the checkpoint written in the background (``save_async``) is committed; every rank."""
         self.checkpoints.wait()
@@ -181,7 +178,8 @@ class Trainer:
         self.evaluator.check_figures(self.keep_best.figure, self.callbacks)
         self.should_stop, self.stop_reason, self.stopped = False, None, None
         hooks.call(self.callbacks, "on_train_begin", self)
-        started, self.preemption = time.perf_counter(), PreemptionWatch(self.run, save_at=self._checkpoint_of)
+        at_step = functools.partial(self.checkpoints.of_step, save=self.save_checkpoint)
+        started, self.preemption = time.perf_counter(), PreemptionWatch(self.run, save_at=at_step)
         with (
             peer_loss_in_a_line(),
             self.telemetry.closing(),
@@ -198,17 +196,19 @@ class Trainer:
                 return self._finish(started)
 
     def _train(self, bar: Any) -> None:
-        state = self.state
+        state, seed = self.state, self.config.seed
         while state.step < self.total_steps and self.stopped is None:
-            skip, seed = state.batches_into_epoch, self.config.seed
-            loader = start_epoch(self.data.train, state.epoch, skip_batches=skip, seed=seed)
-            fresh, stepped = skip == 0, False
+            fresh, stepped = state.batches_into_epoch == 0, False
+            loader = start_epoch(self.data.train, state.epoch, skip_batches=state.batches_into_epoch, seed=seed)
             hooks.call(self.callbacks, "on_epoch_begin", self)
             # Accumulation windows: one optimizer step each.
             for window in self.steps.windows(loader):
                 self.steps.run(window, state.step + 1, measure_norm=self._logs(state.step + 1))
                 state.stepped(len(window.micro_batches))
                 stepped = True
+                if self.steps.spiked:
+                    self.steps.roll_back(self.checkpoints, state, forget=self.telemetry.forget_unlogged, bar=bar)
+                    continue
                 bar.update()
                 self._after_step(bar)
                 # The same answer on every rank.

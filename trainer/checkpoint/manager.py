@@ -188,6 +188,12 @@ class Checkpointer:
         with self.watch("resume"):
             return self._resume(path, verified)
 
+    def roll_back(self, path: Path) -> None:
+        """Every part but a stream's position back from this run's checkpoint ``path``, in the same process
+        (``spike_policy: rollback``, which sets the data's position itself)."""
+        with self.watch("resume"):
+            self.load(path, self.read(Path(path), verified=True), skip=("data",))
+
     def _resume(self, path: Path, verified: bool) -> Optional[CheckpointError]:
         state = self.read(path, verified)
         judged = self.setup.judge(state, path)
@@ -212,6 +218,11 @@ class Checkpointer:
             f"resumed from {path}: step {position.step}, epoch {position.epoch}, batch {judged.batches}{judged.resplit}"
             f"{random_states(saved_processes, processes)}"
         )
+        # Lowered by spike rollbacks (trainer.loop.spikes): this run's lr at the same scale.
+        scale = getattr(self.parts.get("spikes"), "lr_scale", 1.0)
+        own_settings = [
+            {**group, **{k: group[k] * scale for k in ("lr", "initial_lr") if k in group}} for group in own_settings
+        ]
         applied = self.setup.apply_changes(state["run"], position.step, own_settings)
         if applied:
             say(applied)

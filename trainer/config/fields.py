@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from trainer.config.checks import check_checkpoints
 from trainer.config.reading import built_from_yaml, check_choice, check_keys, coerce, env_overrides, steps_of
 from trainer.errors import ConfigError
 
@@ -138,6 +139,11 @@ class TrainConfig:
     resume: Optional[str] = None
     # Non-finite loss: "raise" (stop, naming step and rank) | "skip" (drop that step).
     nan_policy: str = "raise"
+    # "rollback": a step whose loss is over spike_threshold x the mean of the last 10 steps' goes back to the last
+    # checkpoint, skips the batches since it and, with spike_lr_factor, lowers the lr (trainer/loop/spikes.py).
+    spike_policy: Optional[str] = None
+    spike_threshold: float = 3.0
+    spike_lr_factor: Optional[float] = None
     # A collective waiting this long ends the job; no progress for stall_warning_s: the rank(s) waited for are named.
     collective_timeout_s: float = 1800.0
     stall_warning_s: Optional[float] = 60.0
@@ -263,37 +269,12 @@ class TrainConfig:
             )
         check_choice("nan_policy", self.nan_policy, NAN_POLICIES)
         check_choice("keep_best_mode", self.keep_best_mode, ("min", "max"))
-        if self.checkpoint_storage is not None and "://" not in self.checkpoint_storage:
-            raise ConfigError(
-                f"checkpoint_storage must be an object store's URL (s3://bucket/run); got {self.checkpoint_storage!r}"
-            )
-        if "://" in self.output_dir:
-            raise ConfigError(
-                f"output_dir is a URL ({self.output_dir}); it is a local folder (logs, the lock, final/): keep the "
-                f"checkpoints in a bucket with checkpoint_storage: {self.output_dir}, and a local output_dir"
-            )
-        if "://" in (self.resume or "") and not self.checkpoint_storage:
-            raise ConfigError(f"resume is a URL ({self.resume}): set checkpoint_storage, the bucket checkpoints go to")
-        if self.resume == "":
-            raise ConfigError("resume must be null, 'auto' or a checkpoint path; got ''")
+        check_checkpoints(self)
         for name in self.signal_names:
             if name not in signal.Signals.__members__:
                 raise ConfigError(
                     f"preemption_signals: {name!r} is not a signal name (say 'SIGTERM,SIGUSR1'; '' for none)"
                 )
-        if self.keep_best is not None and (
-            self.eval_every is None or self.save_every is None or self.eval_every % self.save_every
-        ):
-            raise ConfigError(
-                f"keep_best is {self.keep_best!r}, but eval_every is {self.eval_every} and save_every "
-                f"{self.save_every}: the best evaluation's checkpoint is kept only if every evaluation "
-                "step is saved. Set eval_every to a multiple of save_every (say both 500)"
-            )
-        if self.load_best_at_end and self.keep_best is None:
-            raise ConfigError(
-                "load_best_at_end needs keep_best (the evaluate() figure whose best is loaded), say "
-                "keep_best: eval_loss"
-            )
         if self.profile_steps is not None:
             steps_of(self.profile_steps)
         if self.wandb_project == "":

@@ -22,6 +22,7 @@ from trainer.loop.microbatch import MicroBatchSplit, RanOutElsewhere, cut
 from trainer.loop.nonfinite import NonFiniteGuard
 from trainer.loop.offload import OffloadActivations
 from trainer.loop.packing import looks_packed, refuse_attention_across_documents
+from trainer.loop.spikes import SpikeGuard
 from trainer.loop.weighing import StepBatches, Weighing, accumulation_windows
 from trainer.telemetry.stall import stall_reporter
 from trainer.telemetry.window import LogWindow, examples_in
@@ -84,6 +85,9 @@ class StepRunner:
         config = run.config
         self.weighing = Weighing(run, strategy.unwrap(model), loss_fn=loss_fn)
         self.nonfinite = NonFiniteGuard(run, policy=config.nan_policy)
+        # spike_policy: rollback; spiked: the last step's loss was a spike, and its update not taken.
+        self.spikes = SpikeGuard.for_run(run, optimizer=self.optimizer, scheduler=self.scheduler)
+        self.spiked = False
         self.accumulation, self.max_grad_norm = config.gradient_accumulation_steps, config.max_grad_norm
         self.schedule_moves = optimization.schedule_moves
         # A stream on several processes: they agree on each window's micro-batches (streams may end apart).
@@ -121,7 +125,9 @@ class StepRunner:
             self._run_whole(window, step)
         else:
             self._run_in_pieces(window, step)
-        if not self.nonfinite.skip_this_step():
+        skip = self.nonfinite.skip_this_step()
+        self.spiked = not skip and self.spikes is not None and self.spikes.spiked(step)
+        if not (skip or self.spiked):
             with phases(step, "optimizer"):
                 self.weighing.finish(window, self.model.parameters())
                 self.grad_norm = strategy.clip(self.model.parameters(), self.max_grad_norm, measure=measure_norm)
@@ -151,7 +157,7 @@ class StepRunner:
                     objective, loss, weight = self._loss(window, batch)
                 with self.phases(step, "backward"):
                     self.strategy.backward(objective)
-            self.window.add(self.nonfinite.observe(loss), step, batch, examples=examples_in(batch), weight=weight)
+            self._count(loss, step, batch, weight=weight)
 
     def _run_in_pieces(self, window: StepBatches, step: int) -> None:
         """The window with each micro-batch cut in ``split.pieces``, run again in twice the pieces after an
@@ -163,8 +169,18 @@ class StepRunner:
             window.summed.clear()
             self.split.rerun(first_try)
         for loss, piece, weight in done:
-            self.window.add(self.nonfinite.observe(loss), step, piece, examples=examples_in(piece), weight=weight)
+            self._count(loss, step, piece, weight=weight)
         self.strategy.reduce_pieces(self.model)
+
+    def roll_back(self, checkpoints: Any, state: Any, **progress: Any) -> None:
+        """After a step whose loss spiked (``spiked``): back to the last checkpoint (``SpikeGuard.roll_back``)."""
+        self.spikes.roll_back(checkpoints, state, **progress)
+
+    def _count(self, loss: torch.Tensor, step: int, batch: Any, *, weight: Any) -> None:
+        """One micro-batch's loss into the log window, and into the spike guard's step."""
+        self.window.add(self.nonfinite.observe(loss), step, batch, examples=examples_in(batch), weight=weight)
+        if self.spikes is not None:
+            self.spikes.observe(loss, weight)
 
     def _pieces_once(self, window: StepBatches, step: int) -> Optional[list]:
         """One try of the window: each piece's (loss, piece, weight), or None when some rank ran out of memory."""

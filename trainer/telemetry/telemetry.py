@@ -55,6 +55,10 @@ class Telemetry:
         """Steps taken since the last log."""
         return self.window.steps
 
+    def forget_unlogged(self) -> None:
+        """The steps since the last log dropped from the next (a spike's rollback undid them)."""
+        self.window.restart()
+
     def first_bad_step(self) -> torch.Tensor:
         """This rank's first step with a non-finite loss since the last log (``trainer.loop.nonfinite.NONE``: none)."""
         return self.window.first_bad_step()

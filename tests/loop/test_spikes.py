@@ -1,0 +1,102 @@
+"""``spike_policy: rollback`` through real processes (tests/jobs/spikes.py): a 50x loss at step 10 is rolled back to
+step 8's checkpoint with the batches of steps 9-10 skipped, to the weights of a run that never had those batches, on
+1 process and under DDP and FSDP2 on 2; with the lr lowered, a run killed after the rollback resumes to the
+uninterrupted weights; a spike before any checkpoint stops the run by name; what a rollback cannot work with is
+refused."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from trainer import TrainConfig
+from trainer.errors import ConfigError
+
+from conftest import ROOT, accelerate_launch, clean_env, run
+
+JOB = ROOT / "tests" / "jobs" / "spikes.py"
+
+
+def job(out, *args, env=None, expect_ok=True):
+    command = [sys.executable, str(JOB), "--out", str(out), *map(str, args)]
+    return run(command, expect_ok=expect_ok, env=clean_env(**(env or {}))).stdout
+
+
+def weights(out):
+    return load_file(out / "final" / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def rolled_back(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spikes")
+    said = job(root / "one")
+    return root, said
+
+
+def test_a_spike_is_rolled_back_to_the_weights_of_a_run_without_its_batches(rolled_back, tmp_path):
+    root, said = rolled_back
+    assert "loss 41.36 at step 10, over 3 x its recent level 1.084: rolled back to step 8 (" in said
+    assert "step-00000008), the batches of steps 9-10 skipped" in said
+    # Every part back from step 8 (weights, AdamW's moments, the schedule), the data read on after step 10: the run
+    # that never had those 8 examples, bit for bit.
+    job(tmp_path / "without", "--drop", "32-39")
+    mine, theirs = weights(root / "one"), weights(tmp_path / "without")
+    assert all(torch.equal(mine[name], theirs[name]) for name in theirs)
+    # Recorded in the checkpoints after it.
+    state = json.loads((root / "one" / "checkpoints" / "step-00000016" / "trainer_state.json").read_text())
+    (record,) = state["spikes"]["rollbacks"]
+    assert (record["step"], record["back_to"], record["skipped"]) == (10, 8, [9, 10])
+
+
+@pytest.mark.parametrize("config", ["multi_gpu.yaml", "fsdp.yaml"])
+def test_two_processes_roll_back_alike_under_ddp_and_fsdp2(rolled_back, tmp_path, config):
+    root, _ = rolled_back
+    said = accelerate_launch(JOB, "--out", str(tmp_path / "two"), config=config, num_processes=2).stdout
+    assert said.count("rolled back to step 8") == 1
+    mine, theirs = weights(root / "one"), weights(tmp_path / "two")
+    assert all(torch.allclose(mine[name], theirs[name], rtol=0, atol=1e-6) for name in mine)
+
+
+def test_a_run_killed_after_a_rollback_that_lowered_the_lr_resumes_to_the_uninterrupted_weights(tmp_path):
+    said = job(tmp_path / "whole", "--lr_factor", "0.5")
+    assert "skipped; the lr is 0.5 x the schedule's from now on" in said
+    job(tmp_path / "cut", "--lr_factor", "0.5", env={"TRAINER_CRASH_AFTER_CHECKPOINT": "12"}, expect_ok=False)
+    resumed = job(tmp_path / "cut", "--lr_factor", "0.5", "--resume", "auto")
+    # No line of a changed lr: the resume keeps the lowered one.
+    assert "resumed from" in resumed and "changed since the checkpoint" not in resumed
+    mine, theirs = weights(tmp_path / "whole"), weights(tmp_path / "cut")
+    assert all(torch.equal(mine[name], theirs[name]) for name in theirs)
+
+
+def test_a_spike_before_any_checkpoint_stops_the_run_by_name(tmp_path):
+    done = run(
+        [sys.executable, str(JOB), "--out", str(tmp_path / "early"), "--save_every", "12"],
+        expect_ok=False,
+        env=clean_env(),
+    )
+    assert done.stderr.strip() == (
+        "trainer: loss 41.36 at step 10, over 3 x its recent level 1.084, before any checkpoint to roll back to "
+        "(spike_policy: rollback): lower save_every"
+    )
+
+
+@pytest.mark.parametrize(
+    "settings, words",
+    [
+        ({"spike_policy": "rollback"}, "spike_policy: rollback goes back to the last checkpoint: set save_every"),
+        ({"spike_policy": "restart", "save_every": 4}, "spike_policy must be null or 'rollback'"),
+        ({"spike_policy": "rollback", "save_every": 4, "spike_threshold": 0.5}, "spike_threshold is a factor"),
+        ({"spike_policy": "rollback", "save_every": 4, "spike_lr_factor": 2.0}, "spike_lr_factor must be in"),
+        (
+            {"spike_policy": "rollback", "save_every": 4, "checkpoint_storage": "s3://b/r"},
+            "not with checkpoint_storage yet",
+        ),
+    ],
+)
+def test_settings_a_rollback_cannot_work_with_are_refused(settings, words):
+    with pytest.raises(ConfigError, match=words):
+        TrainConfig(**settings)
