@@ -43,8 +43,9 @@ class CompiledGraphs:
                 default=str,
             )
         )
-        # Graphs loaded from a checkpoint into torch's caches (None: none loaded).
+        # Graphs loaded from a checkpoint into torch's caches (None: none loaded); saved: this process saved some.
         self.loaded: Optional[int] = None
+        self.saved = False
 
     @classmethod
     def for_run(cls, run: Run) -> Optional["CompiledGraphs"]:
@@ -58,6 +59,7 @@ class CompiledGraphs:
         saved = torch.compiler.save_cache_artifacts()
         if saved is None:
             return
+        self.saved = True
         (folder / artefacts(self.rank)).write_bytes(saved[0])
         if self.rank == 0:
             (folder / KEY).write_text(json.dumps(self.key))
@@ -67,7 +69,8 @@ class CompiledGraphs:
         checkpoint is the run's own and its key is this run's; otherwise the first step compiles cold."""
         file = folder / artefacts(self.rank)
         file = file if file.is_file() else folder / artefacts(0)
-        if not file.is_file() or not (folder / KEY).is_file():
+        # A spike's rollback reloads a checkpoint mid-run: this process's caches hold its graphs already.
+        if not file.is_file() or not (folder / KEY).is_file() or self.saved or self.loaded is not None:
             return
         if not (self.auto and folder.resolve().is_relative_to(self.own)):
             say(

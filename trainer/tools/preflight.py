@@ -234,7 +234,10 @@ def _rendezvous_problems(address: Optional[str], port: Optional[int]) -> Problem
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.check", description=__doc__.splitlines()[0])
+    proof = (
+        "python -m trainer.check --resume-proof [--config_file F] script.py [args]: prove that a script resumes exactly"
+    )
+    parser = argparse.ArgumentParser(prog="python -m trainer.check", description=__doc__.splitlines()[0], epilog=proof)
     parser.add_argument("--config_file", "--config-file", help="an accelerate config YAML to describe and check")
     parser.add_argument("--output_dir", "--output-dir", help="check that every node shares this directory")
     parser.add_argument(

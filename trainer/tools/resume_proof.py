@@ -82,6 +82,10 @@ class Proof:
         common = {"max_steps": steps, "save_every": every, "keep_last": steps // every + 1, "save_async": False}
         common.update(checkpoint_storage=None, keep_best=None, load_best_at_end=None, wandb_project=None)
         plain, resumed, control = self.work / "uninterrupted", self.work / "resumed", self.work / "control"
+        # A --work_dir used before: its runs start again.
+        for folder in (plain, resumed, control):
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.with_suffix(".log").unlink(missing_ok=True)
         first = f"step {every}'s checkpoint"
         if not self._launch("uninterrupted", plain, {**common, "resume": None}):
             return False
