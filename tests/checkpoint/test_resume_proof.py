@@ -1,7 +1,7 @@
 """The resume proof (``python -m trainer.check --resume-proof``) on a user's script, unchanged
 (tests/jobs/proof_script.py): a sound script is proven exact under a 2-process launch and its control differs; a script
 whose loss depends on a counter it keeps itself fails, naming the step after the resume and the tensor; an unseeded
-one fails before any resume; what the proof sets reaches a TrainConfig built in code (``TRAINER_OVERRIDES``)."""
+one fails before a resume is tried; what the proof sets reaches a TrainConfig built in code (``TRAINER_OVERRIDES``)."""
 
 from __future__ import annotations
 
@@ -44,6 +44,8 @@ def test_an_unseeded_script_fails_before_any_resume(tmp_path):
     said = proof(tmp_path, "--unseeded", expect_ok=False)
     assert "NOT EXACT: step 2's checkpoint differs" in said
     assert "Two runs of the script disagree before any resume" in said
+    # It stops there: a resume cannot be judged.
+    assert "  resumed:" not in said
 
 
 def test_trainer_overrides_reach_a_config_built_in_code(monkeypatch):

@@ -91,24 +91,29 @@ class Proof:
             return False
         crash = {CRASH_AFTER: str(every)}
         if self._launch(f"killed after {first}", resumed, {**common, "resume": None}, env=crash, killed=True):
-            print(f"FAILED: the run was not killed after {first}: the script wrote none (is save_every set in code?)")
+            print(f"FAILED: the run was not killed: it wrote no {first} (does the script call fit() on its config?)")
             return False
         kept = _checkpoints(resumed).get(every)
         if kept is None:
             print(f"FAILED: the killed run left no committed checkpoint of step {every} in {resumed}")
             return False
-        if not self._launch("resumed", resumed, {**common, "resume": "auto"}):
+        # Two runs that differ before any resume: nothing a resume does can be judged.
+        unequal = first_difference(plain, resumed, upto=every)
+        if unequal is not None:
+            print(f"NOT EXACT: step {unequal[0]}'s checkpoint differs from the uninterrupted run's: {unequal[1]}.")
+            print(UNEQUAL_RUNS)
             return False
-        withheld = {**common, "resume": str(kept)}
-        if not self._launch("control: resumed without its data position", control, withheld, env={WITHHOLD: "data"}):
+        if not self._launch("resumed", resumed, {**common, "resume": "auto"}):
             return False
         exact = first_difference(plain, resumed)
         if exact is not None:
-            step, what = exact
-            print(f"NOT EXACT: step {step}'s checkpoint differs from the uninterrupted run's: {what}.")
-            print(UNEQUAL_RUNS if step <= every else f"The resume was at step {every}. {CAUSES}")
+            print(f"NOT EXACT: step {exact[0]}'s checkpoint differs from the uninterrupted run's: {exact[1]}.")
+            print(f"The resume was at step {every}. {CAUSES}")
             return False
         print(f"exact: every checkpoint after the resume at step {every} is the uninterrupted run's, byte for byte")
+        withheld = {**common, "resume": str(kept)}
+        if not self._launch("control: resumed without its data position", control, withheld, env={WITHHOLD: "data"}):
+            return False
         differed = first_difference(plain, control)
         if differed is None:
             print(
@@ -173,13 +178,14 @@ def _checkpoints(output_dir: Path) -> dict[int, Path]:
     return {int(p.name.split("-")[1]): p for p in complete_checkpoints(output_dir / "checkpoints")}
 
 
-def first_difference(one: Path, other: Path) -> Optional[tuple[int, str]]:
+def first_difference(one: Path, other: Path, *, upto: Optional[int] = None) -> Optional[tuple[int, str]]:
     """The first step at which the two runs' checkpoints differ, and what differs there; None when every step both
-    have is the same."""
+    have (up to step ``upto``) is the same, the last one included."""
     mine, theirs = _checkpoints(one), _checkpoints(other)
-    if max(mine) not in theirs:
-        return max(mine), f"{other} has no checkpoint of step {max(mine)}, the last"
-    for step in sorted(set(mine) & set(theirs)):
+    last = max(step for step in mine if upto is None or step <= upto)
+    if last not in theirs:
+        return last, f"{other} has no checkpoint of step {last}"
+    for step in sorted(step for step in set(mine) & set(theirs) if step <= last):
         what = differences(mine[step], theirs[step])
         if what:
             return step, "; ".join(what[:3]) + (f"; and {len(what) - 3} more" if len(what) > 3 else "")
