@@ -126,7 +126,8 @@ class StepRunner:
         else:
             self._run_in_pieces(window, step)
         skip = self.nonfinite.skip_this_step()
-        self.spiked = not skip and self.spikes is not None and self.spikes.spiked(step)
+        # Asked every step (it sums each step afresh); a NaN is nan_policy's, never a spike.
+        self.spiked = self.spikes is not None and self.spikes.spiked(step) and not skip
         if not (skip or self.spiked):
             with phases(step, "optimizer"):
                 self.weighing.finish(window, self.model.parameters())
