@@ -173,7 +173,7 @@ def banner(
 
 def what_else(config: Any, callbacks: Any) -> str:
     """The banner's words for what makes final/ differ from the last step's weights, or the run end early:
-    an average of the weights, keep_best, early stopping ('' when none is on)."""
+    an average of the weights, keep_best, spike rollbacks, early stopping ('' when none is on)."""
     said = []
     if config.ema_decay is not None:
         start = f" from step {config.ema_start_step}" if config.ema_start_step else ""
@@ -183,6 +183,9 @@ def what_else(config: Any, callbacks: Any) -> str:
     if config.keep_best:
         ends = "; final/ holds that checkpoint's weights" if config.load_best_at_end is not False else ""
         said.append(f"keep_best {config.keep_best} ({config.keep_best_mode}){ends}")
+    if config.spike_policy:
+        lowered = f", the lr x {config.spike_lr_factor:g} each time" if config.spike_lr_factor else ""
+        said.append(f"a loss over {config.spike_threshold:g} x the last 10 steps' mean rolled back{lowered}")
     # EarlyStopping, or any callback that watches a figure with a patience.
     for callback in callbacks:
         if isinstance(getattr(callback, "monitor", None), str) and hasattr(callback, "patience"):

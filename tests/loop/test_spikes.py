@@ -44,6 +44,7 @@ def rolled_back(tmp_path_factory):
 
 def test_a_spike_is_rolled_back_to_the_weights_of_a_run_without_its_batches(rolled_back, tmp_path):
     root, said = rolled_back
+    assert "| a loss over 3 x the last 10 steps' mean rolled back" in said
     assert "loss 41.36 at step 10, over 3 x its recent level 1.084: rolled back to step 8 (" in said
     assert "step-00000008), the batches of steps 9-10 skipped" in said
     # Every part back from step 8 (weights, AdamW's moments, the schedule), the data read on after step 10: the run
