@@ -28,10 +28,12 @@ from trainer.telemetry.stall import stall_reporter
 from trainer.telemetry.window import LogWindow, examples_in
 
 if TYPE_CHECKING:
+    from trainer.checkpoint.manager import Checkpointer
     from trainer.launch.run import Run
     from trainer.loop.losses import LossFn
     from trainer.optim.build import Optimization
     from trainer.parallel.strategy import Strategy
+    from trainer.state import TrainState
 
 
 class Phases:
@@ -173,7 +175,7 @@ class StepRunner:
             self._count(loss, step, piece, weight=weight)
         self.strategy.reduce_pieces(self.model)
 
-    def roll_back(self, checkpoints: Any, state: Any, **progress: Any) -> None:
+    def roll_back(self, checkpoints: Checkpointer, state: TrainState, **progress: Any) -> None:
         """After a step whose loss spiked (``spiked``): back to the last checkpoint (``SpikeGuard.roll_back``)."""
         self.spikes.roll_back(checkpoints, state, **progress)
 
