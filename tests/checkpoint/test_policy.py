@@ -148,14 +148,20 @@ def test_a_changed_schedule_is_recomputed_at_the_step_reached_from_this_runs_set
     scheduler = build_scheduler(optimizer, config, 20)
     own = group_settings(optimizer)  # this run's, before the checkpoint's replace them
     optimizer.param_groups[0].update(lr=0.01, initial_lr=0.01)  # what loading the checkpoint put there
-    before, after = apply_settings(optimizer, scheduler, own, step=9, schedule_moved=False, built_scheduler=True)
+    before, after = apply_settings(optimizer, scheduler, own, step=9, moved=(False, True), built_scheduler=True)
     assert before == 0.01 and after == pytest.approx(fresh.param_groups[0]["lr"], rel=1e-12)
     assert scheduler.last_epoch == 9 and scheduler.get_last_lr() == [after]
     user = sgd()  # a user's own scheduler keeps its saved state: only the optimizer's settings are this run's
     own = group_settings(user)
     user.param_groups[0].update(lr=0.01, momentum=0.5)
-    assert apply_settings(user, None, own, step=9, schedule_moved=True, built_scheduler=False) == (0.01, 0.01)
+    assert apply_settings(user, None, own, step=9, moved=(True, True), built_scheduler=False) == (0.01, 0.01)
     assert user.param_groups[0]["momentum"] == 0
+    # Constant before and after: never stepped, its state stays as an uninterrupted run's (the resume proof compares
+    # it byte for byte), at the step reached it was last_epoch 9 and differed.
+    constant = sgd()
+    kept = build_scheduler(constant, TrainConfig(lr=1e-4), 20)
+    apply_settings(constant, kept, group_settings(constant), step=9, moved=(False, False), built_scheduler=True)
+    assert kept.last_epoch == 0 and constant.param_groups[0]["lr"] == 1e-4
 
 
 def test_what_resume_asks_for(tmp_path):

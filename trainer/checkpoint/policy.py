@@ -25,8 +25,7 @@ ORDER_OF_THE_EPOCH = ("seed", "shuffle", "drop_last", "data_weights")
 
 
 def changed_settings(saved: dict[str, Any], now: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """``{field: (saved value, this run's)}`` for every compared field that differs (a checkpoint written before a
-    field existed leaves it out)."""
+    """``{field: (saved value, this run's)}`` for each compared field that differs and the checkpoint recorded."""
     # As JSON keeps them: tuples as lists, keys as strings.
     plain = lambda value: json.loads(json.dumps(value, default=str))  # noqa: E731
     return {
@@ -119,24 +118,25 @@ def apply_settings(
     settings: list[dict[str, Any]],
     *,
     step: int,
-    schedule_moved: bool,
+    moved: tuple[bool, bool],
     built_scheduler: bool,
 ) -> tuple[float, float]:
     """After a checkpoint was loaded: this run's optimizer settings back in place of the saved ones and, for a
     schedule built from the config (a LambdaLR: trainer.optim), the lr recomputed at ``step`` from this run's base
     lr and schedule (a user's scheduler keeps its saved state). Returns the next step's lr under the checkpoint's
-    settings and under this run's. ``schedule_moved``: whether the checkpoint's own schedule was stepped (a constant
-    lr without warm-up is not, so its position is the step reached)."""
+    settings and under this run's. ``moved``: whether the checkpoint's schedule was stepped, and this run's is (a
+    constant lr without warm-up is not: its position is the step reached, its state left as an uninterrupted run's)."""
     groups = optimizer.param_groups
     saved_lr = groups[0]["lr"]
     for group, own in zip(groups, settings, strict=True):
         group.update({key: value for key, value in own.items() if key not in ("lr", "initial_lr") or built_scheduler})
     if built_scheduler:
-        at = scheduler.last_epoch if schedule_moved else step
+        at = scheduler.last_epoch if moved[0] else step
         base_lrs = [group["initial_lr"] for group in groups]
         lrs = [base * schedule(at) for base, schedule in zip(base_lrs, scheduler.lr_lambdas, strict=True)]
         for group, lr in zip(groups, lrs, strict=True):
             group["lr"] = lr
+        at = at if moved[1] else scheduler.last_epoch
         scheduler.load_state_dict({**scheduler.state_dict(), "base_lrs": base_lrs, "last_epoch": at, "_last_lr": lrs})
     return saved_lr, groups[0]["lr"]
 
@@ -283,9 +283,9 @@ class RunSetup:
         line that says so ('' when none)."""
         saved = run.get("config", {})
         moved = saved.get("lr_scheduler", "constant") != "constant" or saved.get("warmup_steps", 0) > 0
-        built = self.optimization.built_scheduler
+        built, moves = self.optimization.built_scheduler, self.optimization.schedule_moves
         lrs = apply_settings(
-            self.optimizer, self.scheduler, own_settings, step=step, schedule_moved=moved, built_scheduler=built
+            self.optimizer, self.scheduler, own_settings, step=step, moved=(moved, moves), built_scheduler=built
         )
         lines = [said(changed_settings(saved, self.config.to_dict()), step, lrs) if self.trains else ""]
         # Older checkpoints did not record it.
