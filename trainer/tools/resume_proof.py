@@ -225,7 +225,15 @@ def _said(part: str, mine: Any, theirs: Any) -> str:
         mine, theirs = {**mine, **mine.get("config", {})}, {**theirs, **theirs.get("config", {})}
         keys = [key for key in mine if key != "config" and mine[key] != theirs.get(key)]
         return "the run's settings: " + ", ".join(f"{key} {mine[key]!r} against {theirs.get(key)!r}" for key in keys)
-    return f"the {part!r} part: {mine!r} against {theirs!r}"
+    if isinstance(mine, dict) and isinstance(theirs, dict):
+        keys = sorted(key for key in set(mine) | set(theirs) if mine.get(key) != theirs.get(key))
+        return f"the {part!r} part's {', '.join(keys)}"
+    return f"the {part!r} part: {_short(mine)} against {_short(theirs)}"
+
+
+def _short(value: Any) -> str:
+    said = repr(value)
+    return said if len(said) <= 80 else said[:77] + "..."
 
 
 def _plain(value: Any) -> Any:
