@@ -3,7 +3,7 @@ last 10 steps') is not taken. Every rank reads the same loss (one all-reduce of 
 last checkpoint in the same process, and reads on after the spike: the batches of the steps since that checkpoint
 are skipped, the spike's with them, as PaLM skipped the batches around its spikes. ``spike_lr_factor`` lowers the lr
 from then on. Each rollback is recorded in the checkpoints after it, and the data position with it, so that a
-resume goes on as the uninterrupted run does (docs/recipes.md#loss-spikes).
+resume goes on as the uninterrupted run does (docs/recipes.md#loss-spikes-rolled-back).
 """
 
 from __future__ import annotations
