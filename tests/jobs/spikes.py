@@ -1,6 +1,7 @@
 """A loss spike rolled back (``spike_policy: rollback``): a small MLP on 96 examples read in order, 4 a step on any
 process count, a checkpoint every 4 steps; examples 36-39 (step 10's batch) are poisoned, their loss 50 times the
-rest's. ``--drop 32-39``: those examples left out of the data and no spike policy, the run a rollback should equal.
+rest's (``--poison 36-51``: steps 10 to 13's). ``--drop 32-39``: those examples left out of the data and no spike
+policy, the run a rollback should equal.
 
     python tests/jobs/spikes.py --out runs/s [--steps 16] [--lr_factor 0.5] [--save_every 4] [--resume auto]
     accelerate launch --num_processes 2 tests/jobs/spikes.py --out runs/s2
@@ -17,8 +18,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from trainer import TrainConfig, Trainer  # noqa: E402
-
-POISONED = range(36, 40)
 
 
 class Net(torch.nn.Module):
@@ -39,14 +38,16 @@ def main() -> None:
     parser.add_argument("--lr_factor", type=float, default=None)
     parser.add_argument("--drop", default=None)
     parser.add_argument("--resume", default=None)
+    parser.add_argument("--poison", default="36-39")
     args = parser.parse_args()
+    first, last = map(int, args.poison.split("-"))
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(1)
     data = [
         {
             "x": torch.randn(8, generator=generator),
             "y": torch.randn(1, generator=generator),
-            "poison": float(i in POISONED),
+            "poison": float(first <= i <= last),
         }
         for i in range(96)
     ]

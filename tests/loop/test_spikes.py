@@ -90,6 +90,17 @@ def test_a_spike_before_any_checkpoint_stops_the_run_by_name(tmp_path):
     )
 
 
+def test_spikes_that_keep_coming_after_one_checkpoint_stop_the_run_at_the_fourth(tmp_path):
+    """Steps 10 to 13's batches all spike: back to step 8 three times, each skipping on; the fourth stops the run."""
+    done = run(
+        [sys.executable, str(JOB), "--out", str(tmp_path / "again"), "--poison", "36-51"],
+        expect_ok=False,
+        env=clean_env(),
+    )
+    assert done.stdout.count("rolled back to step 8") == 3
+    assert "the 4th spike since step 8's checkpoint" in done.stderr and "lower the lr" in done.stderr
+
+
 @pytest.mark.parametrize(
     "settings, words",
     [

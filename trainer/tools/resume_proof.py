@@ -13,9 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,7 +22,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import yaml
 
 from trainer.checkpoint.integrity import STATE_FILE, complete_checkpoints
 from trainer.checkpoint.manager import CRASH_AFTER, WITHHOLD
@@ -139,7 +136,8 @@ class Proof:
         command = [sys.executable, self.script, *self.script_args]
         if self.config_file:
             launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", self.config_file]
-            command = [*launch, *_port_if_one_machine(self.config_file), self.script, *self.script_args]
+            # (accelerate's default port taken on one machine, accelerate finds a free one itself)
+            command = [*launch, self.script, *self.script_args]
         overrides = {**overrides, "output_dir": str(output_dir)}
         environ = {**os.environ, ENV_OVERRIDES: json.dumps(overrides), "WANDB_MODE": "disabled", **(env or {})}
         self.work.mkdir(parents=True, exist_ok=True)
@@ -154,24 +152,6 @@ class Proof:
             tail = log.read_text().splitlines()[-15:]
             print(f"FAILED: the {name} run exited {code}; the end of {log}:\n" + "\n".join(tail))
         return code == 0
-
-
-def _port_if_one_machine(config_file: str) -> list[str]:
-    """A free port for a one-machine launch: accelerate's default, 29500, may be another job's."""
-    try:
-        machines = (yaml.safe_load(Path(config_file).read_text()) or {}).get("num_machines", 1)
-    except (OSError, yaml.YAMLError, AttributeError):
-        return []
-    if machines not in (None, 1):
-        return []
-    while True:
-        port = random.SystemRandom().randrange(20000, 32768)
-        with socket.socket() as s:
-            try:
-                s.bind(("", port))
-            except OSError:
-                continue
-        return ["--main_process_port", str(port)]
 
 
 def _checkpoints(output_dir: Path) -> dict[int, Path]:
