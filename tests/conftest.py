@@ -29,6 +29,7 @@ CONFIGS = ROOT / "accelerate_configs"
 SAME_UPDATES = ROOT / "examples" / "same_updates.py"
 SCENARIOS = ROOT / "tests" / "jobs" / "scenarios.py"
 JOBS = ROOT / "tests" / "jobs" / "run_many.py"  # several runs in one process
+STARTUP = ROOT / "tests" / "support" / "startup"  # on every started process's PYTHONPATH
 
 # Variables a launcher sets; a test must not inherit them from whatever launched pytest.
 # (ACCELERATE_* variables go too.)
@@ -149,16 +150,16 @@ def clean_env(**extra: str) -> dict[str, str]:
         CUDA_VISIBLE_DEVICES="",
     )
     env.update(extra)
+    # tests/support/startup/sitecustomize.py: a process exits without walking its objects once more (and pretends
+    # GPUs where pretend_gpus() asks).
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(STARTUP), env.get("PYTHONPATH")]))
     return env
 
 
 def pretend_gpus(count: int, **extra: str) -> dict[str, str]:
-    """clean_env() on a pretend host with ``count`` GPUs (tests/support/fake_gpu): torch.cuda says they exist, and any
-    real CUDA work fails, so a job that should stay on the CPU but reaches for the GPU fails loudly."""
+    """clean_env() on a pretend host with ``count`` GPUs (tests/support/startup/fake_gpu.py): torch.cuda says they
+    exist, and any real CUDA work fails, so a job that should stay on the CPU but reaches for the GPU fails loudly."""
     env = clean_env(FAKE_GPUS=str(count), **extra)
-    env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(ROOT / "tests" / "support" / "fake_gpu"), env.get("PYTHONPATH")])
-    )
     env.pop("CUDA_VISIBLE_DEVICES")
     return env
 

@@ -1,4 +1,5 @@
-"""A pretend GPU host, for the launch checks on a machine without one (tests put this folder on PYTHONPATH).
+"""A pretend GPU host, for the launch checks on a machine without one (imported at start-up where FAKE_GPUS is set:
+sitecustomize.py beside it).
 
 torch.cuda reports FAKE_GPUS devices, fewer where CUDA_VISIBLE_DEVICES hides some (CUDA stops at the first index
 that is not a device). Nothing can run on them: any real CUDA work fails with "Torch not compiled with CUDA", so
