@@ -7,27 +7,32 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, accelerate_launch, clean_env, run
+from conftest import JOBS, ROOT, accelerate_launch, clean_env, run
 
 JOB = ROOT / "tests" / "jobs" / "context.py"
 
 
-def launched(out, *args, cp: int = 1, shard: int = 1, processes: int = 1):
-    """The job's results: on one process (plain python), or launched with that parallelism_config."""
+def launched(runs: dict[str, list], root: Path, *, cp: int = 1, shard: int = 1, processes: int = 1) -> dict:
+    """Each run's results ({name: flags}, written under root/name), the runs made one after another in one process
+    (plain python) or one launch with that parallelism_config (tests/jobs/run_many.py): a launch's start-up is most
+    of a run's time."""
+    jobs = json.dumps([[str(JOB), "--out", str(root / name), *map(str, flags)] for name, flags in runs.items()])
     if processes == 1:
-        run([sys.executable, str(JOB), "--out", str(out), *map(str, args)])
+        run([sys.executable, str(JOBS), jobs])
     else:
         sizes = {"PARALLELISM_CONFIG_CP_SIZE": str(cp), "PARALLELISM_CONFIG_DP_SHARD_SIZE": str(shard)}
         env = {**clean_env(), "ACCELERATE_USE_PARALLELISM_CONFIG": "true", **sizes}
-        accelerate_launch(JOB, "--out", out, *args, config="fsdp.yaml", num_processes=processes, env=env)
-    found = json.loads((out / "context.json").read_text())
-    found["weights"] = load_file(out / "final" / "model.safetensors")
+        accelerate_launch(JOBS, jobs, config="fsdp.yaml", num_processes=processes, env=env)
+    found = {name: json.loads((root / name / "context.json").read_text()) for name in runs}
+    for name, results in found.items():
+        results["weights"] = load_file(root / name / "final" / "model.safetensors")
     return found
 
 
@@ -40,43 +45,47 @@ def same(found: dict, reference: dict, *, atol: float = 1e-6) -> None:
 
 
 @pytest.fixture(scope="module")
-def alone(tmp_path_factory):
-    root = tmp_path_factory.mktemp("alone")
-    return {kind: launched(root / kind, *flags) for kind, flags in (("padded", []), ("packed", ["--packed"]))}
+def runs(tmp_path_factory) -> dict[str, dict]:
+    """Every run of this module but the 4-process one: one process's, then every CP 2 run in one launch of 2 (a CP
+    checkpoint resumed under CP, one process's resumed under CP), then the CP checkpoint resumed on one process."""
+    root = tmp_path_factory.mktemp("context")
+    found = launched({"padded": [], "packed": ["--packed"], "solo": ["--save-every", 1]}, root)
+    cp = {
+        "cp padded": [],
+        "cp packed": ["--packed"],
+        "cp padded, chunked_loss": ["--chunked"],
+        "whole": ["--save-every", 1],
+        "again": ["--resume", root / "whole" / "checkpoints" / "step-00000002"],
+        "onto": ["--resume", root / "solo" / "checkpoints" / "step-00000002"],
+    }
+    found |= launched(cp, root, cp=2, processes=2)
+    return found | launched({"resumed alone": ["--resume", root / "whole" / "checkpoints" / "step-00000002"]}, root)
 
 
 @pytest.mark.parametrize("kind", ["padded", "packed", "padded, chunked_loss"])
-def test_cp_2_on_2_processes_trains_as_one_process(tmp_path, alone, kind):
-    flags = {"padded": [], "packed": ["--packed"], "padded, chunked_loss": ["--chunked"]}[kind]
-    found = launched(tmp_path, *flags, cp=2, processes=2)
-    same(found, alone[kind.split(",")[0]])
+def test_cp_2_on_2_processes_trains_as_one_process(runs, kind):
+    found = runs[f"cp {kind}"]
+    same(found, runs[kind.split(",")[0]])
     assert "CP 2 x FSDP2 over 2 processes" in found["banner"]
     assert "batch 4 per process x 1 processes" in found["banner"]
 
 
-def test_fsdp_2_x_cp_2_on_4_processes_trains_as_one_process(tmp_path, alone):
-    found = launched(tmp_path, "--batch-size", 2, cp=2, shard=2, processes=4)
-    same(found, alone["padded"])
+def test_fsdp_2_x_cp_2_on_4_processes_trains_as_one_process(tmp_path, runs):
+    found = launched({"cp 2 x fsdp 2": ["--batch-size", 2]}, tmp_path, cp=2, shard=2, processes=4)["cp 2 x fsdp 2"]
+    same(found, runs["padded"])
     assert "CP 2 x FSDP2 over 4 processes" in found["banner"]
 
 
-def test_a_cp_checkpoint_resumes_under_cp_bit_for_bit_and_on_one_process_and_the_other_way(tmp_path):
-    whole = launched(tmp_path / "whole", "--save-every", 1, cp=2, processes=2)
-    step = tmp_path / "whole" / "checkpoints" / "step-00000002"
-    again = launched(tmp_path / "again", "--resume", step, cp=2, processes=2)
+def test_a_cp_checkpoint_resumes_under_cp_bit_for_bit_and_on_one_process_and_the_other_way(runs):
+    whole, again, alone = runs["whole"], runs["again"], runs["resumed alone"]
     for name, tensor in whole["weights"].items():
         assert torch.equal(again["weights"][name], tensor), name
     assert again["losses"] == whole["losses"][2:]
-    alone = launched(tmp_path / "alone", "--resume", step)
     for name, tensor in whole["weights"].items():
         torch.testing.assert_close(alone["weights"][name], tensor, rtol=0, atol=1e-6, msg=name)
     # And the other way: a checkpoint of one process resumed under CP 2.
-    solo = launched(tmp_path / "solo", "--save-every", 1)
-    onto = launched(
-        tmp_path / "onto", "--resume", tmp_path / "solo" / "checkpoints" / "step-00000002", cp=2, processes=2
-    )
-    for name, tensor in solo["weights"].items():
-        torch.testing.assert_close(onto["weights"][name], tensor, rtol=0, atol=1e-6, msg=name)
+    for name, tensor in runs["solo"]["weights"].items():
+        torch.testing.assert_close(runs["onto"]["weights"][name], tensor, rtol=0, atol=1e-6, msg=name)
 
 
 def test_what_context_parallelism_cannot_split_is_refused_by_name():

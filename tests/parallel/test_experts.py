@@ -9,29 +9,34 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, accelerate_launch, clean_env, run
+from conftest import JOBS, ROOT, accelerate_launch, clean_env, run
 
 JOB = ROOT / "tests" / "jobs" / "experts.py"
 sys.path.insert(0, str(ROOT / "tests" / "jobs"))
 
 
-def launched(out, *args, processes: int = 1, config: str = "fsdp.yaml", replicas: int = 1):
-    """The job's results: on one process (plain python), or launched on ``processes`` (``replicas``: HSDP's)."""
+def launched(runs: dict[str, list], root: Path, *, processes: int = 1, config: str = "fsdp.yaml", replicas: int = 1):
+    """Each run's results ({name: flags}, written under root/name), the runs made one after another in one process
+    (plain python) or one launch on ``processes`` (``replicas``: HSDP's), tests/jobs/run_many.py: a launch's
+    start-up is most of a run's time."""
+    jobs = json.dumps([[str(JOB), "--out", str(root / name), *map(str, flags)] for name, flags in runs.items()])
     if processes == 1:
-        run([sys.executable, str(JOB), "--out", str(out), *map(str, args)])
+        run([sys.executable, str(JOBS), jobs])
     else:
         sizes = {"PARALLELISM_CONFIG_DP_REPLICATE_SIZE": str(replicas), "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2"}
         env = {**clean_env(), "ACCELERATE_USE_PARALLELISM_CONFIG": "true", **sizes} if replicas > 1 else None
-        launch = dict(config=config, num_processes=processes, timeout=600, env=env)
-        accelerate_launch(JOB, "--out", out, *map(str, args), **launch)
-    found = json.loads((out / "experts.json").read_text())
-    found["weights"] = load_file(out / "final" / "model.safetensors")
+        accelerate_launch(JOBS, jobs, config=config, num_processes=processes, timeout=600, env=env)
+    found = {name: json.loads((root / name / "experts.json").read_text()) for name in runs}
+    for name, results in found.items():
+        results["weights"] = load_file(root / name / "final" / "model.safetensors")
+        results["folder"] = root / name
     return found
 
 
@@ -46,19 +51,28 @@ def same(found: dict, reference: dict, *, atol: float = 1e-6) -> None:
 
 
 @pytest.fixture(scope="module")
-def alone(tmp_path_factory):
-    return launched(tmp_path_factory.mktemp("alone"))
+def runs(tmp_path_factory) -> dict[str, dict]:
+    """Every run of this module but DDP's and HSDP's: EP 2 x FSDP 2 on 4 processes (a checkpoint each step), then
+    one process's runs (that checkpoint resumed too), then every EP 2 run on 2 processes in one launch."""
+    root = tmp_path_factory.mktemp("experts")
+    found = launched({"ep 2 x fsdp 2": ["--ep", 2, "--batch-size", 1, "--save-every", 1]}, root, processes=4)
+    step = root / "ep 2 x fsdp 2" / "checkpoints" / "step-00000002"
+    alone = {"alone": [], "resumed alone": ["--resume", step, "--batch-size", 4]}
+    found |= launched(alone | {f"{family} alone": ["--family", family] for family in FAMILIES}, root)
+    ep2 = {
+        "ep 2": ["--ep", 2, "--batch-size", 2],
+        "resumed under ep 2": ["--resume", step, "--ep", 2, "--batch-size", 2],
+    }
+    ep2 |= {f"{family} under ep 2": ["--family", family, "--ep", 2, "--batch-size", 2] for family in FAMILIES}
+    return found | launched(ep2, root, processes=2)
 
 
-@pytest.fixture(scope="module")
-def ep_2_x_fsdp_2(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ep2x2")
-    return out, launched(out, "--ep", 2, "--batch-size", 1, "--save-every", 1, processes=4)
+FAMILIES = ("mixtral", "own")
 
 
-def test_ep_2_x_fsdp_2_on_4_processes_trains_as_one_process(alone, ep_2_x_fsdp_2):
-    _, found = ep_2_x_fsdp_2
-    same(found, alone)
+def test_ep_2_x_fsdp_2_on_4_processes_trains_as_one_process(runs):
+    found = runs["ep 2 x fsdp 2"]
+    same(found, runs["alone"])
     assert found["expert_mesh"] == ["efsdp", "ep"]
     assert "EP 2 x FSDP2 over 4 processes (each expert over 2)" in found["banner"]
     # The load is logged, and not that of a balanced router: it measures something.
@@ -66,43 +80,41 @@ def test_ep_2_x_fsdp_2_on_4_processes_trains_as_one_process(alone, ep_2_x_fsdp_2
     # final/ is a whole model transformers reads.
     from transformers import Qwen3MoeForCausalLM
 
-    model = Qwen3MoeForCausalLM.from_pretrained(ep_2_x_fsdp_2[0] / "final")
+    model = Qwen3MoeForCausalLM.from_pretrained(found["folder"] / "final")
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, found["weights"].get(name, tensor)), name
     assert model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 4
 
 
 @pytest.mark.parametrize("kind", ["EP 2 on 2", "DDP on 2", "EP 2 x HSDP 2 x 2 on 4"])
-def test_ep_2_ddp_and_ep_2_under_hsdp_train_as_one_process(tmp_path, alone, kind):
+def test_ep_2_ddp_and_ep_2_under_hsdp_train_as_one_process(tmp_path, runs, kind):
     """DDP too: each process adding its own rows' load-balancing loss counted it twice, of other statistics."""
     if kind == "DDP on 2":
-        found = launched(tmp_path, "--batch-size", 2, processes=2, config="multi_gpu.yaml")
+        found = launched({kind: ["--batch-size", 2]}, tmp_path, processes=2, config="multi_gpu.yaml")[kind]
     elif kind == "EP 2 on 2":
-        found = launched(tmp_path, "--ep", 2, "--batch-size", 2, processes=2)
+        found = runs["ep 2"]
         assert found["expert_mesh"] == ["efsdp", "ep"]
     else:
-        found = launched(tmp_path, "--ep", 2, "--batch-size", 1, processes=4, replicas=2)
+        found = launched({kind: ["--ep", 2, "--batch-size", 1]}, tmp_path, processes=4, replicas=2)[kind]
         assert found["expert_mesh"] == ["dp_replicate", "efsdp", "ep"]
         assert "EP 2 x HSDP 2 x 2 (each expert over 1)" in found["banner"]
-    same(found, alone)
+    same(found, runs["alone"])
 
 
-def test_an_ep_checkpoint_resumes_on_one_process_and_under_ep_2(tmp_path, ep_2_x_fsdp_2):
-    out, whole = ep_2_x_fsdp_2
-    step = out / "checkpoints" / "step-00000002"
-    for name, flags, processes in (("one", ["--batch-size", 4], 1), ("ep2", ["--ep", 2, "--batch-size", 2], 2)):
-        again = launched(tmp_path / name, "--resume", step, *flags, processes=processes)
+def test_an_ep_checkpoint_resumes_on_one_process_and_under_ep_2(runs):
+    whole = runs["ep 2 x fsdp 2"]
+    for name in ("resumed alone", "resumed under ep 2"):
+        again = runs[name]
         assert again["losses"] == pytest.approx(whole["losses"][2:], rel=1e-6)
         for key, tensor in whole["weights"].items():
             torch.testing.assert_close(again["weights"][key], tensor, rtol=0, atol=1e-6, msg=f"{name}: {key}")
 
 
-@pytest.mark.parametrize("family", ["mixtral", "own"])
-def test_a_mixtral_and_a_model_of_ones_own_train_under_ep_2_as_on_one_process(tmp_path, family):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_mixtral_and_a_model_of_ones_own_train_under_ep_2_as_on_one_process(runs, family):
     """``own``: a plain torch module whose ``ep_plan`` names its experts (docs/parallelism.md#expert-parallelism)."""
-    reference = launched(tmp_path / "alone", "--family", family)
-    found = launched(tmp_path / "ep2", "--family", family, "--ep", 2, "--batch-size", 2, processes=2)
-    same(found, reference)
+    found = runs[f"{family} under ep 2"]
+    same(found, runs[f"{family} alone"])
     assert found["expert_mesh"] == ["efsdp", "ep"]
 
 
