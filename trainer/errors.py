@@ -163,6 +163,27 @@ def install_hook() -> None:
             where = f"[rank {rank}] " if rank and not err.job_wide else ""
             sys.stderr.write(f"trainer: {where}{err}\n")
             sys.stderr.flush()
+        else:
+            wait_for_the_first_process()
 
     hook.prints_refusals = True
     sys.excepthook = hook
+
+
+# How long another rank waits for the first process to say a job-wide refusal before the process group exists.
+FIRST_PROCESS_WAIT_S = 10.0
+
+
+def wait_for_the_first_process() -> None:
+    """A job-wide refusal met before the process group exists (the launch's config, read in ``Run.join``): exiting at
+    once, this rank would have torch's elastic agent end the job, the first process with it, its one line unsaid
+    (seen: a rank a second ahead under load). So it waits for the launcher to end it once the first process has
+    said it and exited, 10 s at most. With the group up, the ranks leave together anyway (``launch/host.py``)."""
+    import signal
+    import time
+
+    distributed = sys.modules.get("torch.distributed")
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's word ends it, whatever the trainer had set
+    time.sleep(FIRST_PROCESS_WAIT_S)

@@ -1,5 +1,6 @@
 """Every accelerate config loads with accelerate's loader (each launches a job in tests/test_examples.py); the CPU
-fallback and its guard; exact evaluation; user DataLoaders; data too small for the world size. Multi-process cases
+fallback and its guard; exact evaluation; user DataLoaders; data too small for the world size; a refusal said
+once even when the first process meets it last. Multi-process cases
 are real `accelerate launch` runs."""
 
 from __future__ import annotations
@@ -99,6 +100,28 @@ def test_users_dataloader_is_used_as_is_in_one_process(tmp_path):
 def test_data_set_smaller_than_the_world_is_refused(tmp_path):
     result = accelerate_launch(SCENARIOS, "too_small", "--output_dir", tmp_path, expect_ok=False)
     assert "train_data has 1 examples, fewer than the 2 processes" in result.stderr
+
+
+def test_a_refusal_before_the_process_group_is_said_when_the_first_process_reaches_it_last(tmp_path):
+    """Another rank meeting the launch's refusal first waits for the first process to say it: exiting, it had the
+    elastic agent end the job, the first process with it, and the line was never said (seen under load)."""
+    script = tmp_path / "late_first.py"
+    script.write_text(
+        "import os, time\nimport torch\nfrom trainer import TrainConfig, Trainer\n\n"
+        "if os.environ['RANK'] == '0':\n    time.sleep(3)  # the first process reaches the refusal last\n"
+        f"Trainer(torch.nn.Linear(1, 1), TrainConfig(output_dir={str(tmp_path / 'out')!r}), [[1.0]])\n"
+    )
+    result = accelerate_launch(script, config="fsdp.yaml", run_args=["--fsdp_version", "1"], expect_ok=False)
+    said = [line for line in result.stderr.splitlines() if line.startswith("trainer: ")]
+    assert said == [f"trainer: {line}" for line in said_lines()], result.stderr[-3000:]
+    assert "[rank0]: Traceback" not in result.stderr and "[rank1]: Traceback" not in result.stderr
+
+
+def said_lines() -> list[str]:
+    return [
+        "the accelerate config asks for FSDP version 1; this trainer shards with FSDP2. Convert the file with "
+        "`accelerate to-fsdp2 --config_file <yours> --output_file <new>` (or set fsdp_version: 2 under fsdp_config)"
+    ]
 
 
 @pytest.mark.parametrize(
