@@ -170,15 +170,16 @@ def install_hook() -> None:
     sys.excepthook = hook
 
 
-# How long another rank waits for the first process to say a job-wide refusal before the process group exists.
+# How long a process waits for the first one to say why the job ends, before the process group exists.
 FIRST_PROCESS_WAIT_S = 10.0
 
 
 def wait_for_the_first_process() -> None:
-    """A job-wide refusal met before the process group exists (the launch's config, read in ``Run.join``): exiting at
-    once, this rank would have torch's elastic agent end the job, the first process with it, its one line unsaid
-    (seen: a rank a second ahead under load). So it waits for the launcher to end it once the first process has
-    said it and exited, 10 s at most. With the group up, the ranks leave together anyway (``launch/host.py``)."""
+    """Another process's part when the first process alone says why the job ends (a job-wide refusal, a launch this
+    host cannot honour) and no process group holds them together yet: exiting at once, it would have torch's elastic
+    agent end the job, the first process with it, its line unsaid (seen under load). So it waits for the launcher to
+    end it once the first process has said it and exited, 10 s at most. With the group up, the ranks leave together
+    anyway (``launch/host.py``)."""
     import signal
     import time
 

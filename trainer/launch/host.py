@@ -9,7 +9,6 @@ import functools
 import os
 import signal
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
@@ -17,7 +16,7 @@ from typing import Any, Optional
 import torch
 from accelerate.utils import parse_flag_from_env
 
-from trainer.errors import LaunchMismatch, Refusal
+from trainer.errors import LaunchMismatch, Refusal, wait_for_the_first_process
 
 # Host (gloo) groups every rank made, in order: the teardown at exit waits on each of them too.
 HOST_GROUPS: list = []
@@ -73,11 +72,10 @@ def check_launch_fits_host() -> None:
 
 
 def _stop(problem: str, first: bool) -> None:
-    """The launch ends: ``first`` says why; the others give it time to (the launcher stops the rest once one
-    process exits)."""
+    """The launch ends: ``first`` says why; the others give it time to (``wait_for_the_first_process``)."""
     if first:
         raise LaunchMismatch(f"trainer: cannot start: {problem}")
-    time.sleep(5)
+    wait_for_the_first_process()
     raise LaunchMismatch(1)
 
 
