@@ -66,6 +66,7 @@ STARTS_PROCESSES = {
     "accelerate_launch",
     "torchrun",
     "accelerate_config",
+    "launch_jobs",
 }
 
 
@@ -320,6 +321,18 @@ def job_exits(stderr: str, runs: int) -> list[int]:
     for number, status in re.findall(r"^=== job (\d+) exit (\d+) ===$", stderr, flags=re.M):
         exits[int(number)] = max(exits[int(number)], int(status))
     return exits
+
+
+def launch_jobs(runs: dict[str, list], **kw) -> dict[str, subprocess.CompletedProcess]:
+    """Every run of ``runs`` (name: [script, arg, ...]) in one ``accelerate launch`` of tests/jobs/run_many.py
+    (``kw``: accelerate_launch's): each run's exit status, stdout and stderr, by name, as if launched alone."""
+    jobs = [[str(part) for part in args] for args in runs.values()]
+    result = accelerate_launch(JOBS, json.dumps(jobs), expect_ok=False, **kw)
+    outs, errs = split_jobs(result.stdout), split_jobs(result.stderr)
+    if len(outs) != len(runs) or len(errs) != len(runs):  # the launch itself failed: every run's words, as they came
+        pytest.fail(f"{len(runs)} runs, {len(outs)} begun; exit {result.returncode}\n{result.stdout}\n{result.stderr}")
+    ended = zip(runs.items(), job_exits(result.stderr, len(runs)), outs, errs, strict=True)
+    return {name: subprocess.CompletedProcess(args, code, out, err) for (name, args), code, out, err in ended}
 
 
 def read_summary(output_dir: Path) -> dict:

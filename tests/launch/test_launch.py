@@ -9,11 +9,12 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
 
-from conftest import CONFIGS, JOBS, ROOT, SAME_UPDATES, SCENARIOS, accelerate_launch, clean_env, python, split_jobs
+from conftest import CONFIGS, ROOT, SAME_UPDATES, SCENARIOS, accelerate_launch, clean_env, launch_jobs, python
 
 ALL_CONFIGS = sorted(p.name for p in CONFIGS.glob("*.yaml"))
 
@@ -39,13 +40,25 @@ def test_the_expected_configs_exist():
     assert expected <= set(ALL_CONFIGS)
 
 
-def run_job(tmp_path, config):
-    result = accelerate_launch(SCENARIOS, "job", "--output_dir", tmp_path, config=config)
-    return json.loads((tmp_path / "result.json").read_text()), result.stdout + result.stderr
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """name -> how a 2-process job of multi_gpu.yaml ended; all in one launch (conftest.launch_jobs)."""
+    out = tmp_path_factory.mktemp("two_processes")
+    loader = [SCENARIOS, "user_loader", "--sampler"]
+    runs = {
+        "job": [SCENARIOS, "job", "--output_dir", out / "job"],
+        "distributed": [*loader, "distributed", "--output_dir", out / "distributed"],
+        "own_part": [*loader, "own_part", "--output_dir", out / "own_part"],
+        "no sampler": [*loader, "none", "--output_dir", out / "none"],
+        "too small": [SCENARIOS, "too_small", "--output_dir", out / "too_small"],
+    }
+    return launch_jobs(runs)
 
 
-def test_multi_gpu_config_on_cpu_host_is_one_ddp_job_with_exact_evaluation(tmp_path):
-    two, output = run_job(tmp_path / "two", "multi_gpu.yaml")
+def test_multi_gpu_config_on_cpu_host_is_one_ddp_job_with_exact_evaluation(two_processes, tmp_path):
+    ended = two_processes["job"]
+    assert ended.returncode == 0, ended.stderr[-3000:]
+    two, output = json.loads(Path(ended.args[-1], "result.json").read_text()), ended.stdout + ended.stderr
     assert two["world_size"] == 2 and two["device"] == "cpu"
     assert output.count("No GPU on this host") == 1
     assert "batch 8 per process x 2 processes x 1 accumulation = 16 global" in output
@@ -53,7 +66,8 @@ def test_multi_gpu_config_on_cpu_host_is_one_ddp_job_with_exact_evaluation(tmp_p
 
     # 9 eval examples on 2 processes: each counted once (a padded DistributedSampler would count 10), and the
     # untrained model's eval loss equals the one-process figure.
-    one, _ = run_job(tmp_path / "one", "single_gpu.yaml")
+    accelerate_launch(SCENARIOS, "job", "--output_dir", tmp_path, config="single_gpu.yaml")
+    one = json.loads((tmp_path / "result.json").read_text())
     assert two["before"]["eval_examples"] == one["before"]["eval_examples"] == 9
     assert two["before"]["eval_loss"] == pytest.approx(one["before"]["eval_loss"], rel=1e-6)
     assert "eval_perplexity" not in two["before"], "a classifier's exp(loss) is no perplexity"
@@ -65,31 +79,20 @@ def test_guard_stops_processes_that_each_believe_they_are_alone():
     assert "joined a world of 1" in result.stderr
 
 
-@pytest.fixture(scope="module")
-def users_loaders(tmp_path_factory) -> dict[str, str]:
-    """sampler -> the output of a user's DataLoader job on 2 processes, both jobs in one launch
-    (tests/jobs/run_many.py)."""
-    out = tmp_path_factory.mktemp("user_loader")
-    samplers = ["distributed", "own_part"]
-    jobs = [[str(SCENARIOS), "user_loader", "--sampler", name, "--output_dir", str(out / name)] for name in samplers]
-    return dict(zip(samplers, split_jobs(accelerate_launch(JOBS, json.dumps(jobs)).stdout), strict=True))
+@pytest.mark.parametrize("sampler", ["distributed", "own_part"])
+def test_users_dataloader_is_read_as_is_on_every_process(two_processes, sampler):
+    """A DistributedSampler's loader is not sharded twice; a stream that splits itself is read on every process
+    (accelerate alone would dispatch: only process 0's stream read, its batches split between the processes)."""
+    ended = two_processes[sampler]
+    assert ended.returncode == 0, ended.stderr[-3000:]
+    assert "SEEN rank0 [[0, 2, 4], [6, 8, 10]]" in ended.stdout
+    assert "SEEN rank1 [[1, 3, 5], [7, 9, 11]]" in ended.stdout
 
 
-def test_users_dataloader_with_distributed_sampler_is_not_sharded_twice(users_loaders):
-    assert "SEEN rank0 [[0, 2, 4], [6, 8, 10]]" in users_loaders["distributed"]
-    assert "SEEN rank1 [[1, 3, 5], [7, 9, 11]]" in users_loaders["distributed"]
-
-
-def test_users_dataloader_of_a_stream_that_splits_itself_is_read_on_every_process(users_loaders):
-    # accelerate alone would dispatch: only process 0's stream read, its batches split between the processes
-    assert "SEEN rank0 [[0, 2, 4], [6, 8, 10]]" in users_loaders["own_part"]
-    assert "SEEN rank1 [[1, 3, 5], [7, 9, 11]]" in users_loaders["own_part"]
-
-
-def test_users_dataloader_without_distributed_sampler_is_refused_with_what_to_pass(tmp_path):
-    result = accelerate_launch(SCENARIOS, "user_loader", "--sampler", "none", "--output_dir", tmp_path, expect_ok=False)
-    assert "train_data is a DataLoader with a SequentialSampler" in result.stderr
-    assert "Pass the Dataset itself as train_data" in result.stderr
+def test_users_dataloader_without_distributed_sampler_is_refused_with_what_to_pass(two_processes):
+    ended = two_processes["no sampler"]
+    assert ended.returncode == 1 and "train_data is a DataLoader with a SequentialSampler" in ended.stderr
+    assert "Pass the Dataset itself as train_data" in ended.stderr
 
 
 def test_users_dataloader_is_used_as_is_in_one_process(tmp_path):
@@ -97,9 +100,9 @@ def test_users_dataloader_is_used_as_is_in_one_process(tmp_path):
     assert "SEEN rank0 [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]" in result.stdout
 
 
-def test_data_set_smaller_than_the_world_is_refused(tmp_path):
-    result = accelerate_launch(SCENARIOS, "too_small", "--output_dir", tmp_path, expect_ok=False)
-    assert "train_data has 1 examples, fewer than the 2 processes" in result.stderr
+def test_data_set_smaller_than_the_world_is_refused(two_processes):
+    ended = two_processes["too small"]
+    assert ended.returncode == 1 and "train_data has 1 examples, fewer than the 2 processes" in ended.stderr
 
 
 FSDP1 = (
