@@ -165,8 +165,9 @@ def pretend_gpus(count: int, **extra: str) -> dict[str, str]:
     return env
 
 
-def run(cmd: list[str], expect_ok: bool = True, timeout: int = 300, env: dict | None = None, cwd: Path = ROOT):
-    """Run a command; fail the test with its output if its exit status is not what was expected.
+def run(cmd: list[str], expect_ok: bool | None = True, timeout: int = 300, env: dict | None = None, cwd: Path = ROOT):
+    """Run a command; fail the test with its output if its exit status is not what was expected (``expect_ok``:
+    0, not 0, or None: either).
 
     The command gets its own process group, killed whole on a timeout: a launcher's workers must not outlive it.
     """
@@ -186,7 +187,7 @@ def run(cmd: list[str], expect_ok: bool = True, timeout: int = 300, env: dict | 
         stdout, stderr = process.communicate()
         pytest.fail(f"{' '.join(map(str, cmd))}\ntimed out after {timeout} s\n{stdout}\n{stderr}")
     result = subprocess.CompletedProcess(cmd, process.returncode, stdout, stderr)
-    if expect_ok != (result.returncode == 0):
+    if expect_ok is not None and expect_ok != (result.returncode == 0):
         pytest.fail(f"{' '.join(map(str, cmd))}\nexit {result.returncode}\n{result.stdout}\n{result.stderr}")
     return result
 
@@ -327,7 +328,7 @@ def launch_jobs(runs: dict[str, list], **kw) -> dict[str, subprocess.CompletedPr
     """Every run of ``runs`` (name: [script, arg, ...]) in one ``accelerate launch`` of tests/jobs/run_many.py
     (``kw``: accelerate_launch's): each run's exit status, stdout and stderr, by name, as if launched alone."""
     jobs = [[str(part) for part in args] for args in runs.values()]
-    result = accelerate_launch(JOBS, json.dumps(jobs), expect_ok=False, **kw)
+    result = accelerate_launch(JOBS, json.dumps(jobs), expect_ok=None, **kw)
     outs, errs = split_jobs(result.stdout), split_jobs(result.stderr)
     if len(outs) != len(runs) or len(errs) != len(runs):  # the launch itself failed: every run's words, as they came
         pytest.fail(f"{len(runs)} runs, {len(outs)} begun; exit {result.returncode}\n{result.stdout}\n{result.stderr}")

@@ -8,7 +8,7 @@ import sys
 import pytest
 from wandb_records import offline_runs
 
-from conftest import SCENARIOS, accelerate_launch, clean_env, free_port, python, run
+from conftest import SCENARIOS, accelerate_launch, clean_env, free_port, launch_jobs, python, run
 
 PROJECT = ["--wandb_project", "trainer-tests", "--experiment_name", "exp"]
 
@@ -26,11 +26,29 @@ def by_name(runs):
 
 
 @pytest.fixture(scope="module")
-def logged_run(tmp_path_factory):
+def tracked(tmp_path_factory) -> dict:
+    """2-process jobs logging to wandb (offline): one crashed after step 6 and one preempted at step 3, each in a
+    launch of its own, then in one launch (conftest.launch_jobs) their reruns and a run with rank 1 slower. Each
+    name: its output_dir, its launch's (or run's) ending, the wandb runs of its first launch."""
+    root = tmp_path_factory.mktemp("tracked")
+    env, out = wandb_env(root), {name: root / name for name in ("logged", "crashed", "preempted")}
+    job = {name: [SCENARIOS, "resume", "--output_dir", folder, *PROJECT] for name, folder in out.items()}
+    first = {
+        "crashed": accelerate_launch(*job["crashed"], "--crash_at", "6", env=env, expect_ok=False),
+        "preempted": accelerate_launch(
+            *job["preempted"], "--signal_at", "2", "--signal_rank", "1", env=env, expect_ok=False
+        ),
+    }
+    runs = {name: offline_runs(out[name]) for name in first}
+    again = launch_jobs({**job, "logged": [*job["logged"], "--slow_rank", "1"]}, env=env)
+    return {name: (out[name], first.get(name), again[name], runs.get(name)) for name in out}
+
+
+@pytest.fixture(scope="module")
+def logged_run(tracked):
     """A 2-process run logging to wandb (offline), rank 1 slower: its output_dir."""
-    tmp_path = tmp_path_factory.mktemp("logged")
-    out = tmp_path / "run"
-    accelerate_launch(SCENARIOS, "resume", "--output_dir", out, *PROJECT, "--slow_rank", "1", env=wandb_env(tmp_path))
+    out, _, ended, _ = tracked["logged"]
+    assert ended.returncode == 0, ended.stderr[-3000:]
     return out
 
 
@@ -66,11 +84,9 @@ def test_two_processes_log_two_runs_in_one_group_with_their_own_shards(logged_ru
     assert [line["rank/loss"] for line in lines] == [h["rank/loss"] for h in logged(rank1)]
 
 
-def test_a_resumed_job_continues_the_same_runs(tmp_path):
-    out, env = tmp_path / "run", wandb_env(tmp_path)
-    accelerate_launch(SCENARIOS, "resume", "--output_dir", out, *PROJECT, "--crash_at", "6", env=env, expect_ok=False)
-    first = offline_runs(out)
-    accelerate_launch(SCENARIOS, "resume", "--output_dir", out, *PROJECT, env=env)
+def test_a_resumed_job_continues_the_same_runs(tracked):
+    out, _, rerun, first = tracked["crashed"]
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
     second = offline_runs(out)[len(first) :]
     assert len(first) == len(second) == 2
     assert sorted(r.run_id for r in first) == sorted(r.run_id for r in second), "the same 2 runs, continued"
@@ -84,25 +100,11 @@ def test_a_resumed_job_continues_the_same_runs(tmp_path):
     assert steps == [6, 9, 12, 15, 18]
 
 
-def test_a_preempted_job_ends_its_runs_preempting_and_the_rerun_continues_them(tmp_path):
-    out, env = tmp_path / "run", wandb_env(tmp_path)
-    preempted = accelerate_launch(
-        SCENARIOS,
-        "resume",
-        "--output_dir",
-        out,
-        *PROJECT,
-        "--signal_at",
-        "2",
-        "--signal_rank",
-        "1",
-        env=env,
-        expect_ok=False,
-    )
+def test_a_preempted_job_ends_its_runs_preempting_and_the_rerun_continues_them(tracked):
+    out, preempted, rerun, first = tracked["preempted"]
     assert "trainer: preempted (SIGUSR1) at step 3 of 18" in preempted.stdout
-    first = offline_runs(out)
     assert len(first) == 2 and all(r.preempting and r.exit_code == 75 for r in first), first
-    accelerate_launch(SCENARIOS, "resume", "--output_dir", out, *PROJECT, env=env)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
     second = offline_runs(out)[len(first) :]
     assert sorted(r.run_id for r in first) == sorted(r.run_id for r in second), "the same 2 runs, continued"
     assert all(r.exit_code == 0 and not r.preempting for r in second)
