@@ -8,6 +8,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -322,6 +323,23 @@ def job_exits(stderr: str, runs: int) -> list[int]:
     for number, status in re.findall(r"^=== job (\d+) exit (\d+) ===$", stderr, flags=re.M):
         exits[int(number)] = max(exits[int(number)], int(status))
     return exits
+
+
+def once_per_suite(tmp_path_factory, name: str, make) -> Path:
+    """The folder ``make(folder)`` filled, made once for the whole suite: the first worker of ``-n 2`` (or the
+    one process) to ask makes it, the other waits and reads it (a reference run several modules compare with)."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the workers' folders share this run's parent, and only theirs
+        root = root.parent
+    folder, done = root / name, root / f"{name}.done"
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # what a failed attempt left
+            make(folder)
+            done.touch()
+    return folder
 
 
 def launch_jobs(runs: dict[str, list], **kw) -> dict[str, subprocess.CompletedProcess]:

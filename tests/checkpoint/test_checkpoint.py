@@ -29,6 +29,7 @@ from conftest import (
     clean_env,
     job_exits,
     launch_command,
+    once_per_suite,
     python,
     resign,
     split_jobs,
@@ -55,12 +56,10 @@ def result_line(output: str) -> dict:
     return json.loads(line.removeprefix("RESULT "))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference(tmp_path_factory):
-    """The uninterrupted run."""
-    out = tmp_path_factory.mktemp("reference")
-    launch_resume(out)
-    return out
+    """The uninterrupted run (once for every module that compares with it: read, never written)."""
+    return once_per_suite(tmp_path_factory, "reference", launch_resume)
 
 
 # Runs that fail part-way (name -> arguments), each launched alone; then every one of them is continued in one launch
