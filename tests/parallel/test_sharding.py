@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from conftest import accelerate_launch
+from conftest import launch_jobs
 
 JOB = """
 import json, sys
@@ -45,12 +45,23 @@ if trainer.accelerator.is_main_process:
 """
 
 
-@pytest.mark.parametrize("tie", ["untied", "tied"])
-def test_untied_embeddings_and_head_are_groups_of_their_own(tmp_path, tie):
-    script = tmp_path / "job.py"
+@pytest.fixture(scope="module")
+def seen(tmp_path_factory) -> dict[str, dict]:
+    """untied / tied -> what the job saw; both jobs in one 2-process launch (conftest.launch_jobs)."""
+    root = tmp_path_factory.mktemp("sharding")
+    script = root / "job.py"
     script.write_text(JOB)
-    done = accelerate_launch(script, str(tmp_path / "out"), tie, config="fsdp.yaml", num_processes=2)
-    seen = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("SEEN "))[5:])
+    ended = launch_jobs({tie: [script, root / tie, tie] for tie in ("untied", "tied")}, config="fsdp.yaml")
+    said = {}
+    for tie, done in ended.items():
+        assert done.returncode == 0, done.stderr[-3000:]
+        said[tie] = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("SEEN "))[5:])
+    return said
+
+
+@pytest.mark.parametrize("tie", ["untied", "tied"])
+def test_untied_embeddings_and_head_are_groups_of_their_own(seen, tie):
+    seen = seen[tie]
     apart = tie == "untied"
     assert seen["embeddings gathered in the blocks' forward"] is not apart
     assert seen["head's gradient reduced before the blocks' backward"] is apart
