@@ -24,6 +24,8 @@ RUNS = {
     "best_again": ["best", "--max_steps", "14"],
     "best_cut": ["best", "--signal_at", "3"],  # preempted at step 4, before its evaluation
     "best_cut_again": ["best"],
+    "patience_cut": ["patience", "--signal_at", "5"],  # preempted at step 6, before its evaluation
+    "patience_cut_again": ["patience"],
 }
 
 
@@ -34,7 +36,8 @@ def runs(tmp_path_factory) -> dict[str, tuple[str, Path]]:
     folders = {name: out / name.removesuffix("_again") for name in RUNS}
     jobs = [[str(SCENARIOS), *args, "--output_dir", str(folders[name])] for name, args in RUNS.items()]
     launched = accelerate_launch(JOBS, json.dumps(jobs), expect_ok=False)
-    assert job_exits(launched.stderr, len(RUNS)) == [PREEMPTED_EXIT if name == "best_cut" else 0 for name in RUNS]
+    cut = ("best_cut", "patience_cut")
+    assert job_exits(launched.stderr, len(RUNS)) == [PREEMPTED_EXIT if name in cut else 0 for name in RUNS]
     outputs = split_jobs(launched.stdout)
     return {name: (output, folders[name]) for name, output in zip(RUNS, outputs, strict=True)}
 
@@ -71,19 +74,17 @@ def test_early_stopping_ends_a_run_whose_eval_loss_does_not_improve(runs):
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step-00000009"
 
 
-def test_early_stopping_and_a_users_callback_keep_their_state_across_a_preemption(tmp_path):
+def test_early_stopping_and_a_users_callback_keep_their_state_across_a_preemption(runs):
     """EarlyStopping(patience=3) had waited 1 evaluation (step 4's after step 2's best) when the job was preempted
     at step 6, before step 6's evaluation (the ranks agree on a signal before an evaluation): resumed, it runs step
     6's evaluation first and stops after 1 more (step 8's, agreed at the log of step 10), as the uninterrupted run
     does, not 3 more (which a patience started again from zero would take). A user's callback with state_dict gets
     its count and its tensor back."""
-    preempted = accelerate_launch(SCENARIOS, "patience", "--output_dir", tmp_path, "--signal_at", 5, expect_ok=False)
-    assert "trainer: preempted (SIGUSR1) at step 6 of 40" in preempted.stdout, preempted.stdout[-2000:]
-    assert f"exitcode  : {PREEMPTED_EXIT}" in preempted.stderr
-    resumed = accelerate_launch(SCENARIOS, "patience", "--output_dir", tmp_path)
+    preempted, resumed = runs["patience_cut"][0], runs["patience_cut_again"][0]  # exits checked by the fixture
+    assert "trainer: preempted (SIGUSR1) at step 6 of 40" in preempted, preempted[-2000:]
     begin = {
         line.split(" ", 2)[1]: json.loads(line.split(" ", 2)[2])
-        for line in resumed.stdout.splitlines()
+        for line in resumed.splitlines()
         if line.startswith("BEGIN ")
     }
     assert begin["rank0"] == begin["rank1"]
@@ -93,9 +94,9 @@ def test_early_stopping_and_a_users_callback_keep_their_state_across_a_preemptio
         "best_step": 2,
         "seen": 2,
     }
-    assert "step 6's evaluation, put off by the preemption for its checkpoint, runs first" in resumed.stdout
+    assert "step 6's evaluation, put off by the preemption for its checkpoint, runs first" in resumed
     assert begin["rank0"]["total"] > 0, "the callback's tensor came back too"
-    stopped = [json.loads(line.split(" ", 2)[2]) for line in resumed.stdout.splitlines() if line.startswith("STOPPED ")]
+    stopped = [json.loads(line.split(" ", 2)[2]) for line in resumed.splitlines() if line.startswith("STOPPED ")]
     assert len(stopped) == 2 and all(result["global_step"] == 10 for result in stopped), stopped
     assert "EarlyStopping: eval_loss has not improved on" in stopped[0]["stopped"]
     assert "(step 2) for 3 evaluations" in stopped[0]["stopped"]
