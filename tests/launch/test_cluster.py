@@ -3,6 +3,7 @@ config written by `accelerate config`, the preflight check, and a rank that stal
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -13,6 +14,7 @@ from test_same_updates import COMMON, assert_same_run
 
 from conftest import (
     CONFIGS,
+    JOBS,
     ROOT,
     SAME_UPDATES,
     SCENARIOS,
@@ -20,10 +22,13 @@ from conftest import (
     accelerate_node,
     clean_env,
     free_port,
+    job_exits,
+    launch_jobs,
     python,
     read_summary,
     run,
     run_together,
+    split_jobs,
 )
 
 STALL = ["--stall_at", "5", "--stall_rank", "1"]
@@ -169,43 +174,48 @@ def test_preflight_says_what_it_cannot_check_and_names_a_folder_passed_as_the_fi
     assert folder.returncode == 1 and f"PROBLEM: config file {tmp_path} is a folder" in folder.stdout
 
 
-@pytest.mark.parametrize("shared", [True, False, "unwritable"])
-def test_preflight_inside_a_two_node_launch_checks_the_shared_output_dir(tmp_path, shared):
-    port, nodes = free_port(), [tmp_path / "node0", tmp_path / "node1"]
+@pytest.fixture(scope="module")
+def preflights(tmp_path_factory) -> dict:
+    """Where output_dir is -> what the preflight inside a two-node launch printed on node 0, and its exit: one
+    folder on both, a folder of each node's own (a relative path from each node's folder), a path under a file; the
+    three checks in one launch (tests/jobs/run_many.py)."""
+    root = tmp_path_factory.mktemp("preflights")
+    port, nodes = free_port(), [root / "node0", root / "node1"]
     for node in nodes:
         node.mkdir()
-    (tmp_path / "a file").write_text("")
-    output_dir = {True: tmp_path / "shared", False: "out", "unwritable": tmp_path / "a file" / "out"}[shared]
-    if shared == "unwritable":  # a PROBLEM line per rank, no traceback
-        results = run_together(
-            [
-                (accelerate_node(rank, port, "-m", "trainer.check", "--output_dir", output_dir), node)
-                for rank, node in enumerate(nodes)
-            ],
-            expect_ok=False,
-            env=clean_env(PYTHONPATH=str(ROOT)),
-        )
-        head = results[0].stdout
-        for rank in (0, 1):
-            assert f"PROBLEM: output_dir {output_dir} is not writable from rank {rank} " in head
-        assert "Traceback" not in results[0].stdout + results[1].stdout and "shared by all" not in head
-        return
+    (root / "a file").write_text("")
+    output_dirs = {"shared": root / "shared", "not shared": "out", "unwritable": root / "a file" / "out"}
+    check = str(ROOT / "trainer" / "check.py")
+    jobs = json.dumps([[check, "--output_dir", str(folder)] for folder in output_dirs.values()])
     results = run_together(
-        [
-            (accelerate_node(rank, port, "-m", "trainer.check", "--output_dir", output_dir), node)
-            for rank, node in enumerate(nodes)
-        ],
-        expect_ok=shared,
+        [(accelerate_node(rank, port, JOBS, jobs), node) for rank, node in enumerate(nodes)],
+        expect_ok=False,
         env=clean_env(PYTHONPATH=str(ROOT)),
     )
-    head = results[0].stdout
+    exits, heads = job_exits(results[0].stderr, len(output_dirs)), split_jobs(results[0].stdout)
+    assert "Traceback" not in results[0].stdout + results[1].stdout
+    ended = zip(output_dirs.items(), exits, heads, strict=True)
+    return {name: (folder, exit, head) for (name, folder), exit, head in ended}
+
+
+@pytest.mark.parametrize("where", ["shared", "not shared"])
+def test_preflight_inside_a_two_node_launch_checks_the_shared_output_dir(preflights, where):
+    _, exit, head = preflights[where]
     assert "job: 2 process(es) on 1 host(s), every rank answered" in head
     assert re.search(r"rank +0 \| local rank 0 \| .+ \| cpu", head) and re.search(r"rank +1 \| local rank 0", head)
-    if shared:
-        assert "one filesystem, shared by all 1 host(s)" in head and head.rstrip().endswith("no problems found")
+    if where == "shared":
+        assert exit == 0 and "one filesystem, shared by all 1 host(s)" in head
+        assert head.rstrip().endswith("no problems found")
     else:
-        assert "PROBLEM: output_dir out is not one shared filesystem: rank 0" in head
+        assert exit == 1 and "PROBLEM: output_dir out is not one shared filesystem: rank 0" in head
         assert "PROBLEM: output_dir out is not one shared filesystem: rank 1" in head
+
+
+def test_preflight_inside_a_two_node_launch_names_an_output_dir_no_rank_can_write(preflights):
+    output_dir, exit, head = preflights["unwritable"]
+    assert exit == 1 and "shared by all" not in head
+    for rank in (0, 1):
+        assert f"PROBLEM: output_dir {output_dir} is not writable from rank {rank} " in head
 
 
 def test_preflight_names_a_config_it_cannot_read_or_the_launch_would_refuse(tmp_path):
@@ -255,10 +265,12 @@ def test_preflight_asks_wandb_only_of_a_job_that_uses_it(tmp_path):
     for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_PROJECT"):
         env.pop(name, None)
     env["HOME"] = str(tmp_path)  # no ~/.netrc: no API key anywhere
-    quiet = accelerate_launch("trainer.check", run_args=["-m"], env=env)  # as the README runs it
-    assert "wandb" not in quiet.stdout and quiet.stdout.rstrip().endswith("preflight: no problems found")
-    asked = accelerate_launch("trainer.check", "--wandb_project", "p", run_args=["-m"], env=env, expect_ok=False)
-    assert "wandb: unreachable" in asked.stdout
+    check = ROOT / "trainer" / "check.py"  # `accelerate launch -m trainer.check`, as the README runs it
+    ended = launch_jobs({"quiet": [check], "asked": [check, "--wandb_project", "p"]}, env=env)
+    quiet, asked = ended["quiet"], ended["asked"]
+    assert quiet.returncode == 0 and "wandb" not in quiet.stdout
+    assert quiet.stdout.rstrip().endswith("preflight: no problems found")
+    assert asked.returncode == 1 and "wandb: unreachable" in asked.stdout
 
 
 def test_a_stalled_rank_is_named_by_the_others(tmp_path):
