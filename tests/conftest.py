@@ -342,11 +342,14 @@ def once_per_suite(tmp_path_factory, name: str, make) -> Path:
     return folder
 
 
-def launch_jobs(runs: dict[str, list], **kw) -> dict[str, subprocess.CompletedProcess]:
-    """Every run of ``runs`` (name: [script, arg, ...]) in one ``accelerate launch`` of tests/jobs/run_many.py
-    (``kw``: accelerate_launch's): each run's exit status, stdout and stderr, by name, as if launched alone."""
-    jobs = [[str(part) for part in args] for args in runs.values()]
-    result = accelerate_launch(JOBS, json.dumps(jobs), expect_ok=None, **kw)
+def launch_jobs(runs: dict[str, list], *, one_process: bool = False, **kw) -> dict[str, subprocess.CompletedProcess]:
+    """Every run of ``runs`` (name: [script, arg, ...]) in one ``accelerate launch`` of tests/jobs/run_many.py (``kw``:
+    accelerate_launch's), or in one plain python process: each run's exit status, stdout and stderr, by name, as if
+    run alone."""
+    jobs = json.dumps([[str(part) for part in args] for args in runs.values()])
+    result = (
+        python(JOBS, jobs, expect_ok=None, **kw) if one_process else accelerate_launch(JOBS, jobs, expect_ok=None, **kw)
+    )
     outs, errs = split_jobs(result.stdout), split_jobs(result.stderr)
     if len(outs) != len(runs) or len(errs) != len(runs):  # the launch itself failed: every run's words, as they came
         pytest.fail(f"{len(runs)} runs, {len(outs)} begun; exit {result.returncode}\n{result.stdout}\n{result.stderr}")

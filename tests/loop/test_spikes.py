@@ -7,7 +7,9 @@ refused; in this process, a NaN step under nan_policy skip leaves the guard watc
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,83 +23,78 @@ from trainer.optim import build as optim
 from trainer.parallel import for_run
 from trainer.telemetry.telemetry import Telemetry
 
-from conftest import ROOT, accelerate_launch, clean_env, run
+from conftest import ROOT, accelerate_launch, clean_env, launch_jobs, run
 
 JOB = ROOT / "tests" / "jobs" / "spikes.py"
 
 
-def job(out, *args, env=None, expect_ok=True):
-    command = [sys.executable, str(JOB), "--out", str(out), *map(str, args)]
-    return run(command, expect_ok=expect_ok, env=clean_env(**(env or {}))).stdout
-
-
-def weights(out):
-    return load_file(out / "final" / "model.safetensors")
-
-
 @pytest.fixture(scope="module")
-def rolled_back(tmp_path_factory):
+def one_process(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """The 1-process runs, by name: a run with the lr lowered, killed after step 12's checkpoint, alone; then in one
+    process (conftest.launch_jobs) its resume and every other run."""
     root = tmp_path_factory.mktemp("spikes")
-    said = job(root / "one")
-    return root, said
+    crash = clean_env(TRAINER_CRASH_AFTER_CHECKPOINT="12")
+    run([sys.executable, str(JOB), "--out", str(root / "cut"), "--lr_factor", "0.5"], expect_ok=False, env=crash)
+    runs = {
+        "one": [],
+        "without": ["--drop", "32-39"],  # the run that never had the spike's batches
+        "whole": ["--lr_factor", "0.5"],
+        "cut": ["--lr_factor", "0.5", "--resume", "auto"],
+        "early": ["--save_every", "12"],  # a spike before any checkpoint
+        "again": ["--poison", "36-51"],  # steps 10 to 13 all spike
+    }
+    return launch_jobs({name: [JOB, "--out", root / name, *args] for name, args in runs.items()}, one_process=True)
 
 
-def test_a_spike_is_rolled_back_to_the_weights_of_a_run_without_its_batches(rolled_back, tmp_path):
-    root, said = rolled_back
+def weights(ended: subprocess.CompletedProcess):
+    return load_file(Path(ended.args[2], "final", "model.safetensors"))
+
+
+def test_a_spike_is_rolled_back_to_the_weights_of_a_run_without_its_batches(one_process):
+    said = one_process["one"].stdout
     assert "| a loss over 3 x the last 10 steps' mean rolled back" in said
     assert "loss 41.36 at step 10, over 3 x its recent level 1.084: rolled back to step 8 (" in said
     assert "step-00000008), the batches of steps 9-10 skipped" in said
     # Every part back from step 8 (weights, AdamW's moments, the schedule), the data read on after step 10: the run
     # that never had those 8 examples, bit for bit.
-    job(tmp_path / "without", "--drop", "32-39")
-    mine, theirs = weights(root / "one"), weights(tmp_path / "without")
+    mine, theirs = weights(one_process["one"]), weights(one_process["without"])
     assert all(torch.equal(mine[name], theirs[name]) for name in theirs)
     # Recorded in the checkpoints after it.
-    state = json.loads((root / "one" / "checkpoints" / "step-00000016" / "trainer_state.json").read_text())
-    (record,) = state["spikes"]["rollbacks"]
+    step = Path(one_process["one"].args[2], "checkpoints", "step-00000016")
+    (record,) = json.loads((step / "trainer_state.json").read_text())["spikes"]["rollbacks"]
     assert (record["step"], record["back_to"], record["skipped"]) == (10, 8, [9, 10])
 
 
 @pytest.mark.parametrize("config", ["multi_gpu.yaml", "fsdp.yaml"])
-def test_two_processes_roll_back_alike_under_ddp_and_fsdp2(rolled_back, tmp_path, config):
-    root, _ = rolled_back
+def test_two_processes_roll_back_alike_under_ddp_and_fsdp2(one_process, tmp_path, config):
     said = accelerate_launch(JOB, "--out", str(tmp_path / "two"), config=config, num_processes=2).stdout
     assert said.count("rolled back to step 8") == 1
-    mine, theirs = weights(root / "one"), weights(tmp_path / "two")
+    mine = weights(one_process["one"])
+    theirs = load_file(tmp_path / "two" / "final" / "model.safetensors")
     assert all(torch.allclose(mine[name], theirs[name], rtol=0, atol=1e-6) for name in mine)
 
 
-def test_a_run_killed_after_a_rollback_that_lowered_the_lr_resumes_to_the_uninterrupted_weights(tmp_path):
-    said = job(tmp_path / "whole", "--lr_factor", "0.5")
-    assert "skipped; the lr is 0.5 x the schedule's from now on" in said
-    job(tmp_path / "cut", "--lr_factor", "0.5", env={"TRAINER_CRASH_AFTER_CHECKPOINT": "12"}, expect_ok=False)
-    resumed = job(tmp_path / "cut", "--lr_factor", "0.5", "--resume", "auto")
+def test_a_run_killed_after_a_rollback_that_lowered_the_lr_resumes_to_the_uninterrupted_weights(one_process):
+    assert "skipped; the lr is 0.5 x the schedule's from now on" in one_process["whole"].stdout
+    resumed = one_process["cut"].stdout
     # No line of a changed lr: the resume keeps the lowered one.
     assert "resumed from" in resumed and "changed since the checkpoint" not in resumed
-    mine, theirs = weights(tmp_path / "whole"), weights(tmp_path / "cut")
+    mine, theirs = weights(one_process["whole"]), weights(one_process["cut"])
     assert all(torch.equal(mine[name], theirs[name]) for name in theirs)
 
 
-def test_a_spike_before_any_checkpoint_stops_the_run_by_name(tmp_path):
-    done = run(
-        [sys.executable, str(JOB), "--out", str(tmp_path / "early"), "--save_every", "12"],
-        expect_ok=False,
-        env=clean_env(),
-    )
-    assert done.stderr.strip() == (
+def test_a_spike_before_any_checkpoint_stops_the_run_by_name(one_process):
+    done = one_process["early"]
+    assert done.returncode == 1 and done.stderr.strip() == (
         "trainer: loss 41.36 at step 10, over 3 x its recent level 1.084, before any checkpoint to roll back to "
         "(spike_policy: rollback): lower save_every"
     )
 
 
-def test_spikes_that_keep_coming_after_one_checkpoint_stop_the_run_at_the_fourth(tmp_path):
+def test_spikes_that_keep_coming_after_one_checkpoint_stop_the_run_at_the_fourth(one_process):
     """Steps 10 to 13's batches all spike: back to step 8 three times, each skipping on; the fourth stops the run."""
-    done = run(
-        [sys.executable, str(JOB), "--out", str(tmp_path / "again"), "--poison", "36-51"],
-        expect_ok=False,
-        env=clean_env(),
-    )
-    assert done.stdout.count("rolled back to step 8") == 3
+    done = one_process["again"]
+    assert done.returncode == 1 and done.stdout.count("rolled back to step 8") == 3
     assert "the 4th spike since step 8's checkpoint" in done.stderr and "lower the lr" in done.stderr
 
 
