@@ -316,12 +316,12 @@ def split_jobs(output: str) -> list[str]:
     return [runs[number] for number in sorted(runs)]
 
 
-def job_exits(stderr: str, runs: int) -> list[int]:
-    """Each run's exit status in a tests/jobs/run_many.py process or launch (0 unless its ``=== job N exit K ===``
-    line)."""
-    exits = [0] * runs
+def job_exits(stderr: str, runs: int) -> list[int | None]:
+    """Each run's exit status in a tests/jobs/run_many.py process or launch, from its ``=== job N exit K ===`` lines
+    (the largest of the processes'); None for a run no process saw end (the process ended inside it, or before it)."""
+    exits: list[int | None] = [None] * runs
     for number, status in re.findall(r"^=== job (\d+) exit (\d+) ===$", stderr, flags=re.M):
-        exits[int(number)] = max(exits[int(number)], int(status))
+        exits[int(number)] = max(exits[int(number)] or 0, int(status))
     return exits
 
 
@@ -353,7 +353,9 @@ def launch_jobs(runs: dict[str, list], *, one_process: bool = False, **kw) -> di
     outs, errs = split_jobs(result.stdout), split_jobs(result.stderr)
     if len(outs) != len(runs) or len(errs) != len(runs):  # the launch itself failed: every run's words, as they came
         pytest.fail(f"{len(runs)} runs, {len(outs)} begun; exit {result.returncode}\n{result.stdout}\n{result.stderr}")
-    ended = zip(runs.items(), job_exits(result.stderr, len(runs)), outs, errs, strict=True)
+    # A run that never said its end ended the process (os._exit, a signal): the process's status is its own.
+    exits = [(result.returncode or -1) if code is None else code for code in job_exits(result.stderr, len(runs))]
+    ended = zip(runs.items(), exits, outs, errs, strict=True)
     return {name: subprocess.CompletedProcess(args, code, out, err) for (name, args), code, out, err in ended}
 
 

@@ -9,9 +9,10 @@ one job of all the processes, as the Trainer's jobs are when a script builds sev
 Before each run ``=== job N ===`` goes to stdout and stderr, once every process has finished the run before (a
 barrier), and ``split_jobs()`` (tests/conftest.py) cuts the output there. A run that raises ends as it would
 alone: the interpreter's ``sys.excepthook`` prints it (the trainer's one ``trainer:`` line for a refusal, else the
-traceback), then ``=== job N exit 1 ===`` (or a ``SystemExit``'s status) goes to stderr, read by
-``job_exits()``, and the next run starts. The process exits 1 when any run failed. Runs that fail must fail alike
-on every process (a refusal, or an error every rank meets at the same place), as they do when run alone.
+traceback). Each run's end, ``=== job N exit 0 ===`` (1 for a raise, or a ``SystemExit``'s status), goes to stderr,
+read by ``job_exits()`` (a run begun with no such line ended the process), and the next run starts. The process
+exits 1 when any run failed. Runs that fail must fail alike on every process (a refusal, or an error every rank
+meets at the same place), as they do when run alone.
 """
 
 from __future__ import annotations
@@ -59,9 +60,9 @@ def main() -> None:
             stream.flush()
         status = run(script, args)
         gc.collect()  # what a failed run held (its Trainer, the output_dir's lock) goes, as its process would
-        if status:
-            sys.stderr.write(f"=== job {number} exit {status} ===\n")
-            failed = True
+        sys.stderr.write(f"=== job {number} exit {status} ===\n")
+        sys.stderr.flush()
+        failed = failed or bool(status)
     sys.exit(1 if failed else 0)
 
 
