@@ -28,8 +28,9 @@ def by_name(runs):
 @pytest.fixture(scope="module")
 def tracked(tmp_path_factory) -> dict:
     """2-process jobs logging to wandb (offline): one crashed after step 6 and one preempted at step 3, each in a
-    launch of its own, then in one launch (conftest.launch_jobs) their reruns and a run with rank 1 slower. Each
-    name: its output_dir, its launch's (or run's) ending, the wandb runs of its first launch."""
+    launch of its own, then in one launch (conftest.launch_jobs) their reruns and a run with rank 1 slower. By name:
+    the output_dir, the first launch's ending, the run's ending in the shared launch, the first launch's wandb runs
+    (neither first for the slowed run)."""
     root = tmp_path_factory.mktemp("tracked")
     env, out = wandb_env(root), {name: root / name for name in ("logged", "crashed", "preempted")}
     job = {name: [SCENARIOS, "resume", "--output_dir", folder, *PROJECT] for name, folder in out.items()}
