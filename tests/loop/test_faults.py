@@ -4,12 +4,11 @@ and the fix, no traceback from the workers, and a non-zero exit. Every fault is 
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
 
-from conftest import JOBS, SCENARIOS, accelerate_launch, job_exits, split_jobs
+from conftest import SCENARIOS, launch_jobs
 
 # name -> the run's extra arguments
 RUNS = {
@@ -29,12 +28,11 @@ RUNS = {
 def faults(tmp_path_factory) -> dict[str, tuple[int, str, str]]:
     """name -> (the run's exit status, its stdout, its stderr)."""
     out = tmp_path_factory.mktemp("faults")
-    jobs = [
-        [str(SCENARIOS), "faults", *args, "--output_dir", str(out / f"run{i}")] for i, args in enumerate(RUNS.values())
-    ]
-    result = accelerate_launch(JOBS, json.dumps(jobs), expect_ok=False)
-    runs = zip(job_exits(result.stderr, len(RUNS)), split_jobs(result.stdout), split_jobs(result.stderr), strict=True)
-    return dict(zip(RUNS, runs, strict=True))
+    runs = {
+        name: [SCENARIOS, "faults", *args, "--output_dir", out / f"run{i}"]
+        for i, (name, args) in enumerate(RUNS.items())
+    }
+    return {name: (run.returncode, run.stdout, run.stderr) for name, run in launch_jobs(runs).items()}
 
 
 def failed(faults, name: str) -> tuple[str, str]:

@@ -14,7 +14,7 @@ import torch
 
 from trainer import PREEMPTED_EXIT
 
-from conftest import JOBS, SCENARIOS, accelerate_launch, job_exits, split_jobs
+from conftest import SCENARIOS, accelerate_launch, launch_jobs
 
 # The runs that need no signal, in one launch of 2 processes (tests/jobs/run_many.py), in this order: name -> arguments.
 RUNS = {
@@ -34,12 +34,10 @@ def runs(tmp_path_factory) -> dict[str, tuple[str, Path]]:
     """name -> (that run's output, its output_dir); best_again continues best's output_dir."""
     out = tmp_path_factory.mktemp("stopping")
     folders = {name: out / name.removesuffix("_again") for name in RUNS}
-    jobs = [[str(SCENARIOS), *args, "--output_dir", str(folders[name])] for name, args in RUNS.items()]
-    launched = accelerate_launch(JOBS, json.dumps(jobs), expect_ok=False)
+    ended = launch_jobs({name: [SCENARIOS, *args, "--output_dir", folders[name]] for name, args in RUNS.items()})
     cut = ("best_cut", "patience_cut")
-    assert job_exits(launched.stderr, len(RUNS)) == [PREEMPTED_EXIT if name in cut else 0 for name in RUNS]
-    outputs = split_jobs(launched.stdout)
-    return {name: (output, folders[name]) for name, output in zip(RUNS, outputs, strict=True)}
+    assert [run.returncode for run in ended.values()] == [PREEMPTED_EXIT if name in cut else 0 for name in RUNS]
+    return {name: (run.stdout, folders[name]) for name, run in ended.items()}
 
 
 def stopped(output: str) -> tuple[dict, str]:
