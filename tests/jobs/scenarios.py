@@ -180,6 +180,8 @@ def resume(args) -> None:
             time.sleep(0.1)  # a straggler: the others wait for it at every gradient all-reduce
         if step == args.raise_at and rank == args.raise_rank:
             raise RuntimeError(f"boom on rank {rank} at step {step}")
+        if step == args.stall_at and rank != args.stall_rank and model.training:
+            time.sleep(args.stall_lag)  # the others reach the all-reduce late too, as on a loaded host
         if step == args.stall_at and rank == args.stall_rank and model.training:
             say(f"STALL rank {rank} at step {step} for {args.stall_s} s")
             stalled_until = time.monotonic() + args.stall_s  # a hung loader or a frozen node: the others wait at the
@@ -717,6 +719,7 @@ if __name__ == "__main__":
     parser.add_argument("--stall_at", type=int, default=0)
     parser.add_argument("--stall_rank", type=int, default=1)
     parser.add_argument("--stall_s", type=float, default=0)
+    parser.add_argument("--stall_lag", type=float, default=0, help="the other ranks' time in that forward")
     parser.add_argument("--stall_deaf", action="store_true", help="a signal does not end the stall")
     parser.add_argument("--stall_warning_s", type=float, default=300)
     parser.add_argument("--collective_timeout_s", type=float, default=1800)

@@ -273,10 +273,13 @@ def test_preflight_asks_wandb_only_of_a_job_that_uses_it(tmp_path):
     assert asked.returncode == 1 and "wandb: unreachable" in asked.stdout
 
 
-def test_a_stalled_rank_is_named_by_the_others(tmp_path):
+def test_a_stalled_rank_is_named_by_the_others_once(tmp_path):
+    """Rank 0 reaches the all-reduce 1.5 s after rank 1 stalls (a loaded host): rank 1 has made no progress for the
+    2 s of ``stall_warning_s`` while rank 0 has waited only 0.5 s. One report still, once both have waited."""
     result = accelerate_launch(
-        SCENARIOS, "resume", "--output_dir", tmp_path, *STALL, "--stall_s", "6", "--stall_warning_s", "2"
-    )
+        SCENARIOS, "resume", "--output_dir", tmp_path, *STALL, "--stall_s", "7", "--stall_lag", "1.5",
+        "--stall_warning_s", "2",
+    )  # fmt: skip
     assert "STALL rank 1 at step 5" in result.stdout and "RESULT" in result.stdout
     reports = [line for line in result.stderr.splitlines() if line.startswith("trainer: stalled")]
     assert len(reports) == 1, result.stderr  # one report per stall, from one rank

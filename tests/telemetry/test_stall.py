@@ -3,7 +3,7 @@ tests/launch/test_cluster.py stalls a real rank of a 2-process job and reads the
 
 from __future__ import annotations
 
-from trainer.telemetry.stall import report
+from trainer.telemetry.stall import report, speaker
 
 
 def note(step: int, phase: str, since: float, host: str = "node-a", blocks: int = 0) -> dict:
@@ -38,3 +38,16 @@ def test_under_fsdp2_the_rank_inside_an_earlier_block_is_the_one_waited_for():
     line = report(notes, 2, now=100.0, stalled_s=30)
     assert "rank 0 (node-a) forward at step 5 (sharded block 3) since 30 s" in line
     assert line.endswith("Waiting for rank(s) 1 (forward at step 5 (sharded block 2)).")
+
+
+def test_one_rank_reports_a_stall_whichever_rank_waited_first():
+    """Each rank's thread looks at every rank's note when it has waited ``stall_warning_s`` itself: the stalled rank
+    first (rank 1 here), or the rank waiting for a straggler that then stopped. Nobody speaks until every rank has
+    waited; then the lowest does, whoever looks."""
+    stalled_first = {0: note(5, "backward", 98.5), 1: note(5, "forward", 97.9)}  # rank 1 has waited 2.1 s, rank 0 1.5
+    assert speaker(stalled_first, now=100.0, warning_s=2) is None
+    assert speaker(stalled_first, now=101.0, warning_s=2) == 0
+    straggler = {0: note(5, "backward", 97.5), 1: note(5, "data", 98.5)}  # rank 0 has waited 2.5 s, rank 1 1.5
+    assert speaker(straggler, now=100.0, warning_s=2) is None
+    assert speaker(straggler, now=100.5, warning_s=2) == 0
+    assert speaker({1: note(5, "forward", 90.0)}, now=100.0, warning_s=2) == 1, "rank 0 never heard from"

@@ -31,7 +31,7 @@ LONG_PHASES = ("resume", "evaluate", "checkpoint")
 
 
 class StallReporter:
-    """Watches this rank's progress; reports a stall once, from the lowest-numbered rank that is waiting."""
+    """Watches this rank's progress; reports a stall once every rank has waited, from the lowest-numbered one."""
 
     def __init__(self, run: Run, *, warning_s: float, grace_s: float = 180.0):
         self.rank, self.world = run.rank, run.world
@@ -114,9 +114,8 @@ class StallReporter:
                 self._store.set(str(self.rank), json.dumps(note))
                 if self._stop.is_set():
                     return
-                if stalled_s >= self.warning_s and reported != changed:
+                if stalled_s >= self.warning_s and reported != changed and self._reported(stalled_s):
                     reported = changed
-                    self._report(stalled_s)
             # The store went away (the job is ending, or the launcher died): nothing to publish.
             except Exception:
                 self._store = None
@@ -134,18 +133,28 @@ class StallReporter:
         )
         os._exit(PREEMPTED_EXIT)
 
-    def _report(self, stalled_s: float) -> None:
+    def _reported(self, stalled_s: float) -> bool:
+        """Said (by this rank, or left to the one that says it), or False: not every rank has waited yet."""
         notes = {}
         for rank in range(self.world):
             # get() would block on a rank that never published.
             if self._store.check([str(rank)]):
                 notes[rank] = json.loads(self._store.get(str(rank)))
         now = time.time()
-        waiting = [r for r, n in notes.items() if now - n["since"] >= self.warning_s]
-        if not waiting or self.rank != min(waiting):
-            # One report per stall.
-            return
-        warn(report(notes, self.world, now=now, stalled_s=stalled_s))
+        said_by = speaker(notes, now=now, warning_s=self.warning_s)
+        if said_by == self.rank:
+            warn(report(notes, self.world, now=now, stalled_s=stalled_s))
+        return said_by is not None
+
+
+def speaker(notes: dict[int, dict], *, now: float, warning_s: float) -> int | None:
+    """The rank that reports the stall: the lowest, once every rank heard from has made no progress for
+    ``warning_s``; None before. Every rank reads the same notes alike, so one report per stall. (The lowest of the
+    ranks waiting so far is not one rank: the stalled rank, first to wait, spoke before the others had waited long,
+    and then they did too, as seen on a loaded host.)"""
+    if notes and all(now - note["since"] >= warning_s for note in notes.values()):
+        return min(notes)
+    return None
 
 
 def report(notes: dict[int, dict], world: int, now: float, *, stalled_s: float) -> str:
