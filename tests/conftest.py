@@ -381,7 +381,9 @@ def accelerate_config(path, answers: dict[str, str], expect_ok: bool = True) -> 
     while child.expect([menu, question, pexpect.EOF]) != 2:
         if child.match.re.pattern == menu:
             lines = [line for line in ANSI.sub("", child.before).splitlines() if line.strip()]
-            text = [line for line in lines if "Please select a choice" not in line][-1]
+            titles = [line for line in lines if "Please select a choice" not in line]
+            assert titles, f"a menu with no question before it: {child.before!r} {child.after!r} (after {asked})"
+            text = titles[-1]
             shown = [ANSI.sub("", line) for line in child.match.group(1).splitlines() if ANSI.sub("", line).strip()]
             options = [line.replace("➔", "").strip() for line in shown]
             at = next(i for i, line in enumerate(shown) if "➔" in line)  # the menu opens at its default
