@@ -377,13 +377,12 @@ def accelerate_config(path, answers: dict[str, str], expect_ok: bool = True) -> 
     child = pexpect.spawn(sys.executable, command, env=clean_env(), encoding="utf-8", timeout=60, dimensions=(50, 200))
     menu = r"arrow or number keys.*?\n((?:.*\n)*?.*)\x1b\[\d+A"  # the options, then the cursor moves back up
     question = r"([^\n]*)((\[[^\]\n]*\]|\? ?|\)): ?|main process\? )$"  # (two about the main process end "? ")
-    asked = []
+    asked, title = [], ""
     while child.expect([menu, question, pexpect.EOF]) != 2:
         if child.match.re.pattern == menu:
             lines = [line for line in ANSI.sub("", child.before).splitlines() if line.strip()]
-            titles = [line for line in lines if "Please select a choice" not in line]
-            assert titles, f"a menu with no question before it: {child.before!r} {child.after!r} (after {asked})"
-            text = titles[-1]
+            text = ([ANSI.sub("", title)] + [line for line in lines if "Please select a choice" not in line])[-1]
+            title = ""
             shown = [ANSI.sub("", line) for line in child.match.group(1).splitlines() if ANSI.sub("", line).strip()]
             options = [line.replace("➔", "").strip() for line in shown]
             at = next(i for i, line in enumerate(shown) if "➔" in line)  # the menu opens at its default
@@ -392,7 +391,14 @@ def accelerate_config(path, answers: dict[str, str], expect_ok: bool = True) -> 
             moves = options.index(wanted) - at
             child.send(("\x1b[B" * moves if moves > 0 else "\x1b[A" * -moves) + "\r")  # arrows, then Enter
         else:
-            text = ANSI.sub("", child.match.group(0)).strip()
+            prompt = child.match.group(0)
+            # A menu's title may read as a prompt ("What should be your FSDP version? [2]: ") where the terminal
+            # hands it over before the rest of its line (seen under load); a prompt is followed by nothing until
+            # answered, so a line's end at once makes it the title of the menu that follows.
+            if child.expect([r"\A ?\r?\n", pexpect.TIMEOUT], timeout=0.05) == 0:
+                title = prompt
+                continue
+            text = ANSI.sub("", prompt).strip()
             reply = next((v for k, v in answers.items() if k in text), "")
             asked.append((text, reply))
             child.send(reply + "\r")
