@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import termios
 import time
 from pathlib import Path
 
@@ -389,6 +390,7 @@ def accelerate_config(path, answers: dict[str, str], expect_ok: bool = True) -> 
             wanted = next((v for k, v in answers.items() if k in text), options[at])
             asked.append((text.strip("- "), wanted))
             moves = options.index(wanted) - at
+            reading_keys(child)
             child.send(("\x1b[B" * moves if moves > 0 else "\x1b[A" * -moves) + "\r")  # arrows, then Enter
         else:
             prompt = child.match.group(0)
@@ -406,6 +408,17 @@ def accelerate_config(path, answers: dict[str, str], expect_ok: bool = True) -> 
     child.close()
     assert (child.exitstatus == 0) == expect_ok, (asked, last_words)
     return asked if expect_ok else asked + [("stopped", last_words[0] if last_words else "")]
+
+
+def reading_keys(child, timeout: float = 60) -> None:
+    """Wait until the menu reads keys (its terminal in raw mode): accelerate's menu enters raw mode with
+    ``tty.setraw``, which throws away what was typed before it, so keys sent as soon as the menu is drawn can be lost
+    and the menu waits for ever (seen where the menu's first key read imported ``tty`` slowly)."""
+    deadline = time.monotonic() + timeout
+    while termios.tcgetattr(child.child_fd)[3] & termios.ICANON:
+        if time.monotonic() > deadline:
+            pytest.fail(f"accelerate config drew a menu but did not read keys within {timeout} s")
+        time.sleep(0.005)
 
 
 def resign(folder: Path) -> None:
