@@ -59,7 +59,11 @@ def main() -> None:
             stream.write(f"=== job {number} ===\n")
             stream.flush()
         status = run(script, args)
-        gc.collect()  # what a failed run held (its Trainer, the output_dir's lock) goes, as its process would
+        # What a failed run held (its Trainer, the output_dir's lock) goes, as its process would; frozen objects too
+        # (tests/support/startup/sitecustomize.py freezes what exists when a job begins), and what is left, frozen.
+        gc.unfreeze()
+        gc.collect()
+        gc.freeze()
         sys.stderr.write(f"=== job {number} exit {status} ===\n")
         sys.stderr.flush()
         failed = failed or bool(status)

@@ -1,20 +1,64 @@
 """What every Python process a test starts runs first: tests/conftest.py's ``clean_env()`` puts this folder on
-PYTHONPATH.
+PYTHONPATH. It spares each process the garbage collections of its start-up and of its end, about a second of CPU
+in a process that imports torch (most of the suite's CPU is processes starting), and changes nothing a test reads.
 
-At exit the process skips the interpreter's last garbage collections: ``gc.freeze()`` runs after every other atexit
-handler (it is registered first, and they run last in, first out), so the collections that tear the interpreter down
-find nothing to walk. A process that imported torch spends about 0.8 s of CPU in them, a fifth of a small 2-process
-launch (7.6 -> 6.0 s here). Nothing a test reads happens there: by then the job's own code and atexit handlers
-(wandb's, torch's) have finished, written and closed what they own, and the exit status is set; only objects caught
-in reference cycles go unfinalized, as the kernel reclaims the process.
+**Start-up.** While the main module runs its import statements (and, under ``python -m``, while runpy imports the
+module's packages), the cyclic collector is off: importing torch, accelerate and transformers makes some 400,000
+long-lived objects, and the collector walked them over and over as they came (0.6 s a process). At the first import
+the main module's code makes that is not an import statement (a lazy import inside the job's code: the job has
+begun), what exists is frozen (``gc.freeze()``: never walked again, so the job's own collections are as cheap as
+they would be in a process without those modules) and the collector is on again for the job, as Python runs it. The
+import-time garbage frozen with it (reference cycles the imports left, about 8 MB) is never freed; the objects the
+job had made by then are kept until the process ends, unless it unfreezes them (tests/jobs/run_many.py does, between
+its runs, so that a failed run's Trainer and output_dir lock go as they would with its process).
+
+**End.** ``gc.freeze()`` runs after every other atexit handler (it is registered first, and they run last in, first
+out), so the collections that tear the interpreter down find nothing to walk (0.8 s of CPU a process). By then the
+job's own code and atexit handlers (wandb's, torch's) have finished, written and closed what they own, and the exit
+status is set; only objects caught in reference cycles go unfinalized, as the kernel reclaims the process.
 
 With ``FAKE_GPUS`` set, torch.cuda also reports that many GPUs (fake_gpu.py, ``pretend_gpus()``).
 """
 
+import _thread
 import atexit
+import dis
 import gc
 import os
+import sys
 
+_IMPORT_NAME = dis.opmap["IMPORT_NAME"]
+_MAIN_THREAD = _thread.get_ident()
+_held = True  # the collector is off because this module turned it off
+
+
+def _starting_up() -> bool:
+    """Whether the main module is running an import statement, or has not begun (runpy importing its packages)."""
+    frame = sys._getframe()
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__":
+            return frame.f_code.co_code[frame.f_lasti] == _IMPORT_NAME
+        frame = frame.f_back
+    return True
+
+
+def _on_import(event: str, args: tuple) -> None:
+    """An audit hook: Python raises ``import`` before it loads a module not yet in ``sys.modules``."""
+    global _held
+    if event != "import" or _thread.get_ident() != _MAIN_THREAD:
+        return
+    if _starting_up():
+        if gc.isenabled():  # a later main module (tests/jobs/run_many.py runs one after another) starts up
+            gc.disable()
+            _held = True
+    elif _held:
+        _held = False
+        gc.freeze()
+        gc.enable()
+
+
+gc.disable()
+sys.addaudithook(_on_import)
 atexit.register(gc.freeze)
 
 if "FAKE_GPUS" in os.environ:
