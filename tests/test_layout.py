@@ -220,12 +220,13 @@ def test_no_import_cycle_among_the_folders():
 
 def test_the_tests_mirror_the_package():
     """A test module sits in the folder of what it tests (``tests/checkpoint/`` for ``trainer/checkpoint/``); at the
-    top only what spans the package (its shape, docs, examples, a GPU); the job scripts the tests launch, what they
-    lean on and stored data in their own folders."""
+    top only what spans the package (its shape, docs, examples, a GPU) and the start-up of the tests' own processes;
+    the job scripts the tests launch, what they lean on and stored data in their own folders."""
     tests = Path(__file__).resolve().parent
     folders = {path.name for path in tests.iterdir() if path.is_dir() and not path.name.startswith(("_", "."))}
     package = {path.name for path in PACKAGE.iterdir() if path.is_dir() and not path.name.startswith("_")}
     assert folders - {"jobs", "support", "fixtures"} <= package, folders - package
     top = {path.name for path in tests.glob("test_*.py")}
-    assert top <= {"test_layout.py", "test_docs.py", "test_examples.py", "test_gpt2.py", "test_gpu.py"}, top
+    spanning = {"test_layout.py", "test_docs.py", "test_examples.py", "test_gpt2.py", "test_gpu.py", "test_startup.py"}
+    assert top <= spanning, top
     assert not list((tests / "jobs").glob("test_*.py")) and not list((tests / "support").glob("test_*.py"))
