@@ -30,31 +30,33 @@ import sys
 _IMPORT_NAME = dis.opmap["IMPORT_NAME"]
 _MAIN_THREAD = _thread.get_ident()
 _held = True  # the collector is off because this module turned it off
+_begun = False  # the main module's code has run an import of its own
 
 
-def _starting_up() -> bool:
-    """Whether the main module is running an import statement, or has not begun (runpy importing its packages)."""
+def _main_module_importing() -> bool | None:
+    """Whether the main module is running an import statement; None before it begins (runpy importing its
+    packages) and after it ends."""
     frame = sys._getframe()
     while frame is not None:
         if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__":
             return frame.f_code.co_code[frame.f_lasti] == _IMPORT_NAME
         frame = frame.f_back
-    return True
+    return None
 
 
 def _on_import(event: str, args: tuple) -> None:
     """An audit hook: Python raises ``import`` before it loads a module not yet in ``sys.modules``."""
-    global _held
+    global _held, _begun
     if event != "import" or _thread.get_ident() != _MAIN_THREAD:
         return
-    if _starting_up():
-        if gc.isenabled():  # a later main module (tests/jobs/run_many.py runs one after another) starts up
-            gc.disable()
-            _held = True
-    elif _held:
-        _held = False
+    importing = _main_module_importing()
+    if importing is False and _held:
+        _held, _begun = False, True
         gc.freeze()
         gc.enable()
+    elif (importing or (importing is None and not _begun)) and gc.isenabled():
+        gc.disable()  # a later main module starts up (tests/jobs/run_many.py runs one after another)
+        _held = True
 
 
 gc.disable()
