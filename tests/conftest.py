@@ -14,7 +14,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import termios
 import time
 from pathlib import Path
 
@@ -414,6 +413,8 @@ def reading_keys(child, timeout: float = 60) -> None:
     """Wait until the menu reads keys (its terminal in raw mode): accelerate's menu enters raw mode with
     ``tty.setraw``, which throws away what was typed before it, so keys sent as soon as the menu is drawn can be lost
     and the menu waits for ever (seen where the menu's first key read imported ``tty`` slowly)."""
+    import termios
+
     deadline = time.monotonic() + timeout
     while termios.tcgetattr(child.child_fd)[3] & termios.ICANON:
         if time.monotonic() > deadline:

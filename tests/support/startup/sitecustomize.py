@@ -5,8 +5,8 @@ in a process that imports torch (most of the suite's CPU is processes starting),
 **Start-up.** While the main module runs its import statements (and, under ``python -m``, while runpy imports the
 module's packages), the cyclic collector is off: importing torch, accelerate and transformers makes some 400,000
 long-lived objects, and the collector walked them over and over as they came (0.6 s a process). At the first import
-the main module's code makes that is not an import statement (a lazy import inside the job's code: the job has
-begun), what exists is frozen (``gc.freeze()``: never walked again, so the job's own collections are as cheap as
+made inside the main module's code rather than by one of its import statements (a lazy import: the job has begun),
+what exists is frozen (``gc.freeze()``: never walked again, so the job's own collections are as cheap as
 they would be in a process without those modules) and the collector is on again for the job, as Python runs it. The
 import-time garbage frozen with it (reference cycles the imports left, about 8 MB) is never freed; the objects the
 job had made by then are kept until the process ends, unless it unfreezes them (tests/jobs/run_many.py does, between
