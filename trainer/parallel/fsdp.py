@@ -85,6 +85,10 @@ class FSDP2(Strategy):
             tp=tp,
             experts=experts,
         )
+        if run.device.type == "cpu":
+            # gloo's reduce-scatter copies its whole input: each group's gradients held twice while they reduce.
+            for module in _sharded_modules(model):
+                getattr(module, "set_custom_reduce_scatter", lambda comm: None)(InPlaceReduceScatter())
         if layout.cp > 1:
             if self.compilation is not None:
                 raise ShardingError(
@@ -195,4 +199,23 @@ class AskFirstReduceScatter(AskFirstAllGather):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op=False):
         self.ask()
+        return reduce_scatter(output_tensor, input_tensor, group, op=op, async_op=async_op)
+
+
+class InPlaceReduceScatter(AskFirstReduceScatter):
+    """FSDP2's reduce-scatter of CPU gradients (gloo) without gloo's copy of its input (``reduce_scatter``)."""
+
+    def __init__(self):
+        super().__init__(lambda: None)
+
+
+def reduce_scatter(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, *, op: Any, async_op=False):
+    """``reduce_scatter_tensor``, but for CPU tensors (gloo) an all-reduce in place of FSDP2's own copy-in buffer,
+    then this rank's part copied out: gloo's reduce-scatter clones its whole input and all-reduces the clone
+    (``ProcessGroupGloo::reduce_scatter_tensor_coalesced``), a second copy of each group's gradients while they
+    reduce. The same sums, bit for bit, and no slower; NCCL's copies nothing and is left as it is."""
+    if input_tensor.device.type != "cpu" or async_op:
         return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+    dist.all_reduce(input_tensor, op=op, group=group)
+    output_tensor.copy_(input_tensor.chunk(group.size())[group.rank()])
+    return None
