@@ -1,7 +1,8 @@
 """FSDP2's groups of an untied model: its input embeddings and output head are groups of their own (torchtitan's
 layout), so that the embeddings are let go after their forward and the head's gradient is reduced as soon as its
 backward is done, instead of both staying gathered in the root group the whole step; a tied model keeps them in the
-root. Read from the weights FSDP2 leaves on the modules while a 2-process job runs."""
+root. Read from the weights FSDP2 leaves on the modules while a 2-process job runs; what the step allocates besides
+(a tied gradient summed out of place, gloo's copy of each reduce-scatter's input), from torch's profiler there."""
 
 from __future__ import annotations
 
@@ -39,7 +40,13 @@ model.model.layers[0].register_forward_pre_hook(in_forward)
 model.model.layers[0].register_full_backward_pre_hook(in_backward)
 rows = [{"input_ids": torch.arange(8) + i, "labels": torch.arange(8) + i} for i in range(8)]
 trainer = Trainer(model, TrainConfig(output_dir=sys.argv[1], max_steps=1, batch_size=2), train_data=rows)
-trainer.fit()
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as profiled:
+    trainer.fit()
+events = profiled.events()
+vocabulary = [[config.vocab_size, config.hidden_size]] * 2
+sums = {e.name for e in events if e.name in ("aten::add", "aten::add_") and e.input_shapes[:2] == vocabulary}
+seen["vocabulary-sized sums"] = sorted(sums)
+seen["collectives"] = sorted({e.name for e in events if e.name.startswith(("gloo:", "c10d::"))})
 if trainer.accelerator.is_main_process:
     print("SEEN " + json.dumps({**seen, "banner": trainer.describe()}))
 """
@@ -66,3 +73,14 @@ def test_untied_embeddings_and_head_are_groups_of_their_own(seen, tie):
     assert seen["embeddings gathered in the blocks' forward"] is not apart
     assert seen["head's gradient reduced before the blocks' backward"] is apart
     assert ("2 sharded blocks + embeddings + head + root" in seen["banner"]) is apart
+
+
+def test_a_tied_gradient_is_summed_in_place_and_reduce_scatters_over_gloo_copy_nothing(seen):
+    """The tied head's gradient reaches its weight as a view of torch's matmul output, which autograd would not add
+    to in place: the embeddings' gradient was summed with it out of place, one more vocabulary-sized matrix at the end
+    of the backward (trainer.parallel.blocks.tied_head_adds_in_place). gloo's reduce-scatter clones its whole input:
+    each runs as an all-reduce of FSDP2's own buffer instead (trainer.parallel.fsdp.reduce_scatter)."""
+    assert seen["tied"]["vocabulary-sized sums"] == ["aten::add_"]
+    for tie in ("untied", "tied"):
+        assert "gloo:all_reduce" in seen[tie]["collectives"]
+        assert not [name for name in seen[tie]["collectives"] if "reduce_scatter" in name], seen[tie]["collectives"]

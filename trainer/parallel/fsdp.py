@@ -14,6 +14,7 @@ import torch.distributed as dist
 from trainer.console import say
 from trainer.errors import ShardingError
 from trainer.launch.mesh import CP, TP, data_mesh
+from trainer.parallel.blocks import tied_head_adds_in_place
 from trainer.parallel.context import ContextParallel
 from trainer.parallel.experts import Experts
 from trainer.parallel.gradients import clip_, total_norm
@@ -49,6 +50,7 @@ class FSDP2(Strategy):
         refused, as transformers' Trainer refuses one under FSDP. With ``tp_size`` the model is split by its own
         plan or by ``parallelize_fn`` (``trainer.parallel.tensor_parallel``)."""
         trainable(model)
+        tied_head_adds_in_place(model)
         run = self.run
         if prebuilt_optimizer:
             raise ShardingError(
