@@ -8,7 +8,7 @@ wrapping comes before sharding, so each wrapped block is also one FSDP group; th
 
 from __future__ import annotations
 
-import types
+import functools
 from typing import Any
 
 import torch
@@ -137,7 +137,7 @@ def tied_head_adds_in_place(model: torch.nn.Module) -> bool:
     if type(head) is not torch.nn.Linear or getattr(embeddings, "weight", None) is not head.weight:
         return False
     # An instance attribute: the class's forward stays torch's for every other Linear.
-    head.forward = types.MethodType(_linear_of_own_gradient, head)
+    head.forward = functools.partial(_linear_of_own_gradient, head)
     return True
 
 
