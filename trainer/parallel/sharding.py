@@ -2,7 +2,8 @@
 
 The trainer calls ``fully_shard`` itself rather than letting accelerate's FSDP plugin prepare the model: accelerate
 drops the plugin without a word on a host without a GPU, and the model would train as DDP; this path is the same on
-NCCL and gloo, so what the CPU tests exercise is what a GPU runs. Each block is one FSDP group, untied input embeddings
+NCCL and gloo (but for gloo's reduce-scatter: ``trainer.parallel.fsdp.reduce_scatter``), so what the CPU tests
+exercise is what a GPU runs. Each block is one FSDP group, untied input embeddings
 and output head one each, each MoE layer's experts one (expert parallelism), and the root holds the rest (tied
 embeddings together); master weights are fp32; bf16 computes in bf16 and reduces gradients in fp32.
 """
