@@ -81,6 +81,29 @@ def test_the_chunked_loss_holds_no_logits_of_the_whole_batch(tmp_path):
     assert Largest.vocab_wide == 80
 
 
+def test_a_tied_model_given_to_a_second_trainer_still_computes_its_loss_in_chunks(tmp_path):
+    """A head tied to the embeddings gets a forward of the trainer's own (its gradient summed in place:
+    trainer.parallel.blocks.tied_head_adds_in_place), and chunked_loss a forward of its own over that one; a second
+    Trainer of the same model, chunked too, leaves both as they are rather than handing the chunks the logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=job.VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(config)
+    for name in ("first", "second"):
+        train = TrainConfig(output_dir=str(tmp_path / name), batch_size=4, max_steps=1, chunked_loss=True)
+        Trainer(model, train.replace(loss_chunk_tokens=8), train_data=job.rows()).fit()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
 def test_what_the_chunked_loss_cannot_do_is_refused_by_name(tmp_path):
     from transformers import Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2ForSequenceClassification
 
