@@ -124,3 +124,24 @@ def test_a_reduce_scatter_over_gloo_gives_gloos_sums_without_copying_its_input(t
     for seen in lines:
         assert seen["equal"], seen
         assert seen["gloo"] > 24 * 2**20 > 8 * 2**20 > seen["ours"], seen
+
+
+def test_only_a_linear_head_tied_to_the_embeddings_gets_the_trainers_forward():
+    """transformers' base class raises for a model without embeddings: such a model trains as it is, as does an
+    untied one; a tied head is given the forward once."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, PretrainedConfig, PreTrainedModel
+
+    from trainer.parallel.blocks import tied_head_adds_in_place
+
+    class NoEmbeddings(PreTrainedModel):
+        config_class = PretrainedConfig
+
+        def __init__(self):
+            super().__init__(PretrainedConfig())
+            self.layer = torch.nn.Linear(2, 2)
+
+    config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)
+    tied, untied = GPT2LMHeadModel(config), GPT2LMHeadModel(config)
+    untied.lm_head.weight = torch.nn.Parameter(untied.lm_head.weight.detach().clone())
+    assert [tied_head_adds_in_place(m) for m in (NoEmbeddings(), untied, tied, tied)] == [False, False, True, False]

@@ -133,8 +133,11 @@ def tied_head_adds_in_place(model: torch.nn.Module) -> bool:
     the step's peak). The head's weight passes an identity whose gradient is a tensor of its own over the same
     memory, and the sum is taken in place: the same sum, bit for bit. Whether it did so now (a head whose forward
     was already replaced, by an earlier Trainer of the model or by chunked_loss, is left as it is)."""
-    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
-    head, embeddings = (get_out(), get_in()) if get_in is not None and get_out is not None else (None, None)
+    try:
+        # transformers' base class raises for a model that has no embeddings.
+        head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return False
     if type(head) is not torch.nn.Linear or getattr(embeddings, "weight", None) is not head.weight:
         return False
     if "forward" in vars(head):
