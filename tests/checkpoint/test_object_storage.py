@@ -45,6 +45,9 @@ class S3:
         self.kill: dict = {}  # "key": a part of the key; "after": PUTs to let through first; "pid": the job's
         self.refuse = "/refused/step-00000004/"  # PUTs to these keys are answered 403
         self.killed: list[str] = []
+        # PUTs to the kill's key being stored: s3fs sends a rank's files at once, and a kill while they stream would
+        # leave none of them (a torn upload with no object), as on a loaded host.
+        self.storing, self.stored = 0, threading.Condition()
         self.pause: dict = {}  # "key": a part of the key; "s": seconds
         self.server = make_server("127.0.0.1", free_port(), self.serve, threaded=True)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
@@ -67,14 +70,29 @@ class S3:
         kill = self.kill
         if environ["REQUEST_METHOD"] == "PUT" and kill and kill["key"] in environ["PATH_INFO"]:
             kill["after"] -= 1
-            if kill["after"] < 0 and kill.get("pid"):
-                # The launcher and every worker (torch's launcher starts them in sessions of their own).
+            if kill["after"] >= 0:
+                return self.store(environ, start_response)
+            if kill.get("pid"):
+                # The PUTs let through are stored first; then the launcher and every worker (torch's launcher starts
+                # them in sessions of their own).
+                with self.stored:
+                    self.stored.wait_for(lambda: not self.storing, timeout=60)
                 job = psutil.Process(kill["pid"])
                 for process in [job, *job.children(recursive=True)]:
                     process.send_signal(signal.SIGKILL)
                 self.killed.append(environ["PATH_INFO"])
                 self.kill = {}
         return self.app(environ, start_response)
+
+    def store(self, environ, start_response):
+        with self.stored:
+            self.storing += 1
+        try:
+            return self.app(environ, start_response)
+        finally:
+            with self.stored:
+                self.storing -= 1
+                self.stored.notify_all()
 
     def env(self, **extra: str) -> dict[str, str]:
         return clean_env(AWS_ENDPOINT_URL=self.endpoint, **self.credentials, **extra)
