@@ -85,19 +85,8 @@ def test_a_tied_model_given_to_a_second_trainer_still_computes_its_loss_in_chunk
     """A head tied to the embeddings gets a forward of the trainer's own (its gradient summed in place:
     trainer.parallel.blocks.tied_head_adds_in_place), and chunked_loss a forward of its own over that one; a second
     Trainer of the same model, chunked too, leaves both as they are rather than handing the chunks the logits."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=job.VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    model = LlamaForCausalLM(config)
+    model = job.build()
+    model.lm_head.weight = model.model.embed_tokens.weight
     for name in ("first", "second"):
         train = TrainConfig(output_dir=str(tmp_path / name), batch_size=4, max_steps=1, chunked_loss=True)
         Trainer(model, train.replace(loss_chunk_tokens=8), train_data=job.rows()).fit()
