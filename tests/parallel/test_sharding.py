@@ -145,3 +145,23 @@ def test_only_a_linear_head_tied_to_the_embeddings_gets_the_trainers_forward():
     tied, untied = GPT2LMHeadModel(config), GPT2LMHeadModel(config)
     untied.lm_head.weight = torch.nn.Parameter(untied.lm_head.weight.detach().clone())
     assert [tied_head_adds_in_place(m) for m in (NoEmbeddings(), untied, tied, tied)] == [False, False, True, False]
+
+
+def test_one_process_sums_a_tied_gradient_in_place_too(tmp_path):
+    """The same in place sum where the model is not sharded (one process, the DDP strategy's path)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from trainer import TrainConfig, Trainer
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=97, n_positions=16))
+    rows = [{"input_ids": torch.arange(8) + i, "labels": torch.arange(8) + i} for i in range(4)]
+    trainer = Trainer(model, TrainConfig(output_dir=str(tmp_path), max_steps=1, batch_size=2), train_data=rows)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as profiled:
+        trainer.fit()
+    vocabulary = [[97, 16]] * 2
+    sums = {
+        e.name for e in profiled.events() if e.name in ("aten::add", "aten::add_") and e.input_shapes[:2] == vocabulary
+    }
+    assert sums == {"aten::add_"}
