@@ -83,7 +83,7 @@ def test_the_chunked_loss_holds_no_logits_of_the_whole_batch(tmp_path):
 
 def test_a_tied_model_given_to_a_second_trainer_still_computes_its_loss_in_chunks(tmp_path):
     """A head tied to the embeddings gets a forward of the trainer's own (its gradient summed in place:
-    trainer.parallel.blocks.tied_head_adds_in_place), and chunked_loss a forward of its own over that one; a second
+    trainer.parallel.tied), and chunked_loss a forward of its own over that one; a second
     Trainer of the same model, chunked too, leaves both as they are rather than handing the chunks the logits."""
     model = job.build()
     model.lm_head.weight = model.model.embed_tokens.weight

@@ -2,7 +2,7 @@
 layout), so that the embeddings are let go after their forward and the head's gradient is reduced as soon as its
 backward is done, instead of both staying gathered in the root group the whole step; a tied model keeps them in the
 root. Read from the weights FSDP2 leaves on the modules while a 2-process job runs; what the step allocates besides
-(a tied gradient summed out of place, gloo's copy of each reduce-scatter's input), from torch's profiler there."""
+(a tied weight's gradients made whole anew, gloo's copy of each reduce-scatter's input), from torch's profiler there."""
 
 from __future__ import annotations
 
@@ -40,12 +40,16 @@ model.model.layers[0].register_forward_pre_hook(in_forward)
 model.model.layers[0].register_full_backward_pre_hook(in_backward)
 rows = [{"input_ids": torch.arange(8) + i, "labels": torch.arange(8) + i} for i in range(8)]
 trainer = Trainer(model, TrainConfig(output_dir=sys.argv[1], max_steps=1, batch_size=2), train_data=rows)
-with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as profiled:
+activities = [torch.profiler.ProfilerActivity.CPU]
+with torch.profiler.profile(activities=activities, record_shapes=True, profile_memory=True) as profiled:
     trainer.fit()
 events = profiled.events()
 vocabulary = [[config.vocab_size, config.hidden_size]] * 2
 sums = {e.name for e in events if e.name in ("aten::add", "aten::add_") and e.input_shapes[:2] == vocabulary}
 seen["vocabulary-sized sums"] = sorted(sums)
+whole = config.vocab_size * config.hidden_size * 4
+seen["vocabulary-sized embedding gradients"] = [e.name for e in events if "embedding" in e.name
+                                                and e.cpu_memory_usage >= whole]
 seen["collectives"] = sorted({e.name for e in events if e.name.startswith(("gloo:", "c10d::"))})
 if trainer.accelerator.is_main_process:
     print("SEEN " + json.dumps({**seen, "banner": trainer.describe()}))
@@ -77,10 +81,12 @@ def test_untied_embeddings_and_head_are_groups_of_their_own(seen, tie):
 
 def test_a_tied_gradient_is_summed_in_place_and_reduce_scatters_over_gloo_copy_nothing(seen):
     """The tied head's gradient reaches its weight as a view of torch's matmul output, which autograd would not add
-    to in place: the embeddings' gradient was summed with it out of place, one more vocabulary-sized matrix at the end
-    of the backward (trainer.parallel.blocks.tied_head_adds_in_place). gloo's reduce-scatter clones its whole input:
-    each runs as an all-reduce of FSDP2's own buffer instead (trainer.parallel.fsdp.reduce_scatter)."""
+    to in place, and the embeddings' is a vocabulary-sized matrix of its own: both copies at the end of the backward
+    are gone (trainer.parallel.tied; the in place sum left is of an expanded zero). gloo's reduce-scatter clones its
+    whole input: each runs as an all-reduce of FSDP2's own buffer instead (trainer.parallel.fsdp.reduce_scatter)."""
     assert seen["tied"]["vocabulary-sized sums"] == ["aten::add_"]
+    assert seen["tied"]["vocabulary-sized embedding gradients"] == []
+    assert seen["untied"]["vocabulary-sized embedding gradients"], "the test sees no embedding gradient at all"
     for tie in ("untied", "tied"):
         assert "gloo:all_reduce" in seen[tie]["collectives"]
         assert not [name for name in seen[tie]["collectives"] if "reduce_scatter" in name], seen[tie]["collectives"]
@@ -124,44 +130,3 @@ def test_a_reduce_scatter_over_gloo_gives_gloos_sums_without_copying_its_input(t
     for seen in lines:
         assert seen["equal"], seen
         assert seen["gloo"] > 24 * 2**20 > 8 * 2**20 > seen["ours"], seen
-
-
-def test_only_a_linear_head_tied_to_the_embeddings_gets_the_trainers_forward():
-    """transformers' base class raises for a model without embeddings: such a model trains as it is, as does an
-    untied one; a tied head is given the forward once."""
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel, PretrainedConfig, PreTrainedModel
-
-    from trainer.parallel.blocks import tied_head_adds_in_place
-
-    class NoEmbeddings(PreTrainedModel):
-        config_class = PretrainedConfig
-
-        def __init__(self):
-            super().__init__(PretrainedConfig())
-            self.layer = torch.nn.Linear(2, 2)
-
-    config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)
-    tied, untied = GPT2LMHeadModel(config), GPT2LMHeadModel(config)
-    untied.lm_head.weight = torch.nn.Parameter(untied.lm_head.weight.detach().clone())
-    assert [tied_head_adds_in_place(m) for m in (NoEmbeddings(), untied, tied, tied)] == [False, False, True, False]
-
-
-def test_one_process_sums_a_tied_gradient_in_place_too(tmp_path):
-    """The same in place sum where the model is not sharded (one process, the DDP strategy's path)."""
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    from trainer import TrainConfig, Trainer
-
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=97, n_positions=16))
-    rows = [{"input_ids": torch.arange(8) + i, "labels": torch.arange(8) + i} for i in range(4)]
-    trainer = Trainer(model, TrainConfig(output_dir=str(tmp_path), max_steps=1, batch_size=2), train_data=rows)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as profiled:
-        trainer.fit()
-    vocabulary = [[97, 16]] * 2
-    sums = {
-        e.name for e in profiled.events() if e.name in ("aten::add", "aten::add_") and e.input_shapes[:2] == vocabulary
-    }
-    assert sums == {"aten::add_"}

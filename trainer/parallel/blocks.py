@@ -8,11 +8,9 @@ wrapping comes before sharding, so each wrapped block is also one FSDP group; th
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from trainer.console import say
 from trainer.errors import ConfigError, ShardingError
@@ -124,43 +122,6 @@ def vocabulary_ends(model: torch.nn.Module, groups: list[torch.nn.Module]) -> li
     if len(ends) != 2 or inside & grouped or first & second or (first | second) & outside:
         return []
     return ends
-
-
-def tied_head_adds_in_place(model: torch.nn.Module) -> bool:
-    """An output head tied to the input embeddings (GPT-2's) gets its weight's gradient from torch's ``linear`` as a
-    view, so autograd adds the embeddings' gradient to it out of place at the end of every backward: one more
-    vocabulary-sized matrix at that moment (147 MiB in fp32 for GPT-2; under FSDP2 with activation checkpointing,
-    the step's peak). The head's weight passes an identity whose gradient is a tensor of its own over the same
-    memory, and the sum is taken in place: the same sum, bit for bit. Whether it did so now (a head whose forward
-    was already replaced, by an earlier Trainer of the model or by chunked_loss, is left as it is)."""
-    try:
-        # transformers' base class raises for a model that has no embeddings.
-        head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
-    except (AttributeError, NotImplementedError):
-        return False
-    if type(head) is not torch.nn.Linear or getattr(embeddings, "weight", None) is not head.weight:
-        return False
-    if "forward" in vars(head):
-        return False
-    # An instance attribute: the class's forward stays torch's for every other Linear.
-    head.forward = functools.partial(_linear_of_own_gradient, head)
-    return True
-
-
-def _linear_of_own_gradient(self: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
-    return F.linear(hidden, _OwnGradient.apply(self.weight), self.bias)
-
-
-class _OwnGradient(torch.autograd.Function):
-    """The identity; its gradient handed on as a tensor of its own (``detach``: no longer a view of another)."""
-
-    @staticmethod
-    def forward(ctx: Any, weight: torch.Tensor) -> torch.Tensor:
-        return weight.view_as(weight)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad.detach()
 
 
 def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:

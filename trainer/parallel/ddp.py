@@ -18,10 +18,11 @@ from accelerate.utils import DistributedType
 
 from trainer.console import say
 from trainer.errors import UnusedParameters
-from trainer.parallel.blocks import checkpoint_activations, tied_head_adds_in_place, transformer_blocks
+from trainer.parallel.blocks import checkpoint_activations, transformer_blocks
 from trainer.parallel.placement import upcast_words, whole_on_device
 from trainer.parallel.strategy import Strategy, trainable
 from trainer.parallel.tensor_parallel import ParallelizeFn
+from trainer.parallel.tied import tied_gradient_in_place
 
 if TYPE_CHECKING:
     from trainer.launch.run import Run
@@ -56,7 +57,7 @@ class DDP(Strategy):
         self, model: torch.nn.Module, *, prebuilt_optimizer: bool, parallelize_fn: Optional[ParallelizeFn] = None
     ) -> torch.nn.Module:
         trainable(model)
-        tied_head_adds_in_place(model)
+        tied_gradient_in_place(model)
         if parallelize_fn is not None:
             say("parallelize_fn is not called: tensor parallelism needs an FSDP config", once=True)
         self.upcast = whole_on_device(model, self.run.device, self.run.config.seed)

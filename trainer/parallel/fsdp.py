@@ -14,13 +14,13 @@ import torch.distributed as dist
 from trainer.console import say
 from trainer.errors import ShardingError
 from trainer.launch.mesh import CP, TP, data_mesh
-from trainer.parallel.blocks import tied_head_adds_in_place
 from trainer.parallel.context import ContextParallel
 from trainer.parallel.experts import Experts
 from trainer.parallel.gradients import clip_, total_norm
 from trainer.parallel.sharding import ShardedModel, shard
 from trainer.parallel.strategy import Strategy, trainable
 from trainer.parallel.tensor_parallel import ParallelizeFn, tensor_parallel
+from trainer.parallel.tied import tied_gradient_in_place
 
 if TYPE_CHECKING:
     from trainer.launch.run import Run
@@ -50,7 +50,7 @@ class FSDP2(Strategy):
         refused, as transformers' Trainer refuses one under FSDP. With ``tp_size`` the model is split by its own
         plan or by ``parallelize_fn`` (``trainer.parallel.tensor_parallel``)."""
         trainable(model)
-        tied_head_adds_in_place(model)
+        tied_gradient_in_place(model)
         run = self.run
         if prebuilt_optimizer:
             raise ShardingError(
