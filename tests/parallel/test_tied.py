@@ -121,3 +121,46 @@ def test_one_process_sums_a_tied_gradient_in_place_too(tmp_path):
     with torch.profiler.profile(activities=activities, record_shapes=True, profile_memory=True) as profiled:
         trainer.fit()
     assert vocabulary_sized(profiled) == []
+
+
+class TwiceEmbedded(torch.nn.Module):
+    """Its embeddings called twice a forward, a hook between their backwards that can fail (as running out of
+    memory there would)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embeddings = torch.nn.Embedding(VOCAB, WIDTH)
+        self.head = torch.nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.embeddings.weight
+        self.fail = False
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.embeddings
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.head
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        first = self.embeddings(ids)
+        if self.fail:
+            first.register_hook(self.out_of_memory)
+        return self.head(first * 2 + self.embeddings(ids.flip(0))).logsumexp(-1).sum()
+
+    def out_of_memory(self, grad: torch.Tensor) -> None:
+        raise torch.OutOfMemoryError("out of memory between the embeddings' backwards")
+
+
+def test_a_backward_that_failed_between_the_embeddings_adds_nothing_to_the_next():
+    torch.manual_seed(0)
+    plain = TwiceEmbedded()
+    ours = copy.deepcopy(plain)
+    assert tied_gradient_in_place(ours)
+    ids = torch.randint(0, VOCAB, (3, 10))
+    for model in (plain, ours):
+        model.fail = True
+        with pytest.raises(torch.OutOfMemoryError):
+            model(ids).backward()
+        model.fail = False
+        model.zero_grad(set_to_none=True)
+        model(ids).backward()
+    assert torch.equal(plain.embeddings.weight.grad, ours.embeddings.weight.grad)

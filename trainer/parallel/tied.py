@@ -70,10 +70,11 @@ def _embedding_summed_into_the_head(self: torch.nn.Embedding, sums: _Sums, ids: 
 
 
 class _Sums:
-    """The embeddings' rows and sums of a backward, in the order their backwards ran, until the weight's hook."""
+    """The embeddings' rows and sums, each with its backward's graph task, in the order their backwards ran, until
+    the weight's hook."""
 
     def __init__(self) -> None:
-        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
 
 
 class _Forward:
@@ -100,7 +101,8 @@ class _RowsApart(torch.autograd.Function):
             # A second backward through this graph (the hook has run), or one that builds a graph: torch's own.
             dense = torch.ops.aten.embedding_backward(grad, ids, ctx.rows, padding, False, False)
             return dense, None
-        ctx.forward.sums.pending.append(_summed_rows(ids, grad, padding))
+        task = torch._C._current_graph_task_id()
+        ctx.forward.sums.pending.append((task, *_summed_rows(ids, grad, padding)))
         return grad.new_zeros(()).expand(ctx.rows, grad.shape[-1]), None
 
 
@@ -131,7 +133,10 @@ def _add_rows(forward: _Forward, grad: torch.Tensor) -> Optional[torch.Tensor]:
     assert forward.hook is not None
     forward.hook.remove()
     forward.hook = None
-    sums, forward.sums.pending = forward.sums.pending, []
+    # Sums of another backward are of one that failed before its end (out of memory, say): never added.
+    task = torch._C._current_graph_task_id()
+    sums = [(rows, summed) for of, rows, summed in forward.sums.pending if of == task]
+    forward.sums.pending = []
     if not sums:
         return None
     # The expanded zero alone (no head in this backward), or a gradient autograd keeps a graph of: a tensor of our own.
