@@ -1,6 +1,7 @@
 """A weight tied between the input embeddings and the output head (GPT-2's, Llama 3.2's) gets two gradients in every
 backward, each as large as the vocabulary; torch's own path holds three such matrices at its end. Taken in place here,
-the same sums bit for bit, so that only the head's gradient is ever whole (docs/performance.md, "Sharded memory").
+the same sums bit for bit (a backward of several forwards' losses at once: the same sums in another order), so that
+only the head's gradient is ever whole (docs/performance.md, "Sharded memory").
 
 - The head: ``linear`` hands its weight's gradient on as a view, and autograd adds into a view out of place. An
   identity hands it on as a tensor of its own: the embeddings' gradient is then added to it in place.
