@@ -143,10 +143,11 @@ def clean_env(**extra: str) -> dict[str, str]:
     over gloo, the same on every host: 2 processes on a 1-GPU host would otherwise be refused, and figures
     compared across runs would mix devices. tests/test_gpu.py runs the GPU paths, and pretend_gpus() the host
     checks."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith("ACCELERATE_")}
+    # Not PYTHONUNBUFFERED: its print() writes a line in two (tests/support/startup/sitecustomize.py).
+    skip = {*LAUNCHER_VARS, "PYTHONUNBUFFERED"}
+    env = {k: v for k, v in os.environ.items() if k not in skip and not k.startswith("ACCELERATE_")}
     env.update(
         OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
         WANDB_MODE="disabled",
         TOKENIZERS_PARALLELISM="false",
         CUDA_VISIBLE_DEVICES="",

@@ -17,6 +17,10 @@ out), so the collections that tear the interpreter down find nothing to walk (0.
 job's own code and atexit handlers (wandb's, torch's) have finished, written and closed what they own, and the exit
 status is set; only objects caught in reference cycles go unfinalized, as the kernel reclaims the process.
 
+**Output.** Standard output is line-buffered: each line is written whole as soon as it ends. Unbuffered
+(PYTHONUNBUFFERED), ``print()`` writes its text and its newline apart, and two ranks sharing a launcher's stdout
+could run their lines together ("...}REDUCED {..."): a test then misreads both.
+
 With ``FAKE_GPUS`` set, torch.cuda also reports that many GPUs (fake_gpu.py, ``pretend_gpus()``).
 """
 
@@ -59,6 +63,8 @@ def _on_import(event: str, args: tuple) -> None:
         _held = True
 
 
+if hasattr(sys.stdout, "reconfigure"):
+    sys.stdout.reconfigure(line_buffering=True, write_through=False)
 gc.disable()
 sys.addaudithook(_on_import)
 atexit.register(gc.freeze)
