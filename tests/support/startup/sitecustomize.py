@@ -1,6 +1,6 @@
 """What every Python process a test starts runs first: tests/conftest.py's ``clean_env()`` puts this folder on
 PYTHONPATH. It spares each process the garbage collections of its start-up and of its end, about a second of CPU
-in a process that imports torch (most of the suite's CPU is processes starting), and changes nothing a test reads.
+in a process that imports torch (most of the suite's CPU is processes starting), and writes its output in whole lines.
 
 **Start-up.** While the main module runs its import statements (and, under ``python -m``, while runpy imports the
 module's packages), the cyclic collector is off: importing torch, accelerate and transformers makes some 400,000
