@@ -140,8 +140,9 @@ def _add_rows(forward: _Forward, grad: torch.Tensor) -> Optional[torch.Tensor]:
     forward.sums.pending = []
     if not sums:
         return None
-    # The expanded zero alone (no head in this backward), or a gradient autograd keeps a graph of: a tensor of our own.
-    fresh = not grad.is_contiguous() or torch.is_grad_enabled()
+    # The expanded zero alone (no head in this backward): a tensor of our own. (A backward that builds a graph has
+    # no sums here: its embeddings took torch's own path.)
+    fresh = not grad.is_contiguous()
     whole = grad.clone(memory_format=torch.contiguous_format) if fresh else grad
     for rows, summed in sums:
         whole.index_add_(0, rows, summed)
