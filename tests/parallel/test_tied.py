@@ -35,11 +35,13 @@ def llama_with_padding() -> torch.nn.Module:
 
 
 def vocabulary_sized(profiled: torch.profiler.profile) -> list[str]:
-    """The sums (``add``) and embedding gradients of the whole vocabulary's size a backward made anew."""
+    """The sums (``add``) and embedding gradients of the whole vocabulary's size a backward made anew (in the
+    host's memory or, where the Trainer placed the model on a GPU, the device's)."""
     made = []
     for event in profiled.events():
         summed = event.name == "aten::add" and event.input_shapes[:2] == [[VOCAB, WIDTH]] * 2
-        embedding = "embedding" in event.name and event.cpu_memory_usage >= VOCAB * WIDTH * 4
+        allocated = event.cpu_memory_usage + getattr(event, "device_memory_usage", 0)
+        embedding = "embedding" in event.name and allocated >= VOCAB * WIDTH * 4
         if summed or embedding:
             made.append(event.name)
     return made
