@@ -92,9 +92,8 @@ def test_what_context_parallelism_cannot_split_is_refused_by_name():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from trainer.errors import ShardingError
-    from trainer.launch.mesh import Layout, requested_layout
+    from trainer.launch.mesh import Layout, mesh_lines, requested_layout
     from trainer.parallel.context import ContextParallel
-    from trainer.tools.preflight import mesh_lines
 
     assert requested_layout(4, True, {"cp_size": 2, "dp_shard_size": 2}) == Layout(shard=2, sharded=True, cp=2)
     assert mesh_lines(Layout(shard=2, sharded=True, cp=2), 4, 4) == [

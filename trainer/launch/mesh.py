@@ -188,3 +188,30 @@ def data_parallel_group(layout: Layout, mesh: Any) -> Any:
     if layout.replicate > 1 and layout.shard > 1:
         return mesh[(REPLICATE, SHARD)]._flatten("dp").get_group()
     return mesh[REPLICATE if layout.replicate > 1 else SHARD].get_group()
+
+
+def mesh_lines(layout: Layout, per_machine: int, processes: int) -> list[str]:
+    """What each process holds, and which replicas and groups each machine runs (the first few machines)."""
+    if layout.data_parallel * layout.tp == processes and not layout.hybrid and layout.tp == 1:
+        return [
+            f"  model: sharded over the processes (FSDP2): each holds 1/{processes} of the weights, gradients "
+            "and optimizer state"
+        ]
+    # Consecutive processes: one replica, sharded (and split) among them.
+    replica = layout.shard * layout.cp * layout.tp
+    lines = [
+        f"  model: {layout.describe()}: each process holds 1/{replica} of the weights, gradients and optimizer state"
+    ]
+    for machine in range(min(processes // max(per_machine, 1), 4)):
+        first, last = machine * per_machine, (machine + 1) * per_machine - 1
+        replicas = sorted({rank // replica for rank in range(first, last + 1)})
+        groups = f", tensor-parallel groups of {layout.tp}" if layout.tp > 1 else ""
+        groups += f", context-parallel groups of {layout.cp}" if layout.cp > 1 else ""
+        lines.append(f"  machine {machine}: ranks {first}-{last}: replica(s) {', '.join(map(str, replicas))}{groups}")
+    if replica > per_machine:
+        lines.append(
+            f"  note: one replica's {replica} processes span {-(-replica // per_machine)} machines: its "
+            "all-gathers and reduce-scatters cross the link between them (HSDP keeps a replica on one "
+            "machine: dp_shard_size x cp_size x tp_size = processes per machine)"
+        )
+    return lines

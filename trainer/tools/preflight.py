@@ -24,13 +24,13 @@ import os
 import socket
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from trainer.errors import ShardingError
 from trainer.launch.accelerate_config import NO_FP16, NO_OFFLOAD, refusal_of_the_file
-from trainer.launch.mesh import Layout, requested_layout
+from trainer.launch.mesh import mesh_lines, requested_layout
 from trainer.tools.launch_probe import Problems, check_launch
 
 
@@ -47,24 +47,9 @@ def describe_config(
     the file as the same flags of ``accelerate launch`` do, and ``rdzv_backend`` is its ``--rdzv_backend`` (the
     file's ``rdzv_backend`` is not read by accelerate launch: without the flag it is static). Inside a launch the
     rendezvous evidently worked (and may have come from --main_process_ip), so its settings are not judged."""
-    from accelerate.commands.config.config_args import load_config_from_file
-
-    if Path(path).is_dir():
-        return (
-            [],
-            [f"config file {path} is a folder: pass an accelerate config file (accelerate config writes one)"],
-            None,
-        )
-    if not Path(path).is_file():
-        return [], [f"config file not found: {path}"], None
-    if not Path(path).read_text().strip():
-        return [], [f"config file {path} is empty: write one with `accelerate config --config_file {path}`"], None
-    try:
-        config = load_config_from_file(path)
-    # Invalid YAML, an unknown distributed_type, a key of the wrong kind: what accelerate says.
-    except Exception as err:
-        said = " ".join(line.strip() for line in str(err).strip().splitlines()) or type(err).__name__
-        return [], [f"config file {path} cannot be read by accelerate: {said[:300]}"], None
+    config, unreadable = _read(path)
+    if config is None:
+        return [], [unreadable], None
     machines = num_machines or config.num_machines
     processes = num_processes or config.num_processes
     if not isinstance(processes, int) or processes < 1 or not isinstance(machines, int) or machines < 1:
@@ -88,34 +73,8 @@ def describe_config(
     if (refused := refusal_of_the_file(kind, config.mixed_precision, dynamo, fp8_backend=fp8_backend)) is not None:
         # What the launch would say, and nothing it would not reach.
         return lines, [refused], processes
-    problems: Problems = []
-    section = {k.removeprefix("parallelism_config_"): v for k, v in (config.parallelism_config or {}).items()}
-    sizes = {name: int(value) for name, value in section.items() if name.endswith("_size")}
-    if sizes and fsdp_version is None:
-        problems.append(
-            "accelerate launch takes a parallelism_config section only with distributed_type: FSDP "
-            "(fsdp_version: 2): remove it for DDP, or use an FSDP config (accelerate_configs/hsdp.yaml)"
-        )
-    elif fsdp_version is not None:
-        try:
-            lines += mesh_lines(requested_layout(processes, True, sizes), per_machine, processes)
-        except ShardingError as err:
-            problems.append(str(err))
-        fsdp = config.fsdp_config or {}
-        if wrap := str(fsdp.get("fsdp_transformer_layer_cls_to_wrap") or "").strip():
-            lines.append(
-                f"  blocks: {wrap} (fsdp_transformer_layer_cls_to_wrap), not checked: this check builds no model; "
-                "a launch refuses a class the model has no module of, in one line"
-            )
-        if str(fsdp.get("fsdp_offload_params", False)).lower() == "true":
-            problems.append(NO_OFFLOAD)
-        if config.mixed_precision == "fp16":
-            problems.append(NO_FP16)
-        if fsdp_version != 2:
-            problems.append(
-                f"fsdp_version {fsdp_version}: the trainer shards with FSDP2; convert the file with "
-                "`accelerate to-fsdp2 --config_file <yours> --output_file <new>`"
-            )
+    sharded, problems = _sharding(config, fsdp_version, processes=processes, per_machine=per_machine)
+    lines += sharded
     if processes % max(machines, 1):
         problems.append(
             f"num_processes {processes} is not a multiple of num_machines {machines}: every machine runs "
@@ -123,67 +82,106 @@ def describe_config(
         )
     if not on_cpu and per_machine > gpus:
         problems.append(f"{per_machine} processes per machine, but this machine has {gpus} GPU(s)")
-    mpirun = (config.mpirun_config or {}).get("mpirun_hostfile")
-    if not through_torchrun and machines > 1 and not mpirun:
+    if not through_torchrun:
+        problems += _one_process_launcher(config, machines=machines, per_machine=per_machine)
+    if config.mixed_precision == "bf16" and not on_cpu and not torch.cuda.is_bf16_supported():
+        problems.append("mixed_precision bf16, but this machine's GPU has no bf16: use fp16.yaml")
+    if machines > 1:
+        met, unmet = _machines(config, rdzv_backend, launched)
+        lines, problems = lines + met, problems + unmet
+    return lines, problems, processes
+
+
+def _read(path: str) -> tuple[Any, Optional[str]]:
+    """accelerate's reading of the config file at ``path``, or None and the one line that says why not."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    if Path(path).is_dir():
+        return None, f"config file {path} is a folder: pass an accelerate config file (accelerate config writes one)"
+    if not Path(path).is_file():
+        return None, f"config file not found: {path}"
+    if not Path(path).read_text().strip():
+        return None, f"config file {path} is empty: write one with `accelerate config --config_file {path}`"
+    try:
+        return load_config_from_file(path), None
+    # Invalid YAML, an unknown distributed_type, a key of the wrong kind: what accelerate says.
+    except Exception as err:
+        said = " ".join(line.strip() for line in str(err).strip().splitlines()) or type(err).__name__
+        return None, f"config file {path} cannot be read by accelerate: {said[:300]}"
+
+
+def _sharding(
+    config: Any, fsdp_version: Optional[int], *, processes: int, per_machine: int
+) -> tuple[list[str], Problems]:
+    """An FSDP file's mesh and blocks, and what the trainer refuses in it; a DDP file's parallelism_config."""
+    section = {k.removeprefix("parallelism_config_"): v for k, v in (config.parallelism_config or {}).items()}
+    sizes = {name: int(value) for name, value in section.items() if name.endswith("_size")}
+    if fsdp_version is None:
+        ddp = "accelerate launch takes a parallelism_config section only with distributed_type: FSDP "
+        ddp += "(fsdp_version: 2): remove it for DDP, or use an FSDP config (accelerate_configs/hsdp.yaml)"
+        return [], [ddp] if sizes else []
+    lines, problems = [], []
+    try:
+        lines += mesh_lines(requested_layout(processes, True, sizes), per_machine, processes)
+    except ShardingError as err:
+        problems.append(str(err))
+    fsdp = config.fsdp_config or {}
+    if wrap := str(fsdp.get("fsdp_transformer_layer_cls_to_wrap") or "").strip():
+        lines.append(
+            f"  blocks: {wrap} (fsdp_transformer_layer_cls_to_wrap), not checked: this check builds no model; "
+            "a launch refuses a class the model has no module of, in one line"
+        )
+    if str(fsdp.get("fsdp_offload_params", False)).lower() == "true":
+        problems.append(NO_OFFLOAD)
+    if config.mixed_precision == "fp16":
+        problems.append(NO_FP16)
+    if fsdp_version != 2:
         problems.append(
+            f"fsdp_version {fsdp_version}: the trainer shards with FSDP2; convert the file with "
+            "`accelerate to-fsdp2 --config_file <yours> --output_file <new>`"
+        )
+    return lines, problems
+
+
+def _one_process_launcher(config: Any, *, machines: int, per_machine: int) -> Problems:
+    """accelerate's launcher for a file it does not hand to torchrun starts one process, or several through mpirun."""
+    if (config.mpirun_config or {}).get("mpirun_hostfile"):
+        return []
+    if machines > 1:
+        return [
             f"accelerate launch starts each machine's process alone for this multi-CPU file of {machines} "
             "machines: its CPU launcher joins machines only through mpirun (mpirun_hostfile). For "
             "several machines over gloo use a multi-GPU file (accelerate_configs/multi_node.yaml): where "
             "a machine has no GPU, the trainer runs its processes on the CPU"
-        )
-    elif not through_torchrun and per_machine > 1 and not mpirun:
-        problems.append(
+        ]
+    if per_machine > 1:
+        return [
             f"accelerate launch starts 1 process for this file, not {per_machine}: its CPU launcher "
             "starts several only through mpirun (mpirun_hostfile). For K processes on the CPU over gloo "
             "use accelerate_configs/cpu.yaml with --num_processes K"
-        )
-    if config.mixed_precision == "bf16" and not on_cpu and not torch.cuda.is_bf16_supported():
-        problems.append("mixed_precision bf16, but this machine's GPU has no bf16: use fp16.yaml")
-    if machines > 1:
-        lines += _rendezvous_lines(config, rdzv_backend)
-        if (rdzv_backend or "static").startswith("etcd") and importlib.util.find_spec("etcd") is None:
-            problems.append(
-                f"--rdzv_backend {rdzv_backend}: torchrun's etcd rendezvous needs the python-etcd package "
-                "(pip install python-etcd) and an etcd server at main_process_ip:main_process_port; "
-                "c10d needs neither"
-            )
-        interface = os.environ.get("GLOO_SOCKET_IFNAME")
-        unset = (
-            "  network: GLOO_SOCKET_IFNAME is not set: gloo (the trainer's CPU agreements) uses the interface "
-            "this host's name resolves to; where that one does not reach the other nodes, export "
-            "GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME)"
-        )
-        lines.append(f"  network: gloo on {interface}" if interface else unset)
-        if not launched:
-            problems += _rendezvous_problems(config.main_process_ip, config.main_process_port)
-    return lines, problems, processes
-
-
-def mesh_lines(layout: Layout, per_machine: int, processes: int) -> list[str]:
-    """What each process holds, and which replicas and groups each machine runs (the first few machines)."""
-    if layout.data_parallel * layout.tp == processes and not layout.hybrid and layout.tp == 1:
-        return [
-            f"  model: sharded over the processes (FSDP2): each holds 1/{processes} of the weights, gradients "
-            "and optimizer state"
         ]
-    # Consecutive processes: one replica, sharded (and split) among them.
-    replica = layout.shard * layout.cp * layout.tp
-    lines = [
-        f"  model: {layout.describe()}: each process holds 1/{replica} of the weights, gradients and optimizer state"
-    ]
-    for machine in range(min(processes // max(per_machine, 1), 4)):
-        first, last = machine * per_machine, (machine + 1) * per_machine - 1
-        replicas = sorted({rank // replica for rank in range(first, last + 1)})
-        groups = f", tensor-parallel groups of {layout.tp}" if layout.tp > 1 else ""
-        groups += f", context-parallel groups of {layout.cp}" if layout.cp > 1 else ""
-        lines.append(f"  machine {machine}: ranks {first}-{last}: replica(s) {', '.join(map(str, replicas))}{groups}")
-    if replica > per_machine:
-        lines.append(
-            f"  note: one replica's {replica} processes span {-(-replica // per_machine)} machines: its "
-            "all-gathers and reduce-scatters cross the link between them (HSDP keeps a replica on one "
-            "machine: dp_shard_size x cp_size x tp_size = processes per machine)"
+    return []
+
+
+def _machines(config: Any, rdzv_backend: Optional[str], launched: bool) -> tuple[list[str], Problems]:
+    """Where several machines meet and over which network, and, outside a launch, whether they can."""
+    lines, problems = _rendezvous_lines(config, rdzv_backend), []
+    if (rdzv_backend or "static").startswith("etcd") and importlib.util.find_spec("etcd") is None:
+        problems.append(
+            f"--rdzv_backend {rdzv_backend}: torchrun's etcd rendezvous needs the python-etcd package "
+            "(pip install python-etcd) and an etcd server at main_process_ip:main_process_port; "
+            "c10d needs neither"
         )
-    return lines
+    interface = os.environ.get("GLOO_SOCKET_IFNAME")
+    unset = (
+        "  network: GLOO_SOCKET_IFNAME is not set: gloo (the trainer's CPU agreements) uses the interface "
+        "this host's name resolves to; where that one does not reach the other nodes, export "
+        "GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME)"
+    )
+    lines.append(f"  network: gloo on {interface}" if interface else unset)
+    if not launched:
+        problems += _rendezvous_problems(config.main_process_ip, config.main_process_port)
+    return lines, problems
 
 
 def visible_gpus(gpu_ids: Optional[str]) -> int:
